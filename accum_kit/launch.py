@@ -1,0 +1,121 @@
+"""Building the Accelerator so that multi-process CPU runs cannot silently train alone.
+
+On a machine without CUDA, `accelerate launch` with a two-process config starts
+two processes through torchrun, but a plain ``Accelerator()`` in each of them
+sees ``DistributedType.NO`` and ``num_processes == 1``: two independent
+trainings and no error (measured, see shared/DESIGN.md). ``Accelerator(cpu=True)``
+makes them join one gloo process group instead. :func:`build_accelerator` passes
+``cpu=True`` whenever the launcher started several processes and no GPU is
+present, then :func:`check_process_count` compares the launcher's ``WORLD_SIZE``
+with what the Accelerator sees and fails loudly on a mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin
+
+from .errors import ProcessCountError, UsageError
+
+_ENV_STEPS = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+
+
+def launcher_world_size() -> int:
+    """Number of processes the launcher (torchrun / accelerate launch) started; 1 if none."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _has_gpu() -> bool:
+    accel = getattr(torch, "accelerator", None)
+    if accel is not None and hasattr(accel, "is_available"):
+        return bool(accel.is_available())
+    return torch.cuda.is_available()
+
+
+def resolve_accumulation_steps(requested: int | None) -> int:
+    """The gradient accumulation steps K to use.
+
+    Args:
+        requested: the script's ``--gradient_accumulation_steps`` value, or None
+            when the flag was not given.
+
+    Returns:
+        ``requested`` if given, else ``accelerate launch --gradient_accumulation_steps``
+        (environment variable ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``), else 1.
+
+    Raises:
+        UsageError: K below 1, or the script flag and the launcher flag disagree.
+    """
+    env = os.environ.get(_ENV_STEPS)
+    env_steps = int(env) if env not in (None, "") else None
+    if requested is not None and env_steps is not None and requested != env_steps:
+        raise UsageError(
+            "--gradient_accumulation_steps",
+            f"the script got {requested} but `accelerate launch` got {env_steps}",
+            "give it in one place only",
+        )
+    steps = requested if requested is not None else (env_steps or 1)
+    if steps < 1:
+        raise UsageError("--gradient_accumulation_steps", f"must be >= 1 (got {steps})", "pass a positive integer")
+    return steps
+
+
+def check_process_count(accelerator: Accelerator, expected: int | None = None) -> None:
+    """Fail loudly when the Accelerator does not see every launched process.
+
+    Args:
+        accelerator: a constructed Accelerator.
+        expected: the number of processes that should train together; defaults
+            to the launcher's ``WORLD_SIZE`` environment variable (1 if unset).
+
+    Raises:
+        ProcessCountError: ``accelerator.num_processes != expected``.
+    """
+    expected = launcher_world_size() if expected is None else expected
+    if accelerator.num_processes != expected:
+        raise ProcessCountError(
+            f"the launcher started {expected} processes but the Accelerator sees "
+            f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type}): "
+            "each process would train alone on its own data. On a machine without a GPU "
+            "build the Accelerator with accum_kit.build_accelerator() or Accelerator(cpu=True), "
+            "or set ACCELERATE_USE_CPU=true."
+        )
+
+
+def build_accelerator(
+    gradient_accumulation_steps: int | None = None,
+    *,
+    sync_each_batch: bool = False,
+    cpu: bool | None = None,
+    **accelerator_kwargs,
+) -> Accelerator:
+    """Build an Accelerator for gradient accumulation that is safe on CPU-only machines.
+
+    Args:
+        gradient_accumulation_steps: micro-batches per optimizer step (K); None
+            reads ``accelerate launch --gradient_accumulation_steps`` or uses 1.
+        sync_each_batch: all-reduce gradients on every micro-batch instead of
+            only on the window's boundary (Accelerate's ``GradientAccumulationPlugin``
+            option of the same name); for A/B comparisons only, it is slower.
+        cpu: force CPU; None means "CPU when several processes were launched
+            and no GPU exists", which is what makes gloo DDP work.
+        **accelerator_kwargs: passed to ``accelerate.Accelerator`` (e.g.
+            ``mixed_precision``, ``log_with``, ``kwargs_handlers``).
+
+    Returns:
+        The Accelerator, already checked with :func:`check_process_count`.
+
+    Raises:
+        UsageError: K below 1.
+        ProcessCountError: launched and visible process counts differ.
+    """
+    steps = resolve_accumulation_steps(gradient_accumulation_steps)
+    if cpu is None:
+        cpu = launcher_world_size() > 1 and not _has_gpu()
+    plugin = GradientAccumulationPlugin(num_steps=steps, sync_each_batch=sync_each_batch)
+    accelerator = Accelerator(cpu=cpu, gradient_accumulation_plugin=plugin, **accelerator_kwargs)
+    check_process_count(accelerator)
+    return accelerator

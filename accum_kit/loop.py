@@ -1,0 +1,214 @@
+"""The accumulation loop, built on ``Accelerator.prepare`` and ``accelerator.accumulate``.
+
+It follows the order of Accelerate's gradient accumulation guide: forward and
+backward of every micro-batch inside ``accelerator.accumulate(model)`` (so DDP
+skips the all-reduce on non-boundary micro-batches), then, on the boundary
+only, clipping, optimizer step, scheduler step and ``zero_grad``. The one
+addition is the window normalisation of :mod:`accum_kit.loss`, which makes the
+update equal to that of one big batch on one process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from .errors import UsageError
+from .loss import NORMALIZATIONS, LossFn, WindowNormalizer, causal_lm_loss
+
+
+@dataclass
+class LoopState:
+    """What callbacks see. Counters are per process; ``step`` counts optimizer steps done."""
+
+    epoch: int = 0
+    step: int = 0
+    micro_step: int = 0  # micro-batches done on this process
+    boundary: bool = False  # this micro-batch ends a window (optimizer step follows)
+    sync: bool = False  # DDP all-reduces gradients in this micro-batch's backward
+    loss: float = float("nan")  # loss of the last finished window, nats
+    window_tokens: int = 0  # target tokens of the last finished window, all processes
+
+
+@dataclass
+class LoopResult:
+    """What :func:`train_loop` returns.
+
+    Attributes:
+        train_loss: one loss per optimizer step (nats; token-mean over the
+            window and all processes in ``tokens`` mode).
+        step_seconds: wall-clock seconds of each optimizer step (from the end of
+            the previous step; the first includes start-up).
+        step_tokens: target tokens of each window, summed over processes.
+        micro_batches: micro-batches run by this process.
+    """
+
+    train_loss: list = field(default_factory=list)
+    step_seconds: list = field(default_factory=list)
+    step_tokens: list = field(default_factory=list)
+    micro_batches: int = 0
+    epochs: int = 0
+
+    def record(self, loss: float, tokens: int, since: float) -> float:
+        """Append one optimizer step that started at ``since`` (perf_counter seconds); return now."""
+        now = time.perf_counter()
+        self.train_loss.append(loss)
+        self.step_tokens.append(tokens)
+        self.step_seconds.append(now - since)
+        return now
+
+    @property
+    def optimizer_steps(self) -> int:
+        return len(self.train_loss)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Target tokens per second over all processes (0 before any step)."""
+        seconds = sum(self.step_seconds)
+        return sum(self.step_tokens) / seconds if seconds > 0 else 0.0
+
+    @property
+    def median_step_seconds(self) -> float:
+        return statistics.median(self.step_seconds) if self.step_seconds else float("nan")
+
+
+def optimizer_steps_per_epoch(micro_batches_per_process: int, gradient_accumulation_steps: int) -> int:
+    """Optimizer steps in one epoch: a last partial window still makes a step (ceil)."""
+    return math.ceil(micro_batches_per_process / gradient_accumulation_steps)
+
+
+class _Callbacks:
+    """Calls ``name(state)`` on every callback that defines it (duck typing, like TrainerCallback)."""
+
+    def __init__(self, callbacks):
+        self.callbacks = [c for c in callbacks if c is not None]
+
+    def __call__(self, name: str, state: LoopState) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, name, None)
+            if fn is not None:
+                fn(state)
+
+
+def _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization):
+    if loss_normalization not in NORMALIZATIONS:
+        raise UsageError("--loss_normalization", f"unknown value {loss_normalization!r}", f"use one of {NORMALIZATIONS}")
+    if max_train_steps is not None and max_train_steps < 1:
+        raise UsageError("--max_train_steps", f"must be >= 1 (got {max_train_steps})", "pass a positive integer or omit it")
+    if max_train_steps is None and num_train_epochs < 1:
+        raise UsageError("--num_train_epochs", f"must be >= 1 (got {num_train_epochs})", "pass a positive integer")
+    if max_grad_norm is not None and max_grad_norm <= 0:
+        raise UsageError("--max_grad_norm", f"must be > 0 (got {max_grad_norm})", "pass a positive float or omit it")
+    if len(train_dataloader) == 0:
+        raise UsageError("--per_device_train_batch_size", "the train dataloader yields no batch", "add data or lower the batch size")
+
+
+def _sync_each_batch(accelerator) -> bool:
+    return bool(accelerator.use_distributed and accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
+
+
+def train_loop(
+    accelerator,
+    model,
+    optimizer,
+    train_dataloader,
+    *,
+    lr_scheduler=None,
+    max_train_steps: int | None = None,
+    num_train_epochs: int = 1,
+    max_grad_norm: float | None = None,
+    loss_normalization: str = "tokens",
+    loss_fn: LossFn | None = None,
+    callbacks=(),
+    progress: bool = True,
+    profiler=None,
+) -> LoopResult:
+    """Train with gradient accumulation that skips DDP syncs and is exact.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` built with
+            ``gradient_accumulation_steps=K`` (see :func:`accum_kit.build_accelerator`).
+        model, optimizer, train_dataloader, lr_scheduler: objects returned by
+            ``accelerator.prepare``. Batches are dicts of (batch, seq) tensors:
+            ``input_ids``, ``attention_mask``, ``labels`` (-100 = ignored).
+            A prepared scheduler steps once per process per optimizer step
+            (Accelerate's convention), so build it with steps x num_processes.
+        max_train_steps: stop after this many optimizer steps (overrides epochs).
+        num_train_epochs: passes over the data when ``max_train_steps`` is None.
+        max_grad_norm: clip the global gradient norm to this (None: no clipping).
+        loss_normalization: ``"tokens"`` (exact token-mean over the window and
+            all processes) or ``"mean"`` (per-micro-batch mean / K, Accelerate's guide).
+        loss_fn: ``loss_fn(model, batch) -> (summed_loss, num_items)``; default
+            :func:`accum_kit.loss.causal_lm_loss`.
+        callbacks: objects with any of ``on_train_begin``, ``on_micro_batch_begin``,
+            ``on_forward_end``, ``on_backward_end``, ``on_step_begin``,
+            ``on_step_end``, ``on_train_end``, each called with a :class:`LoopState`.
+        progress: show a tqdm bar over optimizer steps on the main process.
+        profiler: a :class:`accum_kit.profiler.CommProfiler` (or any callback).
+
+    Returns:
+        :class:`LoopResult` with per-step losses, times and token counts.
+
+    Raises:
+        UsageError: invalid argument (the message names the flag).
+        RuntimeError: the dataloader ended inside a window, which happens when
+            it was not passed through ``accelerator.prepare``.
+    """
+    _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization)
+    loss_fn = loss_fn or causal_lm_loss
+    hooks = _Callbacks([*callbacks, profiler])
+    norm = WindowNormalizer(accelerator, loss_normalization)
+    per_epoch = optimizer_steps_per_epoch(len(train_dataloader), accelerator.gradient_accumulation_steps)
+    total = max_train_steps or num_train_epochs * per_epoch
+    epochs = itertools.count() if max_train_steps else range(num_train_epochs)
+    state, result = LoopState(), LoopResult()
+    bar = tqdm(total=total, desc="optimizer steps", disable=not (progress and accelerator.is_main_process))
+    model.train()
+    hooks("on_train_begin", state)
+    last = time.perf_counter()
+    for state.epoch in epochs:
+        if hasattr(train_dataloader, "set_epoch"):
+            train_dataloader.set_epoch(state.epoch)  # reshuffle per epoch, as in Accelerate's examples
+        for batch in train_dataloader:
+            with accelerator.accumulate(model):
+                state.boundary = accelerator.sync_gradients
+                state.sync = state.boundary or _sync_each_batch(accelerator)
+                hooks("on_micro_batch_begin", state)
+                summed_loss, num_items = loss_fn(model, batch)
+                hooks("on_forward_end", state)
+                accelerator.backward(norm.backward_loss(summed_loss, num_items))
+                hooks("on_backward_end", state)
+                state.micro_step += 1
+                if accelerator.sync_gradients:
+                    hooks("on_step_begin", state)
+                    state.loss, state.window_tokens = norm.finish(model)  # exact rescale before clipping
+                    if max_grad_norm is not None:
+                        accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                    optimizer.step()
+                    if lr_scheduler is not None:
+                        lr_scheduler.step()
+                    optimizer.zero_grad()
+                    state.step += 1
+                    last = result.record(state.loss, state.window_tokens, since=last)
+                    hooks("on_step_end", state)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{state.loss:.4f}")
+            if state.step == total:
+                break
+        if norm.pending:
+            raise RuntimeError(
+                "the dataloader ended inside an accumulation window; pass it through accelerator.prepare "
+                "so that Accelerate closes the last partial window (sync_with_dataloader)"
+            )
+        result.epochs = state.epoch + 1
+        if state.step == total:
+            break
+    bar.close()
+    result.micro_batches = state.micro_step
+    hooks("on_train_end", state)
+    return result

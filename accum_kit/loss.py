@@ -1,0 +1,138 @@
+"""Token-count aware loss normalisation over one accumulation window.
+
+The exact target of an accumulation window is the token-mean loss of one big
+batch on one process::
+
+    L = sum_{r, i} S_{r,i} / N,      N = sum_{r, i} n_{r,i}
+
+where ``S_{r,i}`` is the summed token loss of micro-batch ``i`` on process ``r``
+and ``n_{r,i}`` its number of target tokens (labels != -100). Two scalings sit
+between a backward call and the gradient the optimizer sees:
+``accelerator.backward`` divides the loss by K (``gradient_accumulation_steps``)
+and DDP averages the gradients over the W processes. So backward of the plain
+``S_{r,i}`` leaves ``sum S / (K W)`` after the boundary all-reduce, and one
+multiplication of the gradients by ``K W / N`` makes it exact ("rescale after",
+shared/DESIGN.md). ``N`` is summed over processes with one all-reduce of a
+2-element tensor per window, after the gradient all-reduce, so it needs no
+look-ahead and nothing blocks earlier micro-batches. A last partial window of
+an epoch simply has a smaller ``N``: it is never divided by K.
+
+References: the mean-of-means problem and its fix are described in the
+transformers blog post "Fixing Gradient Accumulation" (Oct 2024, Trainer's
+``num_items_in_batch``) and torchtune PR 1875.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+NORMALIZATIONS = ("tokens", "mean")
+
+LossFn = Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], "tuple[torch.Tensor, torch.Tensor | int]"]
+
+
+def causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy of one micro-batch and its target-token count.
+
+    Args:
+        model: a causal LM returning ``.logits`` of shape (batch, seq, vocab).
+        batch: ``input_ids`` and ``labels`` of shape (batch, seq), optionally
+            ``attention_mask``; labels equal to -100 are ignored. Labels are
+            shifted here (position t predicts token t+1), as transformers does.
+
+    Returns:
+        ``(summed_loss, num_tokens)``: a scalar float32 tensor in nats, summed
+        over target tokens, and a scalar int64 tensor with the number of
+        target tokens.
+    """
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    logits = logits[:, :-1, :].float()
+    labels = batch["labels"][:, 1:]
+    summed = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return summed, (labels != IGNORE_INDEX).sum()
+
+
+class WindowNormalizer:
+    """Turns per-micro-batch summed losses into the window's exact gradient.
+
+    Call :meth:`backward_loss` for every micro-batch (pass its result to
+    ``accelerator.backward``) and :meth:`finish` once on the boundary
+    micro-batch, after that backward and before clipping and the optimizer step.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` in use (for K, W and the
+            scalar all-reduce).
+        mode: ``"tokens"``: divide by the target-token count of the whole
+            window over all processes (exact); ``"mean"``: per-micro-batch mean
+            divided by K, the arithmetic of Accelerate's gradient accumulation
+            guide (a partial window is still divided by K).
+
+    Raises:
+        ValueError: unknown ``mode``.
+    """
+
+    def __init__(self, accelerator, mode: str = "tokens"):
+        if mode not in NORMALIZATIONS:
+            raise ValueError(f"loss_normalization must be one of {NORMALIZATIONS}, got {mode!r}")
+        self.accelerator, self.mode = accelerator, mode
+        self._reset()
+
+    def _reset(self) -> None:
+        # Local running sums kept as tensors: converting per micro-batch would
+        # force a device sync on GPU. [summed loss or sum of means, target tokens, micro-batches]
+        self._stats = None
+
+    @property
+    def pending(self) -> bool:
+        """True while a window has micro-batches that :meth:`finish` has not closed."""
+        return self._stats is not None
+
+    def backward_loss(self, summed_loss: torch.Tensor, num_items) -> torch.Tensor:
+        """The loss of one micro-batch to hand to ``accelerator.backward``.
+
+        Args:
+            summed_loss: scalar tensor, loss summed over the micro-batch's items.
+            num_items: number of items (target tokens) in it, int or scalar tensor.
+        """
+        n = torch.as_tensor(num_items, device=summed_loss.device)
+        loss = summed_loss if self.mode == "tokens" else summed_loss / n.clamp(min=1)
+        step = torch.stack([loss.detach().double(), n.double(), torch.ones_like(n, dtype=torch.float64)])
+        self._stats = step if self._stats is None else self._stats + step
+        return loss
+
+    @torch.no_grad()
+    def finish(self, model: torch.nn.Module) -> tuple[float, int]:
+        """Close the window: rescale gradients (``tokens`` mode) and return what to log.
+
+        Args:
+            model: the prepared model whose ``.grad`` tensors hold the window's
+                synchronised gradients.
+
+        Returns:
+            ``(window_loss, window_tokens)``: the loss over the window in nats
+            (token-mean over all processes for ``tokens``, mean of the
+            micro-batch means for ``mean``) and the target-token count of the
+            window summed over processes.
+        """
+        acc = self.accelerator
+        stats = self._stats if self._stats is not None else torch.zeros(3, dtype=torch.float64, device=acc.device)
+        stats = acc.reduce(stats.to(acc.device), reduction="sum").cpu()
+        loss_sum, tokens, micro = stats.tolist()
+        if self.mode == "tokens":
+            # grads hold sum(S) / (K W) after backward's /K and DDP's mean: make them sum(S) / N.
+            scale = acc.gradient_accumulation_steps * acc.num_processes / max(tokens, 1.0)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            window_loss = loss_sum / max(tokens, 1.0)
+        else:
+            window_loss = loss_sum / max(micro, 1.0)
+        self._reset()
+        return window_loss, int(tokens)
