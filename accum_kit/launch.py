@@ -35,7 +35,7 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve_accumulation_steps(requested: int | None) -> int:
+def resolve_accumulation_steps(requested: int | None, default: int = 1) -> int:
     """The gradient accumulation steps K to use.
 
     Args:
@@ -44,7 +44,7 @@ def resolve_accumulation_steps(requested: int | None) -> int:
 
     Returns:
         ``requested`` if given, else ``accelerate launch --gradient_accumulation_steps``
-        (environment variable ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``), else 1.
+        (environment variable ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``), else ``default``.
 
     Raises:
         UsageError: K below 1, or the script flag and the launcher flag disagree.
@@ -57,7 +57,7 @@ def resolve_accumulation_steps(requested: int | None) -> int:
             f"the script got {requested} but `accelerate launch` got {env_steps}",
             "give it in one place only",
         )
-    steps = requested if requested is not None else (env_steps or 1)
+    steps = requested if requested is not None else (env_steps if env_steps is not None else default)
     if steps < 1:
         raise UsageError("--gradient_accumulation_steps", f"must be >= 1 (got {steps})", "pass a positive integer")
     return steps

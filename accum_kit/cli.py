@@ -1,0 +1,39 @@
+"""``accum-kit`` / ``python -m accum_kit``: one sub-command per job.
+
+Each sub-command lives in its own module with a ``main(argv) -> int``; this
+file only dispatches, so ``accum-kit train --help`` shows the job's own flags.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("accum_kit.train", "train a causal LM with exact, no_sync gradient accumulation"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: accum-kit <command> [flags]   (under accelerate launch: accelerate launch [...] -m accum_kit <command>)", "", "commands:"]
+    lines += [f"  {name:8s} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines.append("\n'accum-kit <command> --help' lists a command's flags.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to a sub-command; returns its exit code (2 for an unknown command)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

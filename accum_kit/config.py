@@ -1,0 +1,94 @@
+"""The train job's settings: one dataclass, parsed with transformers' HfArgumentParser.
+
+Flag names follow transformers' ``examples/pytorch/language-modeling/run_clm_no_trainer.py``
+so that users of that script can switch without relearning them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import UsageError
+from .loss import NORMALIZATIONS
+from .models import PRESETS
+
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
+
+
+@dataclass
+class TrainConfig:
+    """Settings of ``accum-kit train`` / ``examples/train.py`` (see ``--help``)."""
+
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Local model directory (or hub name) to fine-tune; overrides --model_preset."})
+    model_preset: str = field(default="mini", metadata={"help": f"Model built from a GPT2Config: one of {sorted(PRESETS)}."})
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset name; default: the CPython standard library sources on this machine."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
+    train_file: str | None = field(default=None, metadata={"help": "Local .txt, .json/.jsonl or .csv file with a 'text' column."})
+    validation_split_percentage: int = field(default=5, metadata={"help": "Percent of train held out for validation when the data has no validation split."})
+    packing: bool = field(default=True, metadata={"help": "Pack text into blocks of --block_size tokens; --packing false: one variable-length example per paragraph, padded per batch."})
+    block_size: int = field(default=128, metadata={"help": "Sequence length in tokens (packed block, or truncation length)."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training examples (after tokenisation)."})
+    max_eval_samples: int | None = field(default=256, metadata={"help": "Evaluate on the first N validation examples (0 or less: all)."})
+    per_device_train_batch_size: int = field(default=4, metadata={"help": "Micro-batch size per process, examples."})
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Evaluation batch size per process, examples."})
+    gradient_accumulation_steps: int | None = field(default=None, metadata={"help": "Micro-batches per optimizer step (K); default: accelerate launch's value or 4."})
+    learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate (AdamW)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not applied to biases and LayerNorm weights)."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": f"One of {SCHEDULERS}."})
+    num_warmup_steps: int = field(default=10, metadata={"help": "Warm-up optimizer steps."})
+    max_train_steps: int | None = field(default=150, metadata={"help": "Optimizer steps to run (overrides --num_train_epochs); 0 or less: use epochs."})
+    num_train_epochs: int = field(default=1, metadata={"help": "Passes over the train split when --max_train_steps is not set."})
+    max_grad_norm: float | None = field(default=1.0, metadata={"help": "Clip the gradient norm to this; 0 or less: no clipping."})
+    loss_normalization: str = field(default="tokens", metadata={"help": f"One of {NORMALIZATIONS}: exact token-mean over the window, or Accelerate's per-micro-batch mean / K."})
+    sync_each_batch: bool = field(default=False, metadata={"help": "All-reduce gradients on every micro-batch (slower; for A/B comparisons)."})
+    logging_steps: int = field(default=10, metadata={"help": "Log loss, learning rate and tokens/s every N optimizer steps."})
+    seed: int = field(default=42, metadata={"help": "Random seed (model init, shuffling)."})
+    output_dir: str = field(default="runs/train", metadata={"help": "Where the model and train_summary.json are written."})
+
+    def __post_init__(self):
+        """Normalise 'off' values and check ranges; raises UsageError naming the flag."""
+        if self.max_train_steps is not None and self.max_train_steps <= 0:
+            self.max_train_steps = None
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            self.max_grad_norm = None
+        if self.max_eval_samples is not None and self.max_eval_samples <= 0:
+            self.max_eval_samples = None
+        positive = {
+            "--per_device_train_batch_size": self.per_device_train_batch_size,
+            "--per_device_eval_batch_size": self.per_device_eval_batch_size,
+            "--block_size": self.block_size,
+            "--num_train_epochs": self.num_train_epochs,
+            "--logging_steps": self.logging_steps,
+        }
+        if self.gradient_accumulation_steps is not None:
+            positive["--gradient_accumulation_steps"] = self.gradient_accumulation_steps
+        if self.max_train_samples is not None:
+            positive["--max_train_samples"] = self.max_train_samples
+        for flag, value in positive.items():
+            if value < 1:
+                raise UsageError(flag, f"must be >= 1 (got {value})", "pass a positive integer")
+        if self.learning_rate <= 0:
+            raise UsageError("--learning_rate", f"must be > 0 (got {self.learning_rate})", "pass e.g. 2e-3")
+        if self.num_warmup_steps < 0:
+            raise UsageError("--num_warmup_steps", f"must be >= 0 (got {self.num_warmup_steps})", "pass 0 or more")
+        if self.loss_normalization not in NORMALIZATIONS:
+            raise UsageError("--loss_normalization", f"unknown value {self.loss_normalization!r}", f"use one of {NORMALIZATIONS}")
+        if self.lr_scheduler_type not in SCHEDULERS:
+            raise UsageError("--lr_scheduler_type", f"unknown value {self.lr_scheduler_type!r}", f"use one of {SCHEDULERS}")
+        if self.model_name_or_path is None and self.model_preset not in PRESETS:
+            raise UsageError("--model_preset", f"unknown preset {self.model_preset!r}", f"use one of {sorted(PRESETS)}")
+        if self.train_file is not None and self.dataset_name is not None:
+            raise UsageError("--train_file", "given together with --dataset_name", "pass only one data source")
+
+
+def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
+    """Parse command-line flags into a validated :class:`TrainConfig`.
+
+    Raises:
+        UsageError: a value out of range (argparse itself exits 2 on unknown flags).
+    """
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(TrainConfig, description="Train a causal LM with exact, no_sync gradient accumulation.")
+    (config,) = parser.parse_args_into_dataclasses(args=argv)
+    return config

@@ -1,0 +1,221 @@
+"""Data: the default real corpus, local files, the hub, tokenisation and collators.
+
+The default corpus is real text that nobody on this project wrote and that
+every machine with Python has: the CPython standard library sources of the
+running interpreter (``sysconfig.get_paths()["stdlib"]``), leaving out
+``site-packages`` and the test suites, one example per file, in sorted path
+order. Training a code model on Python sources is what transformers'
+CodeParrot example does.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from itertools import chain
+from pathlib import Path
+
+from .errors import UsageError
+
+DEFAULT_DATASET = "cpython-stdlib"
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+_MIN_EXAMPLE_TOKENS = 8  # unpacked mode: shorter pieces carry almost no next-token signal
+
+
+def stdlib_source_files(root: str | os.PathLike | None = None) -> list[Path]:
+    """Sorted ``.py`` files of the standard library, without site-packages and tests.
+
+    Args:
+        root: the directory to scan; default ``sysconfig.get_paths()["stdlib"]``.
+    """
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("test"))
+        files += [Path(dirpath, f) for f in sorted(filenames) if f.endswith(".py") and not f.startswith("test")]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _read_sources(root: str, paths: list[str]):
+    for rel in paths:
+        yield {"text": Path(root, rel).read_text(encoding="utf-8", errors="replace"), "path": rel}
+
+
+def load_default_corpus(root: str | os.PathLike | None = None):
+    """The standard library sources as a ``datasets.Dataset`` with ``text`` and ``path`` columns.
+
+    Built with ``Dataset.from_generator``, so it lands in the datasets cache
+    (keyed by the file list) and later ``map`` calls are cached too: the second
+    process of a run, and every later run, reuse the tokenised corpus.
+
+    Raises:
+        UsageError: no source file was found (names ``--dataset_name``).
+    """
+    import sys
+
+    from datasets import Dataset
+
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = stdlib_source_files(root)
+    if not files:
+        raise UsageError("--dataset_name", f"no Python sources found under {root}", "pass --train_file with your own text")
+    paths = [f.relative_to(root).as_posix() for f in files]
+    # sys.version is part of the cache key: another interpreter has other sources.
+    return Dataset.from_generator(
+        _read_sources, gen_kwargs={"root": str(root), "paths": paths}, config_name=f"stdlib-{sys.version.split()[0]}"
+    )
+
+
+def _split_validation(train, percentage: int):
+    """run_clm_no_trainer's split: the first ``percentage`` % is validation, the rest train."""
+    from datasets import DatasetDict
+
+    n_val = len(train) * percentage // 100
+    if percentage > 0 and n_val == 0 and len(train) > 1:
+        n_val = 1
+    return DatasetDict(validation=train.select(range(n_val)), train=train.select(range(n_val, len(train))))
+
+
+def load_raw_datasets(
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    train_file: str | None = None,
+    validation_split_percentage: int = 5,
+):
+    """Raw text splits ``train`` and ``validation`` with a ``text`` column.
+
+    Args:
+        dataset_name: a hub dataset name, or None / ``"cpython-stdlib"`` for the
+            embedded default corpus.
+        dataset_config_name: the hub dataset's configuration, if any.
+        train_file: a local ``.txt``, ``.json``/``.jsonl`` or ``.csv`` file
+            (loaded with ``datasets.load_dataset``); needs a ``text`` column
+            unless plain text.
+        validation_split_percentage: percent of train used for validation when
+            the source has no validation split (0 to 99).
+
+    Returns:
+        ``(DatasetDict, description)`` where description names the source.
+
+    Raises:
+        UsageError: missing file, unsupported extension, unreachable hub name,
+            no ``text`` column, empty train split, or a bad percentage.
+    """
+    from datasets import load_dataset
+
+    if not 0 <= validation_split_percentage < 100:
+        raise UsageError(
+            "--validation_split_percentage", f"must be in [0, 100) (got {validation_split_percentage})", "pass e.g. 5"
+        )
+    if train_file is not None:
+        if not os.path.isfile(train_file):
+            raise UsageError("--train_file", f"no such file: {train_file}", "pass an existing .txt, .json or .csv file")
+        ext = train_file.rsplit(".", 1)[-1].lower()
+        builder = {"txt": "text", "text": "text", "json": "json", "jsonl": "json", "csv": "csv"}.get(ext)
+        if builder is None:
+            raise UsageError("--train_file", f"unsupported extension .{ext}", "use a .txt, .json, .jsonl or .csv file")
+        raw = load_dataset(builder, data_files={"train": train_file})
+        source = f"file:{train_file}"
+    elif dataset_name in (None, DEFAULT_DATASET):
+        raw = {"train": load_default_corpus()}
+        source = DEFAULT_DATASET
+    else:
+        try:
+            raw = load_dataset(dataset_name, dataset_config_name)
+        except (ConnectionError, OSError, ValueError) as exc:  # datasets raises ConnectionError when offline
+            raise UsageError(
+                "--dataset_name",
+                f"cannot load {dataset_name!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
+                "check the name and your connection to the hub, or use --train_file, or omit it for the default corpus",
+            ) from exc
+        source = f"hub:{dataset_name}" + (f"/{dataset_config_name}" if dataset_config_name else "")
+    train = raw["train"]
+    if "text" not in train.column_names:
+        raise UsageError("--train_file" if train_file else "--dataset_name",
+                         f"no 'text' column (columns: {train.column_names})", "provide a 'text' column")
+    train = train.filter(lambda t: bool(t and t.strip()), input_columns="text")
+    if len(train) == 0:
+        raise UsageError("--train_file" if train_file else "--dataset_name", "the dataset has no non-empty text",
+                         "pass a file with text in it")
+    if "validation" in raw:
+        from datasets import DatasetDict
+
+        return DatasetDict(train=train, validation=raw["validation"]), source
+    return _split_validation(train, validation_split_percentage), source
+
+
+def build_tokenizer(model_name_or_path: str | None = None):
+    """The tokenizer: ``ByT5Tokenizer()`` (bytes, needs no files) or one saved beside a model.
+
+    Args:
+        model_name_or_path: load ``AutoTokenizer`` from here; None for bytes.
+
+    Raises:
+        UsageError: the tokenizer cannot be loaded (names ``--model_name_or_path``).
+    """
+    if model_name_or_path is None:
+        from transformers import ByT5Tokenizer
+
+        return ByT5Tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_name_or_path)
+    except (OSError, ValueError) as exc:
+        raise UsageError("--model_name_or_path", f"cannot load a tokenizer from {model_name_or_path!r} ({exc})",
+                         "save the tokenizer with the model (save_pretrained) or use --model_preset") from exc
+
+
+def tokenize_datasets(raw, tokenizer, block_size: int, packing: bool = True):
+    """Tokenise raw text into causal-LM examples.
+
+    Args:
+        raw: ``DatasetDict`` with a ``text`` column.
+        tokenizer: a transformers tokenizer; an end-of-sequence token separates documents.
+        block_size: tokens per packed block, or the truncation length when unpacked.
+        packing: True: concatenate everything and cut blocks of exactly
+            ``block_size`` tokens (run_clm's ``group_texts``). False: one
+            example per blank-line-separated piece of each text (a function, a
+            class, a paragraph), truncated to ``block_size``; variable lengths,
+            padded per batch by :func:`build_collator`.
+
+    Returns:
+        ``DatasetDict`` with ``input_ids`` and ``attention_mask`` (lists of ints).
+    """
+    cols = raw["train"].column_names
+
+    def encode(batch):
+        texts = batch["text"] if packing else [p for t in batch["text"] for p in t.split("\n\n") if p.strip()]
+        enc = tokenizer(texts, truncation=not packing, max_length=None if packing else block_size)
+        if packing:
+            return enc
+        keep = [i for i, ids in enumerate(enc["input_ids"]) if len(ids) >= _MIN_EXAMPLE_TOKENS]
+        return {k: [v[i] for i in keep] for k, v in enc.items()}
+
+    def group(batch):
+        concatenated = {k: list(chain(*batch[k])) for k in batch}
+        total = len(concatenated["input_ids"]) // block_size * block_size
+        return {k: [v[i : i + block_size] for i in range(0, total, block_size)] for k, v in concatenated.items()}
+
+    out = raw.map(encode, batched=True, remove_columns=cols, desc="tokenizing")
+    if packing:
+        out = out.map(group, batched=True, batch_size=1000, desc=f"packing into blocks of {block_size}")
+    return out
+
+
+def build_collator(tokenizer, packing: bool = True):
+    """Batch collator: labels are the inputs (shifted in the loss), -100 on padding.
+
+    Packed blocks all have the same length; unpacked examples are padded to the
+    longest in the batch by ``DataCollatorForLanguageModeling(mlm=False)``.
+    """
+    from transformers import DataCollatorForLanguageModeling, default_data_collator
+
+    if packing:
+        def collate(features):
+            batch = default_data_collator(features)
+            batch["labels"] = batch["input_ids"].clone()
+            return batch
+
+        return collate
+    return DataCollatorForLanguageModeling(tokenizer, mlm=False)

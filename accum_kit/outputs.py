@@ -1,0 +1,66 @@
+"""Writing results atomically: a reader never sees a half-written file or directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import UsageError
+
+
+def check_output_dir(output_dir: str, flag: str = "--output_dir") -> None:
+    """Fail before any work if ``output_dir`` cannot become a directory.
+
+    Raises:
+        UsageError: it exists as a file, or its nearest existing parent is not writable.
+    """
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise UsageError(flag, f"{output_dir} exists and is not a directory", "pass a directory path")
+    parent = path if path.exists() else next(p for p in path.absolute().parents if p.exists())
+    if not os.access(parent, os.W_OK):
+        raise UsageError(flag, f"{parent} is not writable", "pass a writable location")
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` via a temporary file in the same directory and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+@contextmanager
+def staged_output_dir(output_dir: str | os.PathLike):
+    """Yield a fresh staging directory; on success move its files into ``output_dir``.
+
+    The staging directory is a sibling of ``output_dir`` (same file system, so
+    every move is an atomic rename). On an exception it is deleted and
+    ``output_dir`` is left as it was.
+    """
+    output_dir = Path(output_dir).absolute()
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.staging-"))
+    try:
+        yield staging
+        if not output_dir.exists():
+            os.rename(staging, output_dir)
+            return
+        for item in sorted(staging.iterdir()):
+            target = output_dir / item.name
+            if target.is_dir():  # os.replace cannot overwrite a non-empty directory
+                shutil.rmtree(target)
+            os.replace(item, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,209 @@
+"""The main job: train a causal LM with exact, no_sync gradient accumulation.
+
+Run it with ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml examples/train.py``
+or ``accelerate launch ... -m accum_kit train``; both take the flags of
+:class:`accum_kit.config.TrainConfig`. Data flows one way: config ->
+accelerator -> data + model -> :func:`accum_kit.train_loop` -> summary files.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+
+import torch
+from accelerate.logging import get_logger
+from torch.utils.data import DataLoader
+
+from .config import TrainConfig, parse_train_args
+from .data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
+from .errors import AccumKitError, UsageError
+from .evaluation import evaluate_loss
+from .launch import build_accelerator, resolve_accumulation_steps
+from .loop import train_loop
+from .models import build_model, count_parameters, load_model
+from .outputs import atomic_write_json, check_output_dir, staged_output_dir
+
+logger = get_logger("accum_kit.train")  # logs on the main process only
+DEFAULT_ACCUMULATION_STEPS = 4
+
+
+class LogEvery:
+    """Callback: logs loss, learning rate and tokens/s every ``every`` optimizer steps (main process)."""
+
+    def __init__(self, accelerator, lr_scheduler, every: int):
+        self.accelerator, self.lr_scheduler, self.every = accelerator, lr_scheduler, every
+        self._t, self._tokens = time.perf_counter(), 0
+
+    def on_step_end(self, state):
+        self._tokens += state.window_tokens
+        if state.step % self.every == 0 and self.accelerator.is_main_process:
+            now = time.perf_counter()
+            logger.info(
+                "step %d: loss %.4f, lr %.3g, %.0f tokens/s",
+                state.step, state.loss, self.lr_scheduler.get_last_lr()[0], self._tokens / (now - self._t),
+            )
+            self._t, self._tokens = now, 0
+
+
+def _datasets(cfg: TrainConfig, tokenizer, accelerator, k: int):
+    """Tokenised train/validation splits, checked against one global batch."""
+    with accelerator.main_process_first():
+        raw, source = load_raw_datasets(
+            cfg.dataset_name, cfg.dataset_config_name, cfg.train_file, cfg.validation_split_percentage
+        )
+        lm = tokenize_datasets(raw, tokenizer, cfg.block_size, cfg.packing)
+    train, valid = lm["train"], lm["validation"]
+    if cfg.max_train_samples is not None:
+        train = train.select(range(min(cfg.max_train_samples, len(train))))
+    if cfg.max_eval_samples is not None:
+        valid = valid.select(range(min(cfg.max_eval_samples, len(valid))))
+    data_flag = "--train_file" if cfg.train_file else "--dataset_name"
+    if len(train) == 0:
+        raise UsageError(data_flag, f"no training example after tokenisation (block_size {cfg.block_size})",
+                         "add text, or lower --block_size")
+    global_batch = cfg.per_device_train_batch_size * k * accelerator.num_processes
+    if len(train) < global_batch:
+        raise UsageError(
+            "--per_device_train_batch_size",
+            f"{len(train)} training examples are fewer than one global batch of {global_batch} "
+            f"(per_device_train_batch_size {cfg.per_device_train_batch_size} x gradient_accumulation_steps {k} "
+            f"x {accelerator.num_processes} processes)",
+            "lower --per_device_train_batch_size or --gradient_accumulation_steps, or add data",
+        )
+    return train, valid, source
+
+
+def _optimizer(model, cfg: TrainConfig):
+    # No weight decay on biases and LayerNorm weights, as in run_clm_no_trainer.
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate)
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Run the job described by ``cfg``; return the summary (also written to ``output_dir``).
+
+    Raises:
+        UsageError: bad input, detected before any output is written.
+        ProcessCountError: the launcher and the Accelerator disagree on the process count.
+    """
+    from accelerate.utils import set_seed
+    from transformers import get_scheduler
+
+    check_output_dir(cfg.output_dir)
+    k = resolve_accumulation_steps(cfg.gradient_accumulation_steps, default=DEFAULT_ACCUMULATION_STEPS)
+    accelerator = build_accelerator(k, sync_each_batch=cfg.sync_each_batch)
+    _quiet_other_processes(accelerator)
+    set_seed(cfg.seed)
+    tokenizer = build_tokenizer(cfg.model_name_or_path)
+    train_ds, eval_ds, source = _datasets(cfg, tokenizer, accelerator, k)
+    if cfg.model_name_or_path:
+        model = load_model(cfg.model_name_or_path)
+    else:
+        model = build_model(cfg.model_preset, len(tokenizer), cfg.block_size, seed=cfg.seed,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    collate = build_collator(tokenizer, cfg.packing)
+    train_dl = DataLoader(train_ds, shuffle=True, collate_fn=collate, batch_size=cfg.per_device_train_batch_size)
+    eval_dl = DataLoader(eval_ds, collate_fn=collate, batch_size=cfg.per_device_eval_batch_size)
+    model, optimizer, train_dl, eval_dl = accelerator.prepare(model, _optimizer(model, cfg), train_dl, eval_dl)
+
+    steps = cfg.max_train_steps or cfg.num_train_epochs * math.ceil(len(train_dl) / k)
+    # A prepared scheduler steps once per process per optimizer step (Accelerate's convention).
+    lr_scheduler = accelerator.prepare(get_scheduler(
+        cfg.lr_scheduler_type, optimizer=optimizer,
+        num_warmup_steps=cfg.num_warmup_steps * accelerator.num_processes,
+        num_training_steps=steps * accelerator.num_processes,
+    ))
+    n_params = count_parameters(model)
+    logger.info("%d processes (%s), K=%d, effective batch %d examples, %d optimizer steps, %.2fM parameters, data %s",
+                accelerator.num_processes, accelerator.distributed_type, k,
+                cfg.per_device_train_batch_size * k * accelerator.num_processes, steps, n_params / 1e6, source)
+
+    eval_before, ppl_before = evaluate_loss(accelerator, model, eval_dl)
+    logger.info("eval loss before training: %.4f (perplexity %.2f)", eval_before, ppl_before)
+    result = train_loop(
+        accelerator, model, optimizer, train_dl, lr_scheduler=lr_scheduler, max_train_steps=steps,
+        max_grad_norm=cfg.max_grad_norm, loss_normalization=cfg.loss_normalization,
+        callbacks=[LogEvery(accelerator, lr_scheduler, cfg.logging_steps)],
+    )
+    eval_after, ppl_after = evaluate_loss(accelerator, model, eval_dl)
+    logger.info("eval loss after training: %.4f (perplexity %.2f)", eval_after, ppl_after)
+
+    summary = {
+        "world_size": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type),
+        "gradient_accumulation_steps": k,
+        "per_device_train_batch_size": cfg.per_device_train_batch_size,
+        "effective_batch_size": cfg.per_device_train_batch_size * k * accelerator.num_processes,
+        "optimizer_steps": result.optimizer_steps,
+        "micro_batches_per_process": result.micro_batches,
+        "train_loss": result.train_loss,
+        "eval_loss_before": eval_before,
+        "eval_loss_after": eval_after,
+        "eval_perplexity_before": ppl_before,
+        "eval_perplexity_after": ppl_after,
+        "tokens_per_second": result.tokens_per_second,
+        "seconds_per_optimizer_step": result.median_step_seconds,
+        "train_seconds": sum(result.step_seconds),
+        "dataset": source,
+        "train_examples": len(train_ds),
+        "eval_examples": len(eval_ds),
+        "block_size": cfg.block_size,
+        "packing": cfg.packing,
+        "model": cfg.model_name_or_path or f"preset:{cfg.model_preset}",
+        "model_parameters": n_params,
+        "loss_normalization": cfg.loss_normalization,
+        "sync_each_batch": cfg.sync_each_batch,
+        "learning_rate": cfg.learning_rate,
+        "seed": cfg.seed,
+        "versions": _versions(),
+    }
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with staged_output_dir(cfg.output_dir) as staging:
+            accelerator.unwrap_model(model).save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            atomic_write_json(staging / "train_summary.json", summary)
+        logger.info("saved model and train_summary.json to %s", cfg.output_dir)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
+
+def _quiet_other_processes(accelerator) -> None:
+    # One set of progress bars and warnings per job, as run_clm_no_trainer does.
+    if not accelerator.is_local_main_process:
+        import datasets
+        import transformers
+
+        datasets.utils.logging.set_verbosity_error()
+        datasets.disable_progress_bars()
+        transformers.utils.logging.set_verbosity_error()
+
+
+def _versions() -> dict:
+    import accelerate
+    import datasets
+    import transformers
+
+    return {"torch": torch.__version__, "accelerate": accelerate.__version__,
+            "transformers": transformers.__version__, "datasets": datasets.__version__}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit code (2 for bad input)."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    try:
+        run(parse_train_args(argv))
+    except AccumKitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Worker script for tests/test_exactness.py (not a test module: pytest does not collect it).
+
+Runs every scenario of a spec file in one launch, so the import cost is paid once::
+
+    python tests/dist_worker.py SPEC.json OUT_DIR                      # one process
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml \
+        tests/dist_worker.py SPEC.json OUT_DIR                         # two processes
+
+SPEC.json (written by the test)::
+
+    {"model_config": {...GPT2Config kwargs...}, "seed": int, "lr": float, "pad_id": int,
+     "examples": [{"input_ids": [...], "labels": [...]}, ...],
+     "scenarios": [{"name": str, "K": int, "B": int, "mode": "tokens"|"mean",
+                    "sync_each_batch": bool}, ...]}
+
+For every scenario it writes under OUT_DIR/<name>/:
+
+- ``init.pt`` (rank 0): the model's initial state_dict.
+- ``steps.pt`` (rank 0): a list with the model's state_dict after each optimizer step.
+- ``rank<r>.json`` (every rank): the LoopResult numbers, and per micro-batch the
+  loop's ``boundary`` / ``sync`` flags and the number of DDP comm-hook calls
+  (gradient bucket all-reduces) that happened while that micro-batch ran.
+
+The worker only runs accum_kit; all expected values are computed by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import accum_kit
+from accelerate.utils import DistributedDataParallelKwargs
+
+
+def pad_collate(pad_id: int):
+    """Right-pad to the longest example of the micro-batch: pad id, attention_mask 0, labels -100."""
+
+    def collate(examples):
+        width = max(len(e["input_ids"]) for e in examples)
+        ids, mask, labels = [], [], []
+        for e in examples:
+            n = len(e["input_ids"])
+            ids.append(e["input_ids"] + [pad_id] * (width - n))
+            mask.append([1] * n + [0] * (width - n))
+            labels.append(e["labels"] + [-100] * (width - n))
+        return {
+            "input_ids": torch.tensor(ids, dtype=torch.long),
+            "attention_mask": torch.tensor(mask, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
+        }
+
+    return collate
+
+
+class Recorder:
+    """LoopState callback + DDP comm hook: which micro-batch each gradient all-reduce happened in."""
+
+    def __init__(self, raw_model, save_steps: bool):
+        self.raw_model, self.save_steps = raw_model, save_steps
+        self.current = None  # index of the running micro-batch on this process
+        self.micro = []  # one dict per micro-batch
+        self.steps = []  # state_dicts after each optimizer step
+        self.stray_calls = 0  # all-reduces outside any micro-batch (must stay 0)
+
+    # --- comm hook -------------------------------------------------------
+    def hook(self, process_group, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        if self.current is None:
+            self.stray_calls += 1
+        else:
+            self.micro[self.current]["allreduce_calls"] += 1
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+    # --- loop callbacks --------------------------------------------------
+    def on_micro_batch_begin(self, state):
+        self.current = state.micro_step
+        assert len(self.micro) == state.micro_step, (len(self.micro), state.micro_step)
+        self.micro.append(
+            {"micro": state.micro_step, "boundary": bool(state.boundary), "sync": bool(state.sync), "allreduce_calls": 0}
+        )
+
+    def on_backward_end(self, state):
+        # DDP launches (and waits for) its bucket all-reduces inside backward(); anything
+        # after this point (e.g. the window-token all-reduce) would count as stray.
+        self.current = None
+
+    def on_step_end(self, state):
+        if self.save_steps:
+            self.steps.append({k: v.detach().clone() for k, v in self.raw_model.state_dict().items()})
+
+
+def run_scenario(spec: dict, sc: dict, out_dir: Path) -> None:
+    accelerator = accum_kit.build_accelerator(
+        sc["K"],
+        sync_each_batch=sc["sync_each_batch"],
+        # Small buckets: several all-reduces per synchronised backward (the test must not assume one).
+        kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=0.01)],
+    )
+    rank, world = accelerator.process_index, accelerator.num_processes
+    torch.manual_seed(spec["seed"])
+    config = GPT2Config(**spec["model_config"])
+    model = GPT2LMHeadModel(config)
+    raw_model = model
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    loader = DataLoader(spec["examples"], batch_size=sc["B"], shuffle=False, collate_fn=pad_collate(spec["pad_id"]))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    rec = Recorder(raw_model, save_steps=accelerator.is_main_process)
+    hooked = isinstance(model, DistributedDataParallel)
+    if hooked:
+        model.register_comm_hook(None, rec.hook)  # state None: the default (WORLD) group
+    result = accum_kit.train_loop(
+        accelerator,
+        model,
+        optimizer,
+        loader,
+        num_train_epochs=1,
+        loss_normalization=sc["mode"],
+        callbacks=[rec],
+        progress=False,
+    )
+
+    d = out_dir / sc["name"]
+    d.mkdir(parents=True, exist_ok=True)
+    if accelerator.is_main_process:
+        torch.save(init, d / "init.pt")
+        torch.save(rec.steps, d / "steps.pt")
+    info = {
+        "rank": rank,
+        "num_processes": world,
+        "distributed_type": str(accelerator.distributed_type),
+        "comm_hook_registered": hooked,
+        "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+        "len_dataloader": len(loader),
+        "train_loss": result.train_loss,
+        "step_tokens": result.step_tokens,
+        "micro_batches": result.micro_batches,
+        "optimizer_steps": result.optimizer_steps,
+        "micro": rec.micro,
+        "stray_allreduce_calls": rec.stray_calls,
+    }
+    (d / f"rank{rank}.json").write_text(json.dumps(info, indent=1))
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
+
+
+def main(argv) -> int:
+    spec_path, out_dir = Path(argv[1]), Path(argv[2])
+    spec = json.loads(spec_path.read_text())
+    torch.set_num_threads(1)
+    for sc in spec["scenarios"]:
+        run_scenario(spec, sc, out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
