@@ -36,7 +36,7 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not applied to biases and LayerNorm weights)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": f"One of {SCHEDULERS}."})
     num_warmup_steps: int = field(default=10, metadata={"help": "Warm-up optimizer steps."})
-    max_train_steps: int | None = field(default=150, metadata={"help": "Optimizer steps to run (overrides --num_train_epochs); 0 or less: use epochs."})
+    max_train_steps: int | None = field(default=100, metadata={"help": "Optimizer steps to run (overrides --num_train_epochs); 0 or less: use epochs."})
     num_train_epochs: int = field(default=1, metadata={"help": "Passes over the train split when --max_train_steps is not set."})
     max_grad_norm: float | None = field(default=1.0, metadata={"help": "Clip the gradient norm to this; 0 or less: no clipping."})
     loss_normalization: str = field(default="tokens", metadata={"help": f"One of {NORMALIZATIONS}: exact token-mean over the window, or Accelerate's per-micro-batch mean / K."})
