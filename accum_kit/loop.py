@@ -161,7 +161,7 @@ def train_loop(
     """
     _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization)
     loss_fn = loss_fn or causal_lm_loss
-    hooks = _Callbacks([*callbacks, profiler])
+    hooks = _Callbacks([profiler, *callbacks])  # profiler first: it must see a step before others react to it
     norm = WindowNormalizer(accelerator, loss_normalization)
     per_epoch = optimizer_steps_per_epoch(len(train_dataloader), accelerator.gradient_accumulation_steps)
     total = max_train_steps or num_train_epochs * per_epoch

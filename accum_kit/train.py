@@ -25,6 +25,7 @@ from .launch import build_accelerator, resolve_accumulation_steps
 from .loop import train_loop
 from .models import build_model, count_parameters, load_model
 from .outputs import atomic_write_json, check_output_dir, staged_output_dir
+from .profiler import ABSwitch, CommProfiler, format_table
 
 logger = get_logger("accum_kit.train")  # logs on the main process only
 DEFAULT_ACCUMULATION_STEPS = 4
@@ -123,15 +124,22 @@ def run(cfg: TrainConfig) -> dict:
                 accelerator.num_processes, accelerator.distributed_type, k,
                 cfg.per_device_train_batch_size * k * accelerator.num_processes, steps, n_params / 1e6, source)
 
+    if cfg.profile_ab_steps and steps < 2 * cfg.profile_ab_steps + 1:
+        raise UsageError("--profile_ab_steps", f"{cfg.profile_ab_steps} windows each way need {2 * cfg.profile_ab_steps + 1} "
+                         f"optimizer steps but the run has {steps}", "raise --max_train_steps or lower --profile_ab_steps")
+    profiler = CommProfiler(accelerator, model, trace_dir=cfg.trace_dir) if cfg.profile_comm else None
+    ab = ABSwitch(accelerator, cfg.profile_ab_steps, profiler) if cfg.profile_ab_steps else None
+
     eval_before, ppl_before = evaluate_loss(accelerator, model, eval_dl)
     logger.info("eval loss before training: %.4f (perplexity %.2f)", eval_before, ppl_before)
     result = train_loop(
         accelerator, model, optimizer, train_dl, lr_scheduler=lr_scheduler, max_train_steps=steps,
         max_grad_norm=cfg.max_grad_norm, loss_normalization=cfg.loss_normalization,
-        callbacks=[LogEvery(accelerator, lr_scheduler, cfg.logging_steps)],
+        callbacks=[LogEvery(accelerator, lr_scheduler, cfg.logging_steps), ab], profiler=profiler,
     )
     eval_after, ppl_after = evaluate_loss(accelerator, model, eval_dl)
     logger.info("eval loss after training: %.4f (perplexity %.2f)", eval_after, ppl_after)
+    comm = _comm_block(profiler, ab, math.ceil(len(train_dl) / k), accelerator)
 
     summary = {
         "world_size": accelerator.num_processes,
@@ -162,6 +170,8 @@ def run(cfg: TrainConfig) -> dict:
         "seed": cfg.seed,
         "versions": _versions(),
     }
+    if comm is not None:
+        summary["comm"] = comm
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with staged_output_dir(cfg.output_dir) as staging:
@@ -172,6 +182,19 @@ def run(cfg: TrainConfig) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
+
+
+def _comm_block(profiler, ab, steps_per_epoch: int, accelerator) -> dict | None:
+    """The profiler's summary plus the A/B figures, printed as a table on the main process."""
+    if profiler is None:
+        return None
+    comm = profiler.summary()  # collective
+    if ab is not None:
+        comm.update(ab.summary(steps_per_epoch))
+    if getattr(profiler, "trace_path", None):
+        comm["trace_file"] = profiler.trace_path
+    accelerator.print(format_table(comm))
+    return comm
 
 
 def _quiet_other_processes(accelerator) -> None:

@@ -113,11 +113,14 @@ def _env():
               "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_USE_CPU"):
         env.pop(k, None)
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    # The workers import the accum_kit of this checkout, installed or not.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
-def _tail(text: str, n=6000) -> str:
-    return text if len(text) <= n else "...\n" + text[-n:]
+def _tail(text: str, n=12000) -> str:
+    """Head and tail of a log: the first rank's traceback and torchrun's summary both survive."""
+    return text if len(text) <= n else text[: n // 2] + "\n[... cut ...]\n" + text[-n // 2 :]
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +146,19 @@ def runs(tmp_path_factory):
 
     deadline = time.monotonic() + 300
     failures = []
+    try:
+        for world, (cmd, proc, *_logs, out) in procs.items():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                failures.append(f"worker with {world} process(es) timed out; killed")
+    finally:
+        for cmd, proc, *_ in procs.values():
+            if proc.poll() is None:  # only the launches this fixture started (own session / group)
+                os.killpg(proc.pid, 9)
+                proc.wait()
     for world, (cmd, proc, log_out, log_err, out) in procs.items():
-        try:
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # our own process group (start_new_session)
-            rc = proc.wait()
-            rc = f"{rc} (killed after timeout)"
+        rc = proc.returncode
         for f in (log_out, log_err):
             f.flush()
             f.seek(0)
@@ -324,6 +333,7 @@ def test_tokens_mode_matches_big_batch_each_step(runs, world, name):
     label = f"W={world} {name}"
     assert_params_match(run["steps"], params, label)
     for info in run["ranks"]:
+        assert info["num_processes"] == world, f"{label}: rank {info['rank']} trained alone"
         assert info["step_tokens"] == [l["tokens_count"] for l in losses], f"{label}: window token counts"
         assert info["train_loss"] == pytest.approx([l["tokens"] for l in losses], rel=LOSS_RTOL), (
             f"{label} rank {info['rank']}: logged loss is not the window token-mean at pre-step params"
@@ -343,6 +353,7 @@ def test_mean_mode_matches_accelerate_arithmetic(runs, world, name):
     label = f"W={world} {name}"
     assert_params_match(run["steps"], params, label)
     for info in run["ranks"]:
+        assert info["num_processes"] == world, f"{label}: rank {info['rank']} trained alone"
         # In mean mode the loop logs the mean of the window's micro-batch means (LoopResult docs / loss.finish).
         assert info["train_loss"] == pytest.approx([l["mean_of_means"] for l in losses], rel=LOSS_RTOL), label
 

@@ -1,0 +1,153 @@
+"""Shared helpers for tests/test_train_job.py and tests/test_launch_guard.py.
+
+Not a test module (pytest does not collect it): launching subprocesses with a
+clean environment, a small real text corpus, and resetting Accelerate's
+process-wide singleton state between in-process runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DDP_CONFIG = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+
+# Variables a launcher sets; a test run started from inside a launched process
+# (or a developer's shell) must not leak them into the jobs under test.
+LAUNCHER_VARS = (
+    "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_USE_CPU",
+)
+
+# Real text nobody on this project wrote: a few CPython standard library modules
+# (present on every machine with Python), concatenated. ~45 KB of UTF-8.
+STDLIB_FILES = ("textwrap.py", "shlex.py", "string.py")
+
+
+def clean_env(**extra: str) -> dict:
+    """os.environ without launcher variables, single-threaded, offline, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TQDM_DISABLE="1",
+    )
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (other test sessions may run on this machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_launch_cmd(*args: str, num_processes: int = 2) -> list[str]:
+    """``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml ...`` from this venv."""
+    script = Path(sys.executable).with_name("accelerate")
+    prog = [str(script), "launch"] if script.exists() else [sys.executable, "-m", "accelerate.commands.launch"]
+    return [*prog, "--config_file", str(DDP_CONFIG), "--num_processes", str(num_processes),
+            "--main_process_port", str(free_port()), *args]
+
+
+@dataclass
+class Finished:
+    cmd: list
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def describe(self, tail: int = 6000) -> str:
+        def cut(text):
+            return text if len(text) <= tail else "...\n" + text[-tail:]
+
+        return (f"cmd: {' '.join(self.cmd)}\nrc={self.returncode} after {self.seconds:.1f}s\n"
+                f"--- stderr ---\n{cut(self.stderr)}\n--- stdout ---\n{cut(self.stdout)}")
+
+
+def start(cmd: list[str], env: dict, log_dir: Path, name: str) -> tuple:
+    """Start ``cmd`` in its own process group; output goes to files in ``log_dir``."""
+    import time
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out, err = open(log_dir / f"{name}.stdout", "w+"), open(log_dir / f"{name}.stderr", "w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
+    return cmd, proc, out, err, time.monotonic()
+
+
+def finish(started: tuple, timeout: float) -> Finished:
+    """Wait for a process from :func:`start`; kill its own process group on timeout."""
+    import time
+
+    cmd, proc, out, err, t0 = started
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group of the process this helper started
+        proc.wait()
+        rc = -9
+    texts = []
+    for f in (out, err):
+        f.flush()
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return Finished(cmd, rc, texts[0], texts[1], time.monotonic() - t0)
+
+
+def run(cmd: list[str], env: dict, log_dir: Path, name: str, timeout: float = 240) -> Finished:
+    return finish(start(cmd, env, log_dir, name), timeout)
+
+
+def stdlib_path(name: str) -> Path:
+    return Path(sysconfig.get_paths()["stdlib"]) / name
+
+
+def write_corpus(path: Path, files=STDLIB_FILES) -> Path:
+    """Concatenate a few real standard-library sources into one .txt file."""
+    text = "".join(stdlib_path(f).read_text(encoding="utf-8") for f in files)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def text_lines(path: Path) -> list[str]:
+    """The non-blank lines of a text file, as ``datasets``' "text" builder reads them (split on "\\n")."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    if text.endswith("\n"):
+        lines = lines[:-1]
+    return [line for line in lines if line.strip()]
+
+
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process-wide singletons (what accelerate's own tests do between cases)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def staging_leftovers(output_dir: Path) -> list[Path]:
+    """Staging directories / temp files the atomic writers may leave beside or inside ``output_dir``."""
+    found = list(output_dir.parent.glob(f".{output_dir.name}.staging-*"))
+    if output_dir.is_dir():
+        found += [p for p in output_dir.iterdir() if p.name.startswith(".")]
+    return found
+
+
+def rmtree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
