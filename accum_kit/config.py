@@ -31,7 +31,7 @@ class TrainConfig:
     max_eval_samples: int | None = field(default=256, metadata={"help": "Evaluate on the first N validation examples (0 or less: all)."})
     per_device_train_batch_size: int = field(default=4, metadata={"help": "Micro-batch size per process, examples."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Evaluation batch size per process, examples."})
-    gradient_accumulation_steps: int | None = field(default=None, metadata={"help": "Micro-batches per optimizer step (K); default: accelerate launch's value or 4."})
+    gradient_accumulation_steps: int | None = field(default=None, metadata={"help": "Micro-batches per optimizer step (K); default: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS or 4."})
     learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate (AdamW)."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not applied to biases and LayerNorm weights)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": f"One of {SCHEDULERS}."})

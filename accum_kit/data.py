@@ -110,6 +110,8 @@ def load_raw_datasets(
     if train_file is not None:
         if not os.path.isfile(train_file):
             raise UsageError("--train_file", f"no such file: {train_file}", "pass an existing .txt, .json or .csv file")
+        if os.path.getsize(train_file) == 0:  # datasets raises DatasetGenerationError on an empty file
+            raise UsageError("--train_file", f"{train_file} is empty", "pass a file with text in it")
         ext = train_file.rsplit(".", 1)[-1].lower()
         builder = {"txt": "text", "text": "text", "json": "json", "jsonl": "json", "csv": "csv"}.get(ext)
         if builder is None:
@@ -159,11 +161,17 @@ def build_tokenizer(model_name_or_path: str | None = None):
         return ByT5Tokenizer()
     from transformers import AutoTokenizer
 
+    fix = "save the tokenizer with the model (save_pretrained) or use --model_preset"
     try:
-        return AutoTokenizer.from_pretrained(model_name_or_path)
+        tok = AutoTokenizer.from_pretrained(model_name_or_path)
     except (OSError, ValueError) as exc:
-        raise UsageError("--model_name_or_path", f"cannot load a tokenizer from {model_name_or_path!r} ({exc})",
-                         "save the tokenizer with the model (save_pretrained) or use --model_preset") from exc
+        if not os.path.exists(model_name_or_path):
+            fix = "pass an existing model directory (or a reachable hub name), or use --model_preset"
+        raise UsageError("--model_name_or_path", f"cannot load a tokenizer from {model_name_or_path!r} ({exc})", fix) from exc
+    # A folder without tokenizer files can yield an empty tokenizer instead of an error.
+    if len(tok) <= 1 or not tok("def f():")["input_ids"]:
+        raise UsageError("--model_name_or_path", f"no usable tokenizer in {model_name_or_path!r}", fix)
+    return tok
 
 
 def tokenize_datasets(raw, tokenizer, block_size: int, packing: bool = True):

@@ -43,8 +43,10 @@ def resolve_accumulation_steps(requested: int | None, default: int = 1) -> int:
             when the flag was not given.
 
     Returns:
-        ``requested`` if given, else ``accelerate launch --gradient_accumulation_steps``
-        (environment variable ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``), else ``default``.
+        ``requested`` if given, else the environment variable
+        ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` (which Accelerate itself reads
+        in ``Accelerator()``; ``accelerate launch --gradient_accumulation_steps``
+        sets it only for DeepSpeed launches in accelerate 1.15), else ``default``.
 
     Raises:
         UsageError: K below 1, or the script flag and the launcher flag disagree.
@@ -96,7 +98,7 @@ def build_accelerator(
 
     Args:
         gradient_accumulation_steps: micro-batches per optimizer step (K); None
-            reads ``accelerate launch --gradient_accumulation_steps`` or uses 1.
+            reads ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` or uses 1.
         sync_each_batch: all-reduce gradients on every micro-batch instead of
             only on the window's boundary (Accelerate's ``GradientAccumulationPlugin``
             option of the same name); for A/B comparisons only, it is slower.

@@ -12,6 +12,12 @@ from pathlib import Path
 from .errors import UsageError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def check_output_dir(output_dir: str, flag: str = "--output_dir") -> None:
     """Fail before any work if ``output_dir`` cannot become a directory.
 
@@ -35,6 +41,7 @@ def atomic_write_json(path: str | os.PathLike, obj) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=2)
             f.write("\n")
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual file mode
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -54,6 +61,7 @@ def staged_output_dir(output_dir: str | os.PathLike):
     staging = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.staging-"))
     try:
         yield staging
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp creates 0700
         if not output_dir.exists():
             os.rename(staging, output_dir)
             return

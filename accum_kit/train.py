@@ -77,6 +77,17 @@ def _datasets(cfg: TrainConfig, tokenizer, accelerator, k: int):
     return train, valid, source
 
 
+def _check_model_fits(model, tokenizer, cfg: TrainConfig) -> None:
+    """A loaded model must cover --block_size positions and the tokenizer's ids."""
+    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if positions and cfg.block_size > positions:
+        raise UsageError("--block_size", f"{cfg.block_size} exceeds the model's {positions} positions",
+                         f"pass --block_size {positions} or less")
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        raise UsageError("--model_name_or_path", f"the tokenizer has {len(tokenizer)} tokens but the model embeds "
+                         f"{model.get_input_embeddings().num_embeddings}", "save the matching tokenizer with the model")
+
+
 def _optimizer(model, cfg: TrainConfig):
     # No weight decay on biases and LayerNorm weights, as in run_clm_no_trainer.
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -104,6 +115,7 @@ def run(cfg: TrainConfig) -> dict:
     train_ds, eval_ds, source = _datasets(cfg, tokenizer, accelerator, k)
     if cfg.model_name_or_path:
         model = load_model(cfg.model_name_or_path)
+        _check_model_fits(model, tokenizer, cfg)
     else:
         model = build_model(cfg.model_preset, len(tokenizer), cfg.block_size, seed=cfg.seed,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

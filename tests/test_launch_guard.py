@@ -3,20 +3,16 @@
 On a CPU-only machine ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml``
 starts two processes through torchrun, but a plain ``Accelerator()`` in each
 sees one process: two separate trainings, silently. These tests launch real
-processes and check that (a) the trap is real here, (b) ``check_process_count``
-turns it into an error on every rank and a failed launch, and (c)
-``build_accelerator`` makes the processes one gloo group (verified with a raw
-``torch.distributed.all_reduce``, not with Accelerate's own counters).
-
-Two launches, started together to share the import time: tests/guard_worker.py
-(every check, recorded per rank) and a four-line user script that lets the
-ProcessCountError escape.
+processes (tests/guard_worker.py) and check that (a) the trap is real here,
+(b) ``check_process_count`` turns it into an error on every rank and a failed
+launch, and (c) ``build_accelerator`` makes the processes one gloo group,
+verified with a raw ``torch.distributed.all_reduce``, not with Accelerate's
+own counters. The two launches start together to share the import time.
 """
 
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 
@@ -26,77 +22,62 @@ from accum_kit.launch import launcher_world_size, resolve_accumulation_steps
 
 WORLD = 2
 MISMATCH = f"the launcher started {WORLD} processes but the Accelerator sees 1"
-
-UNCAUGHT_SCRIPT = textwrap.dedent(
-    """
-    import os, sys
-    from pathlib import Path
-    from accelerate import Accelerator
-    import accum_kit
-
-    acc = Accelerator()  # what a user script would do
-    Path(sys.argv[1], f"rank{os.environ['RANK']}.started").write_text(str(acc.num_processes))
-    accum_kit.check_process_count(acc)
-    Path(sys.argv[1], f"rank{os.environ['RANK']}.passed").write_text("check passed")
-    """
-)
+WORKER = jh.REPO / "tests" / "guard_worker.py"
 
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     root = tmp_path_factory.mktemp("launch_guard")
-    user_script = root / "user_script.py"
-    user_script.write_text(UNCAUGHT_SCRIPT)
-    (root / "uncaught").mkdir()
     env = jh.clean_env()
     started = {
-        "worker": jh.start(jh.accelerate_launch_cmd(str(jh.REPO / "tests" / "guard_worker.py"), str(root / "worker")),
-                           env, root, "worker"),
-        "uncaught": jh.start(jh.accelerate_launch_cmd(str(user_script), str(root / "uncaught")), env, root, "uncaught"),
+        mode: jh.start(jh.accelerate_launch_cmd(str(WORKER), mode, str(root / mode)), env, root, mode)
+        for mode in ("built", "plain")
     }
-    done = {name: jh.finish(s, timeout=180) for name, s in started.items()}
-    return root, done
+    done = {mode: jh.finish(s, timeout=180) for mode, s in started.items()}
+    records = {}
+    for mode in done:
+        records[mode] = [
+            json.loads(p.read_text()) if (p := root / mode / f"rank{r}.json").exists() else None for r in range(WORLD)
+        ]
+    return root, done, records
 
 
-@pytest.fixture(scope="module")
-def worker_ranks(launches):
-    root, done = launches
-    assert done["worker"].returncode == 0, done["worker"].describe()
-    ranks = [json.loads((root / "worker" / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    assert [r["env_rank"] for r in ranks] == list(range(WORLD))
-    assert all(r["env_world_size"] == WORLD for r in ranks)
-    return ranks
+def _ranks(launches, mode):
+    root, done, records = launches
+    assert all(r is not None for r in records[mode]), f"a rank wrote no record\n{done[mode].describe()}"
+    assert [r["env_rank"] for r in records[mode]] == list(range(WORLD))
+    assert all(r["env_world_size"] == WORLD for r in records[mode])
+    return records[mode]
 
 
-# --------------------------------------------------------------------------- launched
+def test_plain_accelerator_sees_one_process_and_the_launch_fails(launches):
+    root, done, _ = launches
+    for r in _ranks(launches, "plain"):
+        # The trap itself: the launcher started 2 processes, each Accelerator sees 1.
+        assert r["plain"]["num_processes"] == 1, r
+        assert r["plain"]["distributed_type"] == "DistributedType.NO", r
+        assert not (root / "plain" / f"rank{r['env_rank']}.passed").exists(), f"rank {r['env_rank']}: no error raised"
+    res = done["plain"]
+    assert res.returncode not in (0, -9), res.describe()  # failed, and not by our timeout
+    # The error reaches the user with both counts and the fix, once per rank.
+    assert res.stderr.count("ProcessCountError: " + MISMATCH) >= WORLD, res.describe()
+    assert "build_accelerator" in res.stderr
 
 
-def test_plain_accelerator_trap_is_real_and_caught_on_every_rank(worker_ranks):
-    for r in worker_ranks:
-        plain = r["plain"]
-        # The trap itself: the launcher started 2 processes, each Accelerator sees 1, no group.
-        assert plain["num_processes"] == 1, r
-        assert plain["distributed_type"] == "DistributedType.NO", r
-        assert plain["dist_initialized"] is False, r
-        # ... and the guard refuses it, naming both counts and the fix.
-        assert plain["error"] is not None, f"rank {r['env_rank']}: check_process_count did not raise"
-        assert plain["error"]["type"] == "ProcessCountError", r
-        assert MISMATCH in plain["error"]["message"], r
-        assert "build_accelerator" in plain["error"]["message"], r
-
-
-def test_build_accelerator_refuses_a_lone_process_accelerator(worker_ranks):
-    for r in worker_ranks:
+def test_build_accelerator_refuses_a_lone_process_accelerator(launches):
+    for r in _ranks(launches, "plain"):
         forced = r["forced"]
         assert forced["error"] is not None, f"rank {r['env_rank']}: build_accelerator(cpu=False) returned {forced}"
         assert forced["error"]["type"] == "ProcessCountError", r
         assert MISMATCH in forced["error"]["message"], r
 
 
-def test_build_accelerator_joins_one_gloo_group(worker_ranks):
-    built = [r["built"] for r in worker_ranks]
-    for rank, b in enumerate(built):
+def test_build_accelerator_joins_one_gloo_group(launches):
+    root, done, _ = launches
+    assert done["built"].returncode == 0, done["built"].describe()
+    for rank, b in enumerate(_ranks(launches, "built")):
         assert b["error"] is None, b.get("traceback")
+        assert b["dist_initialized_before"] is False
         assert b["num_processes"] == WORLD
         assert b["distributed_type"] == "DistributedType.MULTI_CPU"
         assert b["process_index"] == rank
@@ -105,17 +86,6 @@ def test_build_accelerator_joins_one_gloo_group(worker_ranks):
         assert b["group_size"] == WORLD
         # A real collective across both processes: 0 + 1. Two lone processes would give 0 and 1.
         assert b["allreduce_rank_sum"] == sum(range(WORLD))
-
-
-def test_uncaught_process_count_error_fails_the_launch(launches):
-    root, done = launches
-    res = done["uncaught"]
-    assert res.returncode not in (0, -9), res.describe()
-    for rank in range(WORLD):
-        assert (root / "uncaught" / f"rank{rank}.started").read_text() == "1", res.describe()
-        assert not (root / "uncaught" / f"rank{rank}.passed").exists(), f"rank {rank} passed the check"
-    assert "ProcessCountError" in res.stderr, res.describe()
-    assert MISMATCH in res.stderr, res.describe()
 
 
 # --------------------------------------------------------------------------- in-process units
