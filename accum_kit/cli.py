@@ -12,6 +12,7 @@ import sys
 COMMANDS = {
     "train": ("accum_kit.train", "train a causal LM with exact, no_sync gradient accumulation"),
     "plan": ("accum_kit.planning", "effective batch size, steps per epoch, learning-rate scaling, K for a target batch"),
+    "verify": ("accum_kit.verify", "check the accumulated gradient against one big batch on one process (tokens, mean-of-means, sum)"),
 }
 
 

@@ -148,6 +148,8 @@ def train_loop(
         callbacks: objects with any of ``on_train_begin``, ``on_micro_batch_begin``,
             ``on_forward_end``, ``on_backward_end``, ``on_step_begin``,
             ``on_step_end``, ``on_train_end``, each called with a :class:`LoopState`.
+            ``on_step_begin`` runs on the boundary micro-batch before the window
+            rescale (gradients still hold sum / (K x world_size)).
         progress: show a tqdm bar over optimizer steps on the main process.
         profiler: a :class:`accum_kit.profiler.CommProfiler` (or any callback).
 

@@ -1,0 +1,220 @@
+"""Tests of ``accum-kit verify`` (accum_kit/verify.py).
+
+One real two-process launch (``accelerate launch --config_file
+accelerate_configs/cpu_ddp.yaml -m accum_kit verify``, gloo, K=3 with a partial
+last window) checks the exit code and the JSON report: the toolkit's ``tokens``
+normalisation matches the single-process big batch, mean-of-means does not, and
+DDP's averaging shows as a sum-loss ratio of 1/2. The big-batch gradient norm in
+the JSON is then recomputed here from the examples the report lists, with a
+plain float64 PyTorch loss written in this file. Single-process runs call the
+command's ``main`` in this process (no second import of torch) for the exit
+codes 0, 1 and 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import job_helpers as jh
+from accum_kit import cli, verify
+from accum_kit.models import build_model
+
+K = 3
+B = verify.DEFAULT_BATCH_SIZE
+WORLD = 2
+R = (K + 1) // 2  # micro-batches per process in the partial window (documented: ceil(K / 2))
+
+
+def _finite(*xs) -> bool:
+    return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
+
+
+# --------------------------------------------------------------------------- two processes
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify_w2")
+    out = root / "verify.json"
+    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "verify", "--gradient_accumulation_steps", str(K),
+                                   "--json", str(out), num_processes=WORLD)
+    res = jh.run(cmd, jh.clean_env(), root, "verify_w2", timeout=240)
+    assert res.returncode == 0, res.describe()
+    assert out.exists(), f"no JSON written\n{res.describe()}"
+    return res, json.loads(out.read_text())
+
+
+def test_two_processes_tokens_pass_mean_of_means_fail(two_processes):
+    res, rep = two_processes
+    assert rep["world_size"] == WORLD and rep["distributed_type"] == "MULTI_CPU", rep["distributed_type"]
+    assert rep["gradient_accumulation_steps"] == K
+    assert rep["selected"] == "tokens" and rep["passed"] is True and rep["exit_code"] == 0
+    # a full window, then a partial one
+    w1, w2 = rep["windows"]
+    assert (w1["partial"], w1["micro_batches_per_process"], w1["examples"]) == (False, K, K * B * WORLD)
+    assert (w2["partial"], w2["micro_batches_per_process"], w2["examples"]) == (True, R, R * B * WORLD)
+    rows = rep["rows"]
+    tok, mom, sm = rows["tokens"], rows["mean-of-means"], rows["sum"]
+    assert tok["passed"] is True and mom["passed"] is False and sm["passed"] is False
+    for row in (tok, mom, sm):
+        assert _finite(row["max_abs_error"], row["rel_error"], row["tolerance_used"], row["rank_spread"]), row
+        assert row["rank_spread"] < 1e-6, f"{row['name']}: ranks hold different gradients"
+        assert len(row["windows"]) == 2
+    assert tok["tolerance_used"] <= 1 and tok["rel_error"] < rep["rtol"]
+    # mean-of-means misses in both windows, by far more than the tolerance (variable lengths; partial window / K)
+    assert all(w["rel_error"] > 100 * rep["rtol"] for w in mom["windows"]), mom["windows"]
+    # DDP averages over the 2 processes: the sum loss gives half the big-batch sum gradient
+    assert rep["ddp_sum_ratio"] == pytest.approx(0.5, abs=1e-4)
+    assert rep["ddp_sum_residual"] < 1e-4
+    assert all(w["rel_error"] == pytest.approx(0.5, abs=1e-4) for w in sm["windows"])
+    dp = rows["sum (DataParallel)"]
+    assert dp["skipped"] and "2 CUDA GPUs" in dp["skipped"] and dp["passed"] is None
+    # the table is printed once (main process) and states the semantics
+    assert res.stdout.count("accum-kit verify:") == 1, res.stdout
+    assert "DDP averages: sum-loss gradient = big-batch sum gradient x 1/2 (measured ratio 0.5000" in res.stdout
+    assert "verdict: tokens (--loss_normalization tokens) PASSES -> exit 0" in res.stdout
+    json.dumps(rep, allow_nan=False)  # strict JSON: no NaN for the skipped row
+
+
+def _token_mean_grad_norm(model, sequences) -> tuple[float, int]:
+    """Plain float64 PyTorch: one padded batch, mean next-token loss over all target tokens, grad norm."""
+    width = max(map(len, sequences))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    labels = ids.masked_fill(mask == 0, -100)
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction="mean")
+    loss.backward()
+    norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
+    return norm, int((labels[:, 1:] != -100).sum())
+
+
+def test_oracle_and_accumulated_gradient_norms_recomputed_here(two_processes):
+    _, rep = two_processes
+    m = rep["model"]
+    assert m["preset"] == "tiny"
+    model = build_model("tiny", m["vocab_size"], m["n_positions"], seed=m["init_seed"]).double().eval()
+    seen = []
+    for w, tok_w, sum_w in zip(rep["windows"], rep["rows"]["tokens"]["windows"], rep["rows"]["sum"]["windows"]):
+        seqs = w["input_ids"]
+        assert len(seqs) == w["examples"]
+        assert all(2 <= len(s) <= m["max_length"] for s in seqs)
+        seen += [tuple(s) for s in seqs]
+        norm, tokens = _token_mean_grad_norm(model, seqs)
+        assert tokens == w["target_tokens"] == sum(len(s) - 1 for s in seqs)
+        assert w["oracle_grad_norm"] == pytest.approx(norm, rel=1e-8)
+        assert tok_w["grad_norm"] == pytest.approx(norm, rel=1e-5)  # what train_loop's optimizer saw
+        assert sum_w["grad_norm"] == pytest.approx(norm * tokens / WORLD, rel=1e-5)  # DDP: sum / W
+    assert len(seen) == len(set(seen)) == (K + R) * B * WORLD  # every example once: no duplicated padding
+    lengths = {len(s) for s in seen}
+    assert len(lengths) > 5, "examples should have many different lengths"
+
+
+# --------------------------------------------------------------------------- one process, in this process
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """Run verify.main here as a plain single process: no launcher variables, fresh Accelerate state."""
+    for var in jh.LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    jh.reset_accelerate_state()
+    yield
+    jh.reset_accelerate_state()
+    torch.set_num_threads(threads)
+
+
+def test_single_process_exit_0_and_json(in_process, tmp_path, capsys):
+    out = tmp_path / "sub" / "v.json"
+    assert verify.main(["--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rep = json.loads(out.read_text())
+    assert rep["world_size"] == 1 and rep["windows"][1]["partial"]
+    assert rep["rows"]["tokens"]["passed"] and rep["rows"]["tokens"]["tolerance_used"] <= 1
+    assert not rep["rows"]["mean-of-means"]["passed"]
+    # no DDP: the sum loss is the big-batch sum gradient
+    assert rep["ddp_sum_ratio"] == pytest.approx(1.0, abs=1e-4) and rep["rows"]["sum"]["passed"]
+    assert "1 process, no DDP: sum-loss gradient = big-batch sum gradient x 1" in text
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")], "temporary file left behind"
+
+
+def test_mean_of_means_selected_exit_1(in_process, capsys):
+    assert verify.main(["--loss_normalization", "mean"]) == 1
+    assert "verdict: mean-of-means (--loss_normalization mean) FAILS -> exit 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps"),
+        (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size"),
+        (["--tolerance", "0"], "--tolerance"),
+        (["--tolerance", "nan"], "--tolerance"),
+        (["--atol", "-1"], "--atol"),
+        (["--loss_normalization", "sum"], "--loss_normalization"),
+        (["--gradient_accumulation_steps", "two"], "--gradient_accumulation_steps"),
+        (["--model_name_or_path", "MISSING_DIR"], "--model_name_or_path"),
+    ],
+)
+def test_bad_input_exit_2(in_process, tmp_path, capsys, argv, flag):
+    argv = [str(tmp_path / a) if a == "MISSING_DIR" else a for a in argv]
+    assert verify.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and flag in err, err
+
+
+def test_registered_in_cli(in_process, capsys):
+    assert cli.main(["verify", "--gradient_accumulation_steps", "0"]) == 2
+    assert "verify" in cli._usage()
+
+
+# --------------------------------------------------------------------------- Python API
+
+
+def test_python_api_and_the_check_is_not_rigged(in_process):
+    # K=1, one micro-batch of one example, no partial window: every normalisation is the same arithmetic,
+    # so mean-of-means must pass too (the failure above is real, not built in).
+    rep = verify.verify_accumulation(gradient_accumulation_steps=1, per_device_train_batch_size=1,
+                                     partial_window=False, loss_normalization="mean", seed=5)
+    assert rep.passed and rep.exit_code == 0 and len(rep.windows) == 1
+    assert rep.row("tokens").passed and rep.row("mean-of-means").passed and rep.row("sum").passed
+    d = rep.to_dict()
+    json.dumps(d, allow_nan=False)
+    assert d["rows"]["mean-of-means"]["passed"] and d["world_size"] == 1
+    text = rep.format()
+    assert "no partial window (--no_partial_window)" in text and "mean-of-means" in text
+
+
+def test_dataparallel_row_arithmetic(in_process):
+    """Forces the DataParallel row on CPU. Without GPUs DataParallel calls the module directly, so this
+    checks the row's loss wrapper and arithmetic (ratio 1), not multi-GPU scatter/gather."""
+    rep = verify.verify_accumulation(gradient_accumulation_steps=2, dataparallel=True, seed=2)
+    row = rep.row("sum (DataParallel)")
+    assert row.skipped is None and row.passed
+    assert rep.dataparallel_sum_ratio == pytest.approx(1.0, abs=1e-4)
+    assert "DataParallel sums" in rep.format()
+
+
+def test_local_model_with_dropout(in_process, tmp_path, capsys):
+    """--model_name_or_path: a saved GPT-2 with the default dropout 0.1 still matches (dropout is switched off)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=96, n_positions=24, n_embd=32, n_layer=1, n_head=2)
+    assert cfg.resid_pdrop > 0 and cfg.attn_pdrop > 0
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "m")
+    out = tmp_path / "v.json"
+    assert verify.main(["--model_name_or_path", str(tmp_path / "m"), "--json", str(out)]) == 0, capsys.readouterr()
+    rep = json.loads(out.read_text())
+    assert rep["model"]["vocab_size"] == 96 and rep["model"]["max_length"] == 24
+    assert all(max(map(len, w["input_ids"])) <= 24 and max(max(s) for s in w["input_ids"]) < 96 for w in rep["windows"])
+    assert rep["rows"]["tokens"]["passed"] and not rep["rows"]["mean-of-means"]["passed"]
