@@ -46,6 +46,17 @@ def _profiled_hook(profiler: "CommProfiler", bucket):
     return profiler._on_bucket(bucket)
 
 
+def _busy_seconds(calls) -> float:
+    """Length of the union of the calls' [start, start + seconds] intervals."""
+    total, end = 0.0, float("-inf")
+    for c in sorted(calls, key=lambda c: c["start"]):
+        lo, hi = c["start"], c["start"] + c["seconds"]
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
 def _median(xs):
     return statistics.median(xs) if xs else None
 
@@ -79,9 +90,11 @@ class CommProfiler:
         trace_dir: if given, a ``torch.profiler`` Chrome trace per process is
             written there on exit (``trace_rank{R}.json``, opens in Perfetto),
             with ranges named ``micro_batch_{i}/{sync|no_sync}``. It covers
-            ``trace_steps`` optimizer steps after one skipped and one warm-up
-            step (a trace of every step grows by megabytes per step).
+            ``trace_steps`` optimizer steps after ``trace_wait`` skipped and one
+            warm-up step (a trace of every step grows by megabytes per step).
         trace_steps: optimizer steps recorded in the trace.
+        trace_wait: optimizer steps before the trace warms up; keep the trace
+            clear of A/B windows, whose timing it would disturb.
         synchronize: call ``torch.cuda.synchronize()`` at phase boundaries on
             CUDA so phase times are real (default: on when the device is CUDA).
 
@@ -95,10 +108,11 @@ class CommProfiler:
         is taken when the all-reduce future's callback runs; checked on CPU/gloo only.
     """
 
-    def __init__(self, accelerator, model, *, hook=None, hook_state=None, trace_dir=None, trace_steps=2, synchronize=None):
+    def __init__(self, accelerator, model, *, hook=None, hook_state=None, trace_dir=None, trace_steps=2,
+                 trace_wait=1, synchronize=None):
         self.accelerator, self.model = accelerator, model
         self.hook, self.hook_state = hook or _allreduce_mean_hook, hook_state
-        self.trace_dir, self.trace_steps = trace_dir, trace_steps
+        self.trace_dir, self.trace_steps, self.trace_wait = trace_dir, trace_steps, trace_wait
         self.world_size = accelerator.num_processes
         self.distributed = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         self.synchronize = accelerator.device.type == "cuda" if synchronize is None else synchronize
@@ -131,7 +145,7 @@ class CommProfiler:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
-            schedule = torch.profiler.schedule(wait=1, warmup=1, active=self.trace_steps, repeat=1)
+            schedule = torch.profiler.schedule(wait=self.trace_wait, warmup=1, active=self.trace_steps, repeat=1)
             self._torch_profiler = torch.profiler.profile(activities=acts, schedule=schedule)
             self._torch_profiler.__enter__()
         self._attached = True
@@ -226,7 +240,7 @@ class CommProfiler:
                 "optimizer_seconds": now - self._t["optimizer"],
                 "step_seconds": now - self._t["step_start"],
             })
-        self._t["step_start"] = now
+        self._t["step_start"] = self._now()  # after the trace step, whose cost belongs to no window
 
     def on_train_end(self, state):
         self.detach()
@@ -238,8 +252,12 @@ class CommProfiler:
         Keys: ``allreduce_calls``, ``allreduce_bytes``, ``allreduce_seconds``
         (sum of bucket latencies), ``syncs`` (backward passes that all-reduced),
         ``allreduce_calls_per_step``, ``allreduce_bytes_per_step``,
-        ``seconds_per_sync`` (first bucket handed over to last bucket done),
-        ``algbw_GBps``, ``busbw_GBps``, ``skipped_syncs``, ``exposed_comm_seconds``
+        ``allreduce_calls_per_sync`` (median buckets per sync: DDP rebuilds its
+        buckets after the first iteration, so the first sync may differ),
+        ``seconds_per_sync`` (time with at least one bucket all-reduce in
+        flight, median over syncs; the union of the bucket intervals, so
+        queued buckets are not counted twice and the gaps between buckets are
+        left out), ``algbw_GBps`` = bytes / that time summed over syncs, ``busbw_GBps``, ``skipped_syncs``, ``exposed_comm_seconds``
         (per sync), ``overlap_fraction``, ``estimated_seconds_saved`` (whole run,
         exposed-time estimate), ``estimated_seconds_saved_upper`` (full latency),
         ``forward_seconds``, ``backward_seconds_sync``, ``backward_seconds_no_sync``,
@@ -252,14 +270,14 @@ class CommProfiler:
         by_sync: dict[int, list] = {}
         for c in calls:
             by_sync.setdefault(c["sync"], []).append(c)
-        spans = [max(c["start"] + c["seconds"] for c in g) - min(c["start"] for c in g) for g in by_sync.values()]
+        busy = [_busy_seconds(g) for g in by_sync.values()]
         n_bytes, seconds = sum(c["bytes"] for c in calls), sum(c["seconds"] for c in calls)
-        span_total = sum(spans)
-        algbw = n_bytes / span_total / GB if span_total > 0 else 0.0
+        busy_total = sum(busy)
+        algbw = n_bytes / busy_total / GB if busy_total > 0 else 0.0
         n = self.world_size
         bwd_sync = _median([m["backward_seconds"] for m in mbs if m["sync"]])
         bwd_nosync = _median([m["backward_seconds"] for m in mbs if not m["sync"]])
-        per_sync = _median(spans)
+        per_sync = _median(busy)
         exposed = max(bwd_sync - bwd_nosync, 0.0) if (bwd_sync is not None and bwd_nosync is not None and calls) else None
         skipped = sum(1 for m in mbs if not m["sync"]) if self.distributed else 0
         n_steps = len(steps) or len({c["step"] for c in calls}) or 1
@@ -274,6 +292,7 @@ class CommProfiler:
             "syncs": len(by_sync),
             "allreduce_calls_per_step": len(calls) / n_steps,
             "allreduce_bytes_per_step": n_bytes / n_steps,
+            "allreduce_calls_per_sync": _median([len(g) for g in by_sync.values()]) or 0,
             "seconds_per_sync": per_sync or 0.0,
             "algbw_GBps": algbw,
             "busbw_GBps": algbw * 2 * (n - 1) / n if n > 1 else 0.0,

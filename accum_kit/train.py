@@ -139,7 +139,13 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.profile_ab_steps and steps < 2 * cfg.profile_ab_steps + 1:
         raise UsageError("--profile_ab_steps", f"{cfg.profile_ab_steps} windows each way need {2 * cfg.profile_ab_steps + 1} "
                          f"optimizer steps but the run has {steps}", "raise --max_train_steps or lower --profile_ab_steps")
-    profiler = CommProfiler(accelerator, model, trace_dir=cfg.trace_dir) if cfg.profile_comm else None
+    if cfg.trace_dir and steps < 2 * cfg.profile_ab_steps + 4:
+        raise UsageError("--trace_dir", f"the trace records optimizer steps {2 * cfg.profile_ab_steps + 3} and "
+                         f"{2 * cfg.profile_ab_steps + 4} (after the A/B windows and a warm-up step) but the run has {steps}",
+                         "raise --max_train_steps")
+    # The trace starts after the A/B windows, so its recording cost does not skew them.
+    profiler = (CommProfiler(accelerator, model, trace_dir=cfg.trace_dir, trace_wait=1 + 2 * cfg.profile_ab_steps)
+                if cfg.profile_comm else None)
     ab = ABSwitch(accelerator, cfg.profile_ab_steps, profiler) if cfg.profile_ab_steps else None
 
     eval_before, ppl_before = evaluate_loss(accelerator, model, eval_dl)
