@@ -43,6 +43,7 @@ class TrainConfig:
     sync_each_batch: bool = field(default=False, metadata={"help": "All-reduce gradients on every micro-batch (slower; for A/B comparisons)."})
     profile_comm: bool = field(default=False, metadata={"help": "Record every gradient all-reduce and phase times; adds a 'comm' block to train_summary.json."})
     profile_ab_steps: int = field(default=0, metadata={"help": "Measure the no_sync saving: alternate N windows with and N without no_sync (after 1 warm-up step); implies --profile_comm."})
+    profile_overhead_steps: int = field(default=0, metadata={"help": "Measure the profiler's own cost: after the A/B windows, alternate N windows with it recording and N without; implies --profile_comm."})
     trace_dir: str | None = field(default=None, metadata={"help": "Write a torch.profiler Chrome trace per process here (Perfetto); implies --profile_comm."})
     logging_steps: int = field(default=10, metadata={"help": "Log loss, learning rate and tokens/s every N optimizer steps."})
     seed: int = field(default=42, metadata={"help": "Random seed (model init, shuffling)."})
@@ -70,9 +71,10 @@ class TrainConfig:
         for flag, value in positive.items():
             if value < 1:
                 raise UsageError(flag, f"must be >= 1 (got {value})", "pass a positive integer")
-        if self.profile_ab_steps < 0:
-            raise UsageError("--profile_ab_steps", f"must be >= 0 (got {self.profile_ab_steps})", "pass 0 (off) or a positive integer")
-        if self.profile_ab_steps or self.trace_dir:
+        for flag, value in (("--profile_ab_steps", self.profile_ab_steps), ("--profile_overhead_steps", self.profile_overhead_steps)):
+            if value < 0:
+                raise UsageError(flag, f"must be >= 0 (got {value})", "pass 0 (off) or a positive integer")
+        if self.profile_ab_steps or self.profile_overhead_steps or self.trace_dir:
             self.profile_comm = True
         if self.learning_rate <= 0:
             raise UsageError("--learning_rate", f"must be > 0 (got {self.learning_rate})", "pass e.g. 2e-3")

@@ -205,6 +205,8 @@ class CommProfiler:
 
     def on_micro_batch_begin(self, state):
         self._step, self._micro = state.step, state.micro_step
+        if not self.enabled:
+            return
         if self._torch_profiler is not None:
             name = f"micro_batch_{state.micro_step}/{'sync' if state.sync else 'no_sync'}"
             self._range = torch.profiler.record_function(name)
@@ -212,15 +214,16 @@ class CommProfiler:
         self._t["begin"] = self._now()
 
     def on_forward_end(self, state):
-        self._t["forward"] = self._now()
+        if self.enabled:
+            self._t["forward"] = self._now()
 
     def on_backward_end(self, state):
+        if not self.enabled:
+            return
         end = self._now()
         if self._range is not None:
             self._range.__exit__(None, None, None)
             self._range = None
-        if not self.enabled:
-            return
         self.micro_batches.append({
             "step": state.step, "micro_batch": state.micro_step, "sync": state.sync, "mode": self.mode,
             "forward_seconds": self._t["forward"] - self._t["begin"],
@@ -228,18 +231,21 @@ class CommProfiler:
         })
 
     def on_step_begin(self, state):
-        self._t["optimizer"] = self._now()
+        if self.enabled:
+            self._t["optimizer"] = self._now()
 
     def on_step_end(self, state):
+        if not self.enabled:
+            self._t["step_start"] = time.perf_counter()
+            return
         now = self._now()
         if self._torch_profiler is not None:
             self._torch_profiler.step()  # advances the trace schedule by one optimizer step
-        if self.enabled:
-            self.step_records.append({
-                "step": state.step - 1, "mode": self.mode,
-                "optimizer_seconds": now - self._t["optimizer"],
-                "step_seconds": now - self._t["step_start"],
-            })
+        self.step_records.append({
+            "step": state.step - 1, "mode": self.mode,
+            "optimizer_seconds": now - self._t["optimizer"],
+            "step_seconds": now - self._t["step_start"],
+        })
         self._t["step_start"] = self._now()  # after the trace step, whose cost belongs to no window
 
     def on_train_end(self, state):
@@ -303,6 +309,8 @@ class CommProfiler:
             "overlap_fraction": max(0.0, 1 - exposed / per_sync) if (exposed is not None and per_sync) else None,
             "estimated_seconds_saved": skipped * exposed if exposed is not None else (0.0 if not self.distributed else None),
             "estimated_seconds_saved_upper": skipped * (per_sync or 0.0),
+            "estimated_seconds_saved_per_step": (skipped / n_steps * exposed) if exposed is not None else
+            (0.0 if not self.distributed else None),
             "forward_seconds": _median([m["forward_seconds"] for m in mbs]),
             "backward_seconds_sync": bwd_sync,
             "backward_seconds_no_sync": bwd_nosync,
@@ -336,14 +344,54 @@ class CommProfiler:
         self.trace_path = path
 
 
-class ABSwitch:
+class _AlternatingWindows:
+    """Callback: after ``warmup_steps`` steps, ``2 * n`` windows alternate a boolean setting.
+
+    Window ``i`` of the alternation runs with the setting at its home value
+    when ``i`` is even and flipped when odd, so machine drift hits both sides
+    equally. The setting is applied between windows (in ``on_step_end``),
+    before the next window's first ``accelerator.accumulate`` reads it.
+    ``times[label]`` collects the seconds of each window by side.
+    """
+
+    labels = ("off", "on")  # names of the setting's False / True sides
+
+    def __init__(self, n: int, home: bool, warmup_steps: int = 1):
+        self.n, self.home, self.warmup = n, home, warmup_steps
+        self.times = {label: [] for label in self.labels}
+        self._start = None
+
+    def _apply(self, value: bool) -> None:
+        raise NotImplementedError
+
+    def _value_for(self, step: int):
+        i = step - self.warmup
+        if i < 0 or i >= 2 * self.n:
+            return None
+        return self.home if i % 2 == 0 else not self.home
+
+    def on_train_begin(self, state):
+        self._start = time.perf_counter()
+        value = self._value_for(0)
+        self._apply(self.home if value is None else value)
+
+    def on_step_end(self, state):
+        now = time.perf_counter()
+        value = self._value_for(state.step - 1)
+        if value is not None:
+            self.times[self.labels[value]].append(now - self._start)
+        nxt = self._value_for(state.step)
+        self._apply(self.home if nxt is None else nxt)
+        self._start = time.perf_counter()
+
+
+class ABSwitch(_AlternatingWindows):
     """Callback: alternate windows with and without ``no_sync`` to measure the saving.
 
     After ``warmup_steps`` optimizer steps, the next ``2 * ab_steps`` windows
     alternate between the run's own mode and the other one (Accelerate's
-    ``sync_each_batch`` flag, flipped between windows), so machine drift hits
-    both sides equally. The update is the same either way (only the moment of
-    the all-reduce changes), so these are real training steps.
+    ``sync_each_batch`` flag). The update is the same either way (only the
+    moment of the all-reduce changes), so these are real training steps.
 
     Args:
         accelerator: the Accelerator of the run.
@@ -353,37 +401,17 @@ class ABSwitch:
         warmup_steps: steps to run before measuring (first steps are slower).
     """
 
-    def __init__(self, accelerator, ab_steps: int, profiler: CommProfiler | None = None, warmup_steps: int = 1):
-        self.accelerator, self.ab_steps, self.profiler, self.warmup = accelerator, ab_steps, profiler, warmup_steps
-        self.kwargs = accelerator.gradient_state.plugin_kwargs
-        self.home = bool(self.kwargs.get("sync_each_batch", False))
-        self.times = {"no_sync": [], "sync_each_batch": []}
-        self._start = None
+    labels = ("no_sync", "sync_each_batch")
 
-    def _set(self, sync_each_batch: bool) -> None:
+    def __init__(self, accelerator, ab_steps: int, profiler: CommProfiler | None = None, warmup_steps: int = 1):
+        self.kwargs = accelerator.gradient_state.plugin_kwargs
+        self.profiler = profiler
+        super().__init__(ab_steps, bool(self.kwargs.get("sync_each_batch", False)), warmup_steps)
+
+    def _apply(self, sync_each_batch: bool) -> None:
         self.kwargs["sync_each_batch"] = sync_each_batch
         if self.profiler is not None:
-            self.profiler.mode = "sync_each_batch" if sync_each_batch else "no_sync"
-
-    def _mode_for(self, step: int):
-        i = step - self.warmup
-        if i < 0 or i >= 2 * self.ab_steps:
-            return None
-        return self.home if i % 2 == 0 else not self.home
-
-    def on_train_begin(self, state):
-        self._start = time.perf_counter()
-        mode = self._mode_for(0)
-        self._set(self.home if mode is None else mode)
-
-    def on_step_end(self, state):
-        now = time.perf_counter()
-        mode = self._mode_for(state.step - 1)
-        if mode is not None:
-            self.times["sync_each_batch" if mode else "no_sync"].append(now - self._start)
-        self._start = now
-        nxt = self._mode_for(state.step)
-        self._set(self.home if nxt is None else nxt)
+            self.profiler.mode = self.labels[sync_each_batch]
 
     def summary(self, steps_per_epoch: int | None = None) -> dict:
         """Median seconds per optimizer step each way, the saving and the speedup."""
@@ -396,7 +424,40 @@ class ABSwitch:
             out["speedup"] = sync_each / no_sync if no_sync > 0 else None
             if steps_per_epoch:
                 out["measured_seconds_saved_per_epoch"] = saved * steps_per_epoch
+            if self.profiler is not None:
+                # Estimated vs measured saving per step, from the no-sync windows' own records.
+                est = self.profiler.local_summary().get("estimated_seconds_saved_per_step")
+                out["estimated_over_measured"] = est / saved if (est is not None and saved) else None
         return out
+
+
+class OverheadSwitch(_AlternatingWindows):
+    """Callback: alternate windows with the profiler recording and not, to measure its overhead.
+
+    "Off" windows skip every record and timer; the comm hook stays registered
+    (DDP cannot unregister one) and passes buckets straight to the wrapped
+    all-reduce, so "off" still pays one Python call per bucket.
+
+    Args:
+        profiler: the :class:`CommProfiler` to switch.
+        n: windows measured each way.
+    """
+
+    labels = ("profiler_off", "profiler_on")
+
+    def __init__(self, profiler: CommProfiler, n: int, warmup_steps: int = 1):
+        self.profiler = profiler
+        super().__init__(n, True, warmup_steps)
+
+    def _apply(self, enabled: bool) -> None:
+        self.profiler.enabled = enabled
+
+    def summary(self) -> dict:
+        """Median seconds per optimizer step with the profiler on and off, and their ratio."""
+        on, off = _median(self.times["profiler_on"]), _median(self.times["profiler_off"])
+        return {"overhead_steps_each": min(len(v) for v in self.times.values()),
+                "seconds_per_step_profiler_on": on, "seconds_per_step_profiler_off": off,
+                "profiler_overhead_ratio": on / off if on and off else None}
 
 
 def format_table(comm: dict) -> str:
@@ -417,9 +478,13 @@ def format_table(comm: dict) -> str:
         ("exposed comm / sync", "exposed_comm_seconds", " s"), ("overlap fraction", "overlap_fraction", ""),
         ("optimizer step", "optimizer_seconds", " s"), ("estimated saved (exposed)", "estimated_seconds_saved", " s"),
         ("estimated saved (full latency)", "estimated_seconds_saved_upper", " s"),
+        ("estimated saved / step (exposed)", "estimated_seconds_saved_per_step", " s"),
         ("s/step, sync_each_batch (A/B)", "seconds_per_step_sync_each_batch", " s"),
         ("s/step, no_sync (A/B)", "seconds_per_step_no_sync", " s"),
         ("measured saved / step (A/B)", "measured_seconds_saved_per_step", " s"), ("speedup (A/B)", "speedup", "x"),
+        ("estimated / measured saving", "estimated_over_measured", ""),
+        ("s/step, profiler on", "seconds_per_step_profiler_on", " s"), ("s/step, profiler off", "seconds_per_step_profiler_off", " s"),
+        ("profiler overhead ratio (on / off)", "profiler_overhead_ratio", ""),
     ]
     spread = comm.get("spread", {})
     lines = [f"{'communication (' + str(comm.get('world_size')) + ' processes)':40s} {'main':>12s}  {'min / median / max over processes'}"]

@@ -25,7 +25,7 @@ from .launch import build_accelerator, resolve_accumulation_steps
 from .loop import train_loop
 from .models import build_model, count_parameters, load_model
 from .outputs import atomic_write_json, check_output_dir, staged_output_dir
-from .profiler import ABSwitch, CommProfiler, format_table
+from .profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
 
 logger = get_logger("accum_kit.train")  # logs on the main process only
 DEFAULT_ACCUMULATION_STEPS = 4
@@ -136,28 +136,18 @@ def run(cfg: TrainConfig) -> dict:
                 accelerator.num_processes, accelerator.distributed_type, k,
                 cfg.per_device_train_batch_size * k * accelerator.num_processes, steps, n_params / 1e6, source)
 
-    if cfg.profile_ab_steps and steps < 2 * cfg.profile_ab_steps + 1:
-        raise UsageError("--profile_ab_steps", f"{cfg.profile_ab_steps} windows each way need {2 * cfg.profile_ab_steps + 1} "
-                         f"optimizer steps but the run has {steps}", "raise --max_train_steps or lower --profile_ab_steps")
-    if cfg.trace_dir and steps < 2 * cfg.profile_ab_steps + 4:
-        raise UsageError("--trace_dir", f"the trace records optimizer steps {2 * cfg.profile_ab_steps + 3} and "
-                         f"{2 * cfg.profile_ab_steps + 4} (after the A/B windows and a warm-up step) but the run has {steps}",
-                         "raise --max_train_steps")
-    # The trace starts after the A/B windows, so its recording cost does not skew them.
-    profiler = (CommProfiler(accelerator, model, trace_dir=cfg.trace_dir, trace_wait=1 + 2 * cfg.profile_ab_steps)
-                if cfg.profile_comm else None)
-    ab = ABSwitch(accelerator, cfg.profile_ab_steps, profiler) if cfg.profile_ab_steps else None
+    profiler, switches = _profiling(cfg, accelerator, model, steps)
 
     eval_before, ppl_before = evaluate_loss(accelerator, model, eval_dl)
     logger.info("eval loss before training: %.4f (perplexity %.2f)", eval_before, ppl_before)
     result = train_loop(
         accelerator, model, optimizer, train_dl, lr_scheduler=lr_scheduler, max_train_steps=steps,
         max_grad_norm=cfg.max_grad_norm, loss_normalization=cfg.loss_normalization,
-        callbacks=[LogEvery(accelerator, lr_scheduler, cfg.logging_steps), ab], profiler=profiler,
+        callbacks=[LogEvery(accelerator, lr_scheduler, cfg.logging_steps), *switches], profiler=profiler,
     )
     eval_after, ppl_after = evaluate_loss(accelerator, model, eval_dl)
     logger.info("eval loss after training: %.4f (perplexity %.2f)", eval_after, ppl_after)
-    comm = _comm_block(profiler, ab, math.ceil(len(train_dl) / k), accelerator)
+    comm = _comm_block(profiler, switches, math.ceil(len(train_dl) / k), accelerator)
 
     summary = {
         "world_size": accelerator.num_processes,
@@ -202,13 +192,39 @@ def run(cfg: TrainConfig) -> dict:
     return summary
 
 
-def _comm_block(profiler, ab, steps_per_epoch: int, accelerator) -> dict | None:
-    """The profiler's summary plus the A/B figures, printed as a table on the main process."""
+def _profiling(cfg: TrainConfig, accelerator, model, steps: int):
+    """The CommProfiler and the window-alternating callbacks the profiling flags ask for.
+
+    Windows, in order: 1 warm-up step, ``2 x --profile_ab_steps`` A/B windows,
+    ``2 x --profile_overhead_steps`` profiler on/off windows, then (with
+    ``--trace_dir``) 1 trace warm-up step and 2 traced steps, so that no
+    measurement disturbs another.
+    """
+    if not cfg.profile_comm:
+        return None, []
+    ab_end = 1 + 2 * cfg.profile_ab_steps
+    overhead_end = ab_end + 2 * cfg.profile_overhead_steps
+    needed = overhead_end + (3 if cfg.trace_dir else 0)
+    if steps < needed:
+        flag = "--trace_dir" if cfg.trace_dir else ("--profile_overhead_steps" if cfg.profile_overhead_steps else "--profile_ab_steps")
+        raise UsageError(flag, f"the profiling windows need {needed} optimizer steps but the run has {steps}",
+                         "raise --max_train_steps or ask for fewer profiling windows")
+    profiler = CommProfiler(accelerator, model, trace_dir=cfg.trace_dir, trace_wait=overhead_end)
+    switches = []
+    if cfg.profile_ab_steps:
+        switches.append(ABSwitch(accelerator, cfg.profile_ab_steps, profiler, warmup_steps=1))
+    if cfg.profile_overhead_steps:
+        switches.append(OverheadSwitch(profiler, cfg.profile_overhead_steps, warmup_steps=ab_end))
+    return profiler, switches
+
+
+def _comm_block(profiler, switches, steps_per_epoch: int, accelerator) -> dict | None:
+    """The profiler's summary plus the A/B and overhead figures, printed as a table on the main process."""
     if profiler is None:
         return None
     comm = profiler.summary()  # collective
-    if ab is not None:
-        comm.update(ab.summary(steps_per_epoch))
+    for switch in switches:
+        comm.update(switch.summary(steps_per_epoch) if isinstance(switch, ABSwitch) else switch.summary())
     if getattr(profiler, "trace_path", None):
         comm["trace_file"] = profiler.trace_path
     accelerator.print(format_table(comm))

@@ -1,0 +1,945 @@
+"""``accum-kit bench``: what ``no_sync`` accumulation buys, measured side by side.
+
+Run it with::
+
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench
+
+It sweeps the gradient accumulation steps K (``--accumulation_steps``, default
+1 2 4 8 16) over three modes, on the same model, data and seed:
+
+- ``sync_each_batch``: :func:`accum_kit.train_loop` with Accelerate's
+  ``sync_each_batch`` flag on, so every micro-batch's backward all-reduces
+  (what a loop that forgets ``no_sync`` costs);
+- ``no_sync``: :func:`accum_kit.train_loop` as shipped (all-reduce on the
+  window's last micro-batch only);
+- ``raw_ddp``: the loop a user writes without Accelerate, on a fresh copy of
+  the model wrapped in plain ``torch.nn.parallel.DistributedDataParallel``
+  with the same DDP settings, toggling ``model.require_backward_grad_sync =
+  (micro == K - 1)`` as nanoGPT does, with the same loss arithmetic (summed
+  token loss, gradients scaled by ``world_size / N`` once per window after
+  one all-reduce of the window's token count) and the same data.
+
+``sync_each_batch`` and ``no_sync`` share one prepared model (the flag is
+flipped between runs, as :class:`accum_kit.profiler.ABSwitch` does); before
+every run the weights and the AdamW state are reset to the same initial
+values, so the three modes compute the same losses (the JSON records them and
+the largest difference between modes).
+
+Schedule: for each preset, for each repeat, for each K, the modes in an order
+rotated by one from one (repeat, K) to the next; each run is
+``--warmup_steps`` optimizer steps that are not measured, then ``--steps``
+measured ones. Medians, min / max and quartiles are over all measured steps
+of all repeats. Timings come from process 0 (the processes meet at every
+all-reduce, so their step times agree); memory is the maximum over processes.
+
+Every mode carries the same instrumentation: a
+:class:`accum_kit.profiler.CommProfiler` on its DDP model (a comm hook around
+the default all-reduce or the ``--comm_hook`` compression hook, counting and
+timing every gradient bucket) and the same phase timers around forward,
+backward and the optimizer step.
+
+Data are synthetic: uniformly random token ids (``--vocab_size``, default 384,
+the size of the byte tokenizer the train job uses), every position a target,
+fixed micro-batches of ``--per_device_train_batch_size`` x ``--block_size``
+tokens. Timing does not depend on the token values.
+
+Derived figures (per preset; seconds):
+
+- ``c``: compute per micro-batch = median forward + backward of the no-sync
+  micro-batches of the ``no_sync`` mode (all K >= 2, all repeats);
+- ``a``: exposed all-reduce per synchronised backward = median backward of
+  ``sync_each_batch`` micro-batches minus median backward of ``no_sync``'s
+  no-sync micro-batches (0 if negative);
+- ideal ``no_sync`` step time ``K c + a``, ideal ``sync_each_batch`` step time
+  ``K c + K a``, ideal speedup ``(K c + K a) / (K c + a)``; the measured
+  speedup is ``sync_each_batch`` / ``no_sync`` median step time, also shown
+  as a fraction of the ideal;
+- ``overhead``: measured ``no_sync`` step minus ``K c + a`` (optimizer step,
+  gradient rescale, the token-count all-reduce, data loading);
+- exposed communication share of a mode: syncs per step x ``a`` / its step time;
+  all-reduce busy share: time with a gradient all-reduce in flight (first
+  bucket handed over to last bucket done, overlapped or not) / step time.
+
+Peak memory per run: on CPU the process's resident set high-water mark
+(``VmHWM`` in ``/proc/self/status``), reset before each run by writing 5 to
+``/proc/self/clear_refs``; on CUDA ``torch.cuda.max_memory_allocated`` after
+``reset_peak_memory_stats``.
+
+Bars, printed PASS / FAIL (measured in this one run, never in unit tests):
+the communication-heavy preset at K=8 must give ``no_sync`` a speedup of at
+least 1.25x over ``sync_each_batch`` and at least 90 % of the ideal speedup;
+``no_sync`` / ``raw_ddp`` step time at most 1.03 at every K; peak memory at
+K=16 at most 1.05x that at K=1.
+
+Outputs in ``--output_dir`` (default ``runs/bench``), each written atomically:
+``bench.json`` (everything, including every run), ``bench.csv`` (one row per
+preset x K x mode) and ``bench.png`` (step time against K per mode with the
+ideal, and the share of time spent in communication).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import AccumKitError, UsageError
+from .models import PRESETS
+from .outputs import _umask, atomic_write_json, check_output_dir
+
+MODES = ("sync_each_batch", "no_sync", "raw_ddp")
+COMM_HOOKS = ("none", "fp16", "bf16")
+DEFAULT_PRESETS = ("comm_heavy", "small")
+DEFAULT_KS = (1, 2, 4, 8, 16)
+COMM_HEAVY = "comm_heavy"
+
+# The bars of issue 5 (2 CPU processes, gloo).
+BAR_K = 8
+BAR_MIN_SPEEDUP = 1.25
+BAR_MIN_FRACTION_OF_IDEAL = 0.90
+BAR_MAX_RAW_RATIO = 1.03
+BAR_MEMORY_K = (1, 16)
+BAR_MAX_MEMORY_RATIO = 1.05
+
+CSV_FIELDS = (
+    "preset", "parameters", "K", "mode", "n_steps", "step_s_median", "step_s_min", "step_s_max", "step_s_q1",
+    "step_s_q3", "micro_batch_s", "tokens_per_s", "forward_s", "backward_s", "optimizer_s",
+    "allreduce_calls_per_step", "allreduce_mb_per_step", "syncs_per_step", "allreduce_s_per_sync",
+    "comm_share_exposed", "allreduce_busy_share", "peak_rss_mb", "peak_increase_mb",
+    "c_s", "a_s", "ideal_no_sync_step_s", "ideal_sync_each_batch_step_s", "ideal_speedup", "speedup",
+    "fraction_of_ideal", "overhead_s", "no_sync_over_raw_ddp",
+)
+
+
+@dataclass
+class BenchConfig:
+    """Settings of ``accum-kit bench`` (see ``--help``)."""
+
+    accumulation_steps: list = field(default_factory=lambda: list(DEFAULT_KS))
+    modes: list = field(default_factory=lambda: list(MODES))
+    model_presets: list = field(default_factory=lambda: list(DEFAULT_PRESETS))
+    per_device_train_batch_size: int = 1
+    block_size: int = 64
+    vocab_size: int = 384
+    steps: int = 3
+    warmup_steps: int = 1
+    repeats: int = 2
+    learning_rate: float = 1e-4
+    seed: int = 42
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: str = "none"
+    output_dir: str = "runs/bench"
+
+    def validate(self) -> None:
+        """Raise :class:`UsageError` naming the flag of the first bad value; writes nothing."""
+        ks = self.accumulation_steps
+        if not ks:
+            raise UsageError("--accumulation_steps", "no value given", "pass one or more integers, e.g. 1 2 4 8 16")
+        for k in ks:
+            if k < 1:
+                raise UsageError("--accumulation_steps", f"must be >= 1 (got {k})", "pass positive integers, e.g. 1 2 4 8 16")
+        if len(set(ks)) != len(ks):
+            raise UsageError("--accumulation_steps", f"repeated value in {ks}", "give each K once")
+        _check_names("--modes", self.modes, MODES)
+        _check_names("--model_presets", self.model_presets, tuple(PRESETS))
+        positive = {"--steps": self.steps, "--repeats": self.repeats,
+                    "--per_device_train_batch_size": self.per_device_train_batch_size}
+        for flag, value in positive.items():
+            if value < 1:
+                raise UsageError(flag, f"must be >= 1 (got {value})", "pass a positive integer")
+        if self.warmup_steps < 0:
+            raise UsageError("--warmup_steps", f"must be >= 0 (got {self.warmup_steps})", "pass 0 or a positive integer")
+        if self.block_size < 2:
+            raise UsageError("--block_size", f"must be >= 2 (got {self.block_size})", "pass at least 2 tokens (one target)")
+        if self.vocab_size < 2:
+            raise UsageError("--vocab_size", f"must be >= 2 (got {self.vocab_size})", "pass a positive vocabulary size")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise UsageError("--bucket_cap_mb", f"must be > 0 (got {self.bucket_cap_mb})", "pass a size in MB, e.g. 25 (DDP's default)")
+        if self.comm_hook not in COMM_HOOKS:
+            raise UsageError("--comm_hook", f"unknown value {self.comm_hook!r}", f"use one of {list(COMM_HOOKS)}")
+        if not self.learning_rate > 0:
+            raise UsageError("--learning_rate", f"must be > 0 (got {self.learning_rate})", "pass a positive float")
+        check_output_dir(self.output_dir)
+
+    def ddp_kwargs(self) -> dict:
+        """The DDP constructor arguments that differ from DDP's defaults (same for every mode)."""
+        out = {}
+        if self.bucket_cap_mb is not None:
+            out["bucket_cap_mb"] = self.bucket_cap_mb
+        if self.gradient_as_bucket_view:
+            out["gradient_as_bucket_view"] = True
+        if self.static_graph:
+            out["static_graph"] = True
+        return out
+
+
+def _check_names(flag: str, given: list, allowed: tuple) -> None:
+    if not given:
+        raise UsageError(flag, "no value given", f"pass one or more of {list(allowed)}")
+    for name in given:
+        if name not in allowed:
+            raise UsageError(flag, f"unknown value {name!r}", f"use one or more of {list(allowed)}")
+    if len(set(given)) != len(given):
+        raise UsageError(flag, f"repeated value in {given}", "give each value once")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+class _ArgumentError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # return code 2 from main() instead of sys.exit
+        raise _ArgumentError(message)
+
+
+def build_parser(prog: str = "accum-kit bench") -> argparse.ArgumentParser:
+    """The argparse parser of ``accum-kit bench``."""
+    d = BenchConfig()
+    p = _Parser(prog=prog, description=(
+        "Step time, communication and peak memory of sync_each_batch, no_sync (accum_kit.train_loop) and a "
+        "hand-written raw DDP loop over gradient accumulation steps K, side by side, with the ideal no_sync "
+        "speedup. Run under: accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench"))
+    p.add_argument("--accumulation_steps", type=int, nargs="+", default=d.accumulation_steps, metavar="K",
+                   help="gradient accumulation steps to sweep (default: 1 2 4 8 16)")
+    p.add_argument("--modes", nargs="+", default=d.modes, metavar="MODE", help=f"modes to run (default: {' '.join(MODES)})")
+    p.add_argument("--model_presets", nargs="+", default=d.model_presets, metavar="PRESET",
+                   help=f"model presets, one of {sorted(PRESETS)} each (default: {' '.join(DEFAULT_PRESETS)})")
+    p.add_argument("--per_device_train_batch_size", type=int, default=d.per_device_train_batch_size,
+                   help="examples per micro-batch per process (default 1)")
+    p.add_argument("--block_size", type=int, default=d.block_size, help="tokens per example (default 64)")
+    p.add_argument("--vocab_size", type=int, default=d.vocab_size,
+                   help="vocabulary of the synthetic token ids (default 384, the train job's byte tokenizer)")
+    p.add_argument("--steps", type=int, default=d.steps, help="measured optimizer steps per run (default 3)")
+    p.add_argument("--warmup_steps", type=int, default=d.warmup_steps,
+                   help="optimizer steps before measuring, per run (default 1)")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="passes over every K and mode (default 2)")
+    p.add_argument("--learning_rate", type=float, default=d.learning_rate, help="AdamW learning rate (default 1e-4)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the model weights and the data (default 42)")
+    p.add_argument("--bucket_cap_mb", type=float, default=None, help="DDP gradient bucket size, MB (default: DDP's 25)")
+    p.add_argument("--gradient_as_bucket_view", action="store_true", help="DDP gradient_as_bucket_view=True")
+    p.add_argument("--static_graph", action="store_true", help="DDP static_graph=True")
+    p.add_argument("--comm_hook", default=d.comm_hook, metavar="{none,fp16,bf16}",
+                   help="DDP communication hook: none (plain all-reduce), fp16 or bf16 compression")
+    p.add_argument("--output_dir", default=d.output_dir, help="where bench.json, bench.csv, bench.png go (default runs/bench)")
+    return p
+
+
+def parse_bench_args(argv: list[str] | None = None) -> BenchConfig:
+    """Parse and validate; raises :class:`UsageError` (or ``_ArgumentError`` for argparse errors)."""
+    args = build_parser().parse_args(argv)
+    cfg = BenchConfig(**vars(args))
+    cfg.validate()
+    return cfg
+
+
+# --------------------------------------------------------------------------- peak memory
+
+
+def _proc_status_kb(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class PeakMemory:
+    """Peak memory of one run: VmHWM after a clear_refs reset on CPU, max_memory_allocated on CUDA.
+
+    ``method`` says which; ``None`` values mean this platform offers neither.
+    """
+
+    def __init__(self, device):
+        import torch
+
+        self.torch, self.device = torch, device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.method = "torch.cuda.max_memory_allocated after reset_peak_memory_stats"
+        elif self._clear_refs():
+            self.method = "VmHWM of /proc/self/status after `echo 5 > /proc/self/clear_refs`"
+        else:
+            self.method = None
+        self.start_mb = None
+
+    @staticmethod
+    def _clear_refs() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+            return _proc_status_kb("VmHWM") is not None
+        except OSError:
+            return False
+
+    def reset(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+            self.torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_mb = self.torch.cuda.memory_allocated(self.device) / 2**20
+        elif self.method:
+            self._clear_refs()
+            self.start_mb = _proc_status_kb("VmRSS") / 1024
+
+    def peak(self) -> tuple[float | None, float | None]:
+        """(peak MB, peak minus the value at reset, MB)."""
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+            peak = self.torch.cuda.max_memory_allocated(self.device) / 2**20
+        elif self.method:
+            peak = _proc_status_kb("VmHWM") / 1024
+        else:
+            return None, None
+        return peak, peak - self.start_mb
+
+
+# --------------------------------------------------------------------------- data
+
+
+class _Rows:
+    """Map-style dataset of token rows: ``{"input_ids": row, "labels": row}`` (every position a target)."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        row = self.tokens[i]
+        return {"input_ids": row, "labels": row}
+
+
+def synthetic_tokens(n_rows: int, block_size: int, vocab_size: int, seed: int):
+    """Uniformly random token ids, (n_rows, block_size) int64, the same on every process."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n_rows, block_size), generator=g, dtype=torch.long)
+
+
+def raw_batch_indices(n_batches: int, batch_size: int, rank: int, world: int) -> list[list[int]]:
+    """The example indices of the micro-batches process ``rank`` gets: global batches rank, rank + W, ...
+
+    The same split as Accelerate's prepared DataLoader (``BatchSamplerShard``, ``split_batches=False``).
+    """
+    return [list(range(j * batch_size, (j + 1) * batch_size)) for j in range(rank, n_batches, world)]
+
+
+# --------------------------------------------------------------------------- one run of each mode
+
+
+class _Label:
+    """Callback: tag the profiler's records ``warmup/<label>`` for the warm-up steps, then ``label``."""
+
+    def __init__(self, profiler, warmup_steps: int, label: str):
+        self.profiler, self.warmup_steps, self.label = profiler, warmup_steps, label
+
+    def on_train_begin(self, state):
+        self.profiler.mode = self.label if self.warmup_steps == 0 else f"warmup/{self.label}"
+
+    def on_step_end(self, state):
+        if state.step == self.warmup_steps:
+            self.profiler.mode = self.label
+
+
+def run_toolkit(accelerator, model, optimizer, dataloader, K: int, steps: int, profiler, label: _Label) -> list[float]:
+    """``sync_each_batch`` or ``no_sync`` (set by the caller): :func:`accum_kit.train_loop`; returns the losses."""
+    from .loop import train_loop
+
+    accelerator.gradient_accumulation_steps = K
+    accelerator.step = 0  # windows start at the dataloader's first batch (train_loop may stop mid-dataloader)
+    result = train_loop(accelerator, model, optimizer, dataloader, max_train_steps=steps, progress=False,
+                        profiler=profiler, callbacks=[label])
+    return result.train_loss
+
+
+def run_raw_ddp(model, optimizer, dataloader, K: int, steps: int, profiler, label: _Label, device) -> list[float]:
+    """The baseline a user writes with plain DDP (nanoGPT's toggle), same arithmetic as the toolkit.
+
+    Each micro-batch back-propagates its summed token loss; DDP averages over
+    the W processes on the window's last micro-batch, then one all-reduce of
+    (loss sum, token count) and a multiplication of the gradients by W / N
+    make them the token-mean gradient of the whole window. ``profiler`` and
+    ``label`` get the same calls as in :func:`accum_kit.train_loop`.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .loop import LoopState
+    from .loss import causal_lm_loss
+
+    world = dist.get_world_size()
+    state, losses = LoopState(), []
+    model.train()
+    profiler.on_train_begin(state)
+    label.on_train_begin(state)
+    batches = iter(dataloader)
+    for _ in range(steps):
+        stats = torch.zeros(2, dtype=torch.float64, device=device)
+        for micro in range(K):
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            model.require_backward_grad_sync = micro == K - 1  # all-reduce only on the window's last backward
+            state.boundary = state.sync = micro == K - 1
+            profiler.on_micro_batch_begin(state)
+            summed_loss, n_tokens = causal_lm_loss(model, batch)
+            profiler.on_forward_end(state)
+            summed_loss.backward()
+            profiler.on_backward_end(state)
+            state.micro_step += 1
+            stats += torch.stack([summed_loss.detach().double(), n_tokens.double()])
+        profiler.on_step_begin(state)
+        dist.all_reduce(stats)
+        loss_sum, tokens = stats.tolist()
+        scale = world / max(tokens, 1.0)  # DDP left sum(S) / W: make it sum(S) / N
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        losses.append(loss_sum / max(tokens, 1.0))
+        profiler.on_step_end(state)
+        label.on_step_end(state)
+    profiler.on_train_end(state)
+    return losses
+
+
+def _reset_training_state(model, initial: list, optimizer) -> None:
+    """Weights back to ``initial``, AdamW moments and step counts to zero, no gradients."""
+    import torch
+
+    with torch.no_grad():
+        for p, p0 in zip(model.parameters(), initial):
+            p.copy_(p0)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        for st in inner.state.values():
+            for v in st.values():
+                if torch.is_tensor(v):
+                    v.zero_()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _comm_hook(name: str):
+    if name == "none":
+        return None
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[name]
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _quartiles(xs):
+    if len(xs) < 2:
+        return (xs[0], xs[0]) if xs else (None, None)
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def _div(a, b):
+    return a / b if (a is not None and b not in (None, 0)) else None
+
+
+def compute_c_a(runs: list[dict]) -> dict:
+    """``c`` and ``a`` of one preset from its runs' per-micro-batch phase times (see the module docstring)."""
+    compute = [m["forward_s"] + m["backward_s"] for r in runs if r["mode"] == "no_sync" for m in r["micro_batches"] if not m["sync"]]
+    bwd_nosync = [m["backward_s"] for r in runs if r["mode"] == "no_sync" for m in r["micro_batches"] if not m["sync"]]
+    bwd_sync = [m["backward_s"] for r in runs if r["mode"] == "sync_each_batch" for m in r["micro_batches"] if m["sync"]]
+    c = _median(compute)
+    a = max(_median(bwd_sync) - _median(bwd_nosync), 0.0) if (bwd_sync and bwd_nosync) else None
+    return {"c_seconds": c, "a_seconds": a, "c_samples": len(compute), "a_sync_samples": len(bwd_sync),
+            "a_no_sync_samples": len(bwd_nosync), "backward_sync_median_s": _median(bwd_sync),
+            "backward_no_sync_median_s": _median(bwd_nosync)}
+
+
+def ideal_speedup(K: int, c: float, a: float) -> float:
+    """``(K c + K a) / (K c + a)``: sync_each_batch's ideal step time over no_sync's."""
+    return (K * c + K * a) / (K * c + a)
+
+
+def summarize_preset(preset: str, info: dict, runs: list[dict], cfg: BenchConfig, world: int) -> tuple[list, list]:
+    """Rows (one per K x mode) and per-K derived figures of one preset."""
+    ca = compute_c_a(runs)
+    c, a = ca["c_seconds"], ca["a_seconds"]
+    tokens_per_micro = cfg.per_device_train_batch_size * (cfg.block_size - 1) * world  # targets, all processes
+    rows, per_k = [], []
+    for K in cfg.accumulation_steps:
+        med = {}
+        block = []
+        for mode in cfg.modes:
+            rs = [r for r in runs if r["K"] == K and r["mode"] == mode]
+            steps = [s for r in rs for s in r["step_seconds"]]
+            mbs = [m for r in rs for m in r["micro_batches"]]
+            q1, q3 = _quartiles(steps)
+            n_steps = sum(len(r["step_seconds"]) for r in rs)
+            median = _median(steps)
+            med[mode] = median
+            syncs = sum(r["syncs"] for r in rs) / n_steps if n_steps else None
+            busy = sum(r["allreduce_busy_seconds"] for r in rs) / n_steps if n_steps else None
+            peaks = [r["peak_rss_mb"] for r in rs if r["peak_rss_mb"] is not None]
+            incs = [r["peak_increase_mb"] for r in rs if r["peak_increase_mb"] is not None]
+            block.append({
+                "preset": preset, "parameters": info["parameters"], "K": K, "mode": mode, "n_steps": n_steps,
+                "step_s_median": median, "step_s_min": min(steps) if steps else None,
+                "step_s_max": max(steps) if steps else None, "step_s_q1": q1, "step_s_q3": q3,
+                "micro_batch_s": _div(median, K), "tokens_per_s": _div(K * tokens_per_micro, median),
+                "forward_s": _median([m["forward_s"] for m in mbs]),
+                "backward_s": _median([m["backward_s"] for m in mbs]),
+                "optimizer_s": _median([s for r in rs for s in r["optimizer_seconds"]]),
+                "allreduce_calls_per_step": _div(sum(r["allreduce_calls"] for r in rs), n_steps),
+                "allreduce_mb_per_step": _div(sum(r["allreduce_bytes"] for r in rs) / 2**20, n_steps),
+                "syncs_per_step": syncs,
+                "allreduce_s_per_sync": _median([r["seconds_per_sync"] for r in rs if r["syncs"]]),
+                "comm_share_exposed": _div(syncs * a, median) if (syncs is not None and a is not None) else None,
+                "allreduce_busy_share": _div(busy, median),
+                "peak_rss_mb": max(peaks) if peaks else None,
+                "peak_increase_mb": max(incs) if incs else None,
+            })
+        d = {"preset": preset, "K": K, "c_s": c, "a_s": a}
+        if c is not None and a is not None:
+            d.update(ideal_no_sync_step_s=K * c + a, ideal_sync_each_batch_step_s=K * c + K * a,
+                     ideal_speedup=ideal_speedup(K, c, a))
+        else:
+            d.update(ideal_no_sync_step_s=None, ideal_sync_each_batch_step_s=None, ideal_speedup=None)
+        d["speedup"] = _div(med.get("sync_each_batch"), med.get("no_sync"))
+        d["fraction_of_ideal"] = _div(d["speedup"], d["ideal_speedup"])
+        d["overhead_s"] = (med["no_sync"] - d["ideal_no_sync_step_s"]) if (
+            med.get("no_sync") is not None and d["ideal_no_sync_step_s"] is not None) else None
+        d["ideal_speedup_with_overhead"] = _div(d["ideal_sync_each_batch_step_s"] + d["overhead_s"],
+                                                d["ideal_no_sync_step_s"] + d["overhead_s"]) if d["overhead_s"] is not None else None
+        d["no_sync_over_raw_ddp"] = _div(med.get("no_sync"), med.get("raw_ddp"))
+        d["loss_max_abs_diff_between_modes"] = _loss_spread(runs, K)
+        per_k.append(d)
+        for row in block:
+            row.update({k: d[k] for k in ("c_s", "a_s", "ideal_no_sync_step_s", "ideal_sync_each_batch_step_s",
+                                          "ideal_speedup", "speedup", "fraction_of_ideal", "overhead_s",
+                                          "no_sync_over_raw_ddp")})
+            rows.append(row)
+    info.update(ca)
+    return rows, per_k
+
+
+def _loss_spread(runs: list[dict], K: int) -> float | None:
+    """Largest |loss difference| between modes over the same (K, repeat, step): equal math gives ~1e-6."""
+    worst = None
+    for rep in {r["repeat"] for r in runs}:
+        losses = [r["losses"] for r in runs if r["K"] == K and r["repeat"] == rep]
+        for other in losses[1:]:
+            for x, y in zip(losses[0], other):
+                d = abs(x - y)
+                worst = d if worst is None else max(worst, d)
+    return worst
+
+
+def evaluate_bars(rows: list[dict], per_k: list[dict], cfg: BenchConfig) -> list[dict]:
+    """The four bars of issue 5 on what this run measured (``passed`` None = not measured)."""
+    bars = []
+    ck = next((d for d in per_k if d["preset"] == COMM_HEAVY and d["K"] == BAR_K), None)
+    sp = ck["speedup"] if ck else None
+    bars.append({"name": "speedup", "description": f"{COMM_HEAVY} K={BAR_K}: no_sync >= {BAR_MIN_SPEEDUP}x faster than sync_each_batch",
+                 "value": sp, "threshold": BAR_MIN_SPEEDUP, "passed": None if sp is None else sp >= BAR_MIN_SPEEDUP,
+                 "detail": None if sp is None else f"{sp:.3f}x"})
+    fr = ck["fraction_of_ideal"] if ck else None
+    bars.append({"name": "fraction_of_ideal",
+                 "description": f"{COMM_HEAVY} K={BAR_K}: speedup >= {BAR_MIN_FRACTION_OF_IDEAL:.0%} of the ideal (Kc+Ka)/(Kc+a)",
+                 "value": fr, "threshold": BAR_MIN_FRACTION_OF_IDEAL,
+                 "passed": None if fr is None else fr >= BAR_MIN_FRACTION_OF_IDEAL,
+                 "detail": None if fr is None else f"{fr:.1%} ({sp:.3f}x of ideal {ck['ideal_speedup']:.3f}x)"})
+    ratios = [(d["no_sync_over_raw_ddp"], d["preset"], d["K"]) for d in per_k if d["no_sync_over_raw_ddp"] is not None]
+    worst = max(ratios) if ratios else None
+    bars.append({"name": "no_sync_vs_raw_ddp", "description": f"no_sync / raw_ddp step time <= {BAR_MAX_RAW_RATIO} at every K",
+                 "value": worst[0] if worst else None, "threshold": BAR_MAX_RAW_RATIO,
+                 "passed": None if worst is None else all(r <= BAR_MAX_RAW_RATIO for r, _, _ in ratios),
+                 "detail": None if worst is None else f"worst {worst[0]:.3f} ({worst[1]} K={worst[2]}); all: "
+                 + ", ".join(f"{p} K={k}: {r:.3f}" for r, p, k in ratios)})
+    lo, hi = BAR_MEMORY_K
+    mem = []
+    for r_hi in rows:
+        if r_hi["K"] != hi or r_hi["peak_rss_mb"] is None:
+            continue
+        r_lo = next((r for r in rows if r["preset"] == r_hi["preset"] and r["mode"] == r_hi["mode"] and r["K"] == lo), None)
+        if r_lo and r_lo["peak_rss_mb"]:
+            mem.append((r_hi["peak_rss_mb"] / r_lo["peak_rss_mb"], r_hi["preset"], r_hi["mode"]))
+    wm = max(mem) if mem else None
+    bars.append({"name": "memory", "description": f"peak memory at K={hi} <= {BAR_MAX_MEMORY_RATIO}x that at K={lo}",
+                 "value": wm[0] if wm else None, "threshold": BAR_MAX_MEMORY_RATIO,
+                 "passed": None if wm is None else all(m <= BAR_MAX_MEMORY_RATIO for m, _, _ in mem),
+                 "detail": None if wm is None else f"worst {wm[0]:.3f} ({wm[1]} {wm[2]}); all: "
+                 + ", ".join(f"{p} {m}: {x:.3f}" for x, p, m in mem)})
+    return bars
+
+
+# --------------------------------------------------------------------------- text, CSV, plot
+
+
+def _f(x, fmt="{:.3f}", none="n/a"):
+    return none if x is None else fmt.format(x)
+
+
+def format_preset_table(preset: str, info: dict, rows: list[dict], per_k: list[dict], modes: list) -> str:
+    """The table printed per preset: median [min-max] step seconds per mode, ideal, speedup, memory, comm."""
+    head = (f"{preset}: {info['parameters'] / 1e6:.1f}M parameters ({info['gradient_bytes'] / 2**20:.0f} MB of gradients), "
+            f"micro-batch {info['micro_batch']}; c = {_f(info['c_seconds'], '{:.4f}')} s compute / micro-batch, "
+            f"a = {_f(info['a_seconds'], '{:.4f}')} s exposed all-reduce / sync")
+    cols = [f"{m + ' s/step':>25s}" for m in modes]
+    lines = [head, f"{'K':>3s} " + " ".join(cols) + f" {'ideal':>7s} {'speedup':>8s} {'ideal':>7s} {'of ideal':>8s}"
+             f" {'ns/raw':>7s} {'peak MB':>8s} {'comm% each/ns':>13s}"]
+    for d in per_k:
+        K = d["K"]
+        by_mode = {r["mode"]: r for r in rows if r["K"] == K}
+        cells = []
+        for m in modes:
+            r = by_mode[m]
+            cells.append(f"{_f(r['step_s_median'])} [{_f(r['step_s_min'])}-{_f(r['step_s_max'])}]".rjust(25))
+        peak = max((r["peak_rss_mb"] for r in by_mode.values() if r["peak_rss_mb"] is not None), default=None)
+        share = "/".join(_f(by_mode[m]["comm_share_exposed"], "{:.0%}", "-") if m in by_mode else "-" for m in ("sync_each_batch", "no_sync"))
+        lines.append(f"{K:>3d} " + " ".join(cells) + f" {_f(d['ideal_no_sync_step_s']):>7s} {_f(d['speedup'], '{:.2f}x'):>8s}"
+                     f" {_f(d['ideal_speedup'], '{:.2f}x'):>7s} {_f(d['fraction_of_ideal'], '{:.0%}'):>8s}"
+                     f" {_f(d['no_sync_over_raw_ddp']):>7s} {_f(peak, '{:.0f}'):>8s} {share:>13s}")
+    lines.append("  (s/step: median [min-max] over repeats x measured steps; ideal = K c + a for no_sync; "
+                 "speedup = sync_each_batch / no_sync; ns/raw = no_sync / raw_ddp; peak MB: max over modes and processes)")
+    return "\n".join(lines)
+
+
+def format_bars(bars: list[dict]) -> str:
+    lines = []
+    for b in bars:
+        verdict = "SKIP (not measured)" if b["passed"] is None else ("PASS" if b["passed"] else "FAIL")
+        lines.append(f"{verdict:4s}  {b['description']}: {b['detail'] or 'n/a'}")
+    return "\n".join(lines)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a temporary file in the same directory and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def csv_text(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
+    return buf.getvalue()
+
+
+_COLORS = {"sync_each_batch": "tab:red", "no_sync": "tab:blue", "raw_ddp": "tab:green"}
+
+
+def plot_png(result: dict) -> bytes | None:
+    """Step time against K per mode with the ideal (top), exposed communication share (bottom); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    presets = list(result["presets"])
+    fig, axes = plt.subplots(2, len(presets), figsize=(6 * len(presets), 8), squeeze=False)
+    for j, preset in enumerate(presets):
+        info = result["presets"][preset]
+        rows = [r for r in result["rows"] if r["preset"] == preset]
+        per_k = [d for d in result["per_k"] if d["preset"] == preset]
+        ks = [d["K"] for d in per_k]
+        top, bottom = axes[0][j], axes[1][j]
+        for mode in result["config"]["modes"]:
+            rs = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["K"])
+            x = [r["K"] for r in rs]
+            y = [r["step_s_median"] for r in rs]
+            err = [[r["step_s_median"] - r["step_s_min"] for r in rs], [r["step_s_max"] - r["step_s_median"] for r in rs]]
+            top.errorbar(x, y, yerr=err, marker="o", capsize=3, label=mode, color=_COLORS.get(mode))
+            share = [100 * (r["comm_share_exposed"] or 0.0) for r in rs]
+            bottom.plot(x, share, marker="o", label=f"{mode} (exposed)", color=_COLORS.get(mode))
+            busy = [100 * (r["allreduce_busy_share"] or 0.0) for r in rs]
+            bottom.plot(x, busy, marker="x", linestyle=":", color=_COLORS.get(mode), alpha=0.6,
+                        label=f"{mode} (all-reduce in flight)")
+        if all(d["ideal_no_sync_step_s"] is not None for d in per_k):
+            top.plot(ks, [d["ideal_no_sync_step_s"] for d in per_k], "k--", label="ideal no_sync: K c + a")
+            top.plot(ks, [d["ideal_sync_each_batch_step_s"] for d in per_k], color="0.5", linestyle=":",
+                     label="ideal sync each: K (c + a)")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ks)
+            ax.set_xticklabels([str(k) for k in ks])
+            ax.set_xlabel("gradient accumulation steps K")
+            ax.grid(True, alpha=0.3)
+        top.set_ylabel("seconds per optimizer step (median, min-max)")
+        top.set_title(f"{preset}: {info['parameters'] / 1e6:.1f}M params, micro-batch {info['micro_batch']}, "
+                      f"{result['machine']['world_size']} procs", fontsize=10)
+        top.legend(fontsize=8)
+        bottom.set_ylabel("% of step time in communication")
+        bottom.set_ylim(0, 100)
+        bottom.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_outputs(output_dir: str, result: dict) -> list[Path]:
+    """bench.json, bench.csv and bench.png (if matplotlib is present), each atomically; returns the paths."""
+    out = Path(output_dir)
+    paths = [out / "bench.json", out / "bench.csv"]
+    atomic_write_json(paths[0], result)
+    _atomic_write_bytes(paths[1], csv_text(result["rows"]).encode())
+    png = plot_png(result)
+    if png is not None:
+        paths.append(out / "bench.png")
+        _atomic_write_bytes(paths[2], png)
+    return paths
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+def _versions() -> dict:
+    import accelerate
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "accelerate": accelerate.__version__, "transformers": transformers.__version__}
+
+
+def _machine(accelerator) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "cpu_model": cpu, "cpu_count": os.cpu_count(),
+            "torch_threads_per_process": torch.get_num_threads(), "world_size": accelerator.num_processes,
+            "device": str(accelerator.device), "backend": dist.get_backend() if dist.is_initialized() else None,
+            "distributed_type": str(accelerator.distributed_type),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def _command(argv: list[str]) -> str:
+    return "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench" + "".join(f" {a}" for a in argv)
+
+
+def _profiled_records(profiler, label: str) -> dict:
+    """What one run recorded under ``label``: step times, phase times, all-reduce counts and spans."""
+    steps = [s for s in profiler.step_records if s["mode"] == label]
+    mbs = [m for m in profiler.micro_batches if m["mode"] == label]
+    s = profiler.local_summary()  # filtered by profiler.mode == label
+    return {
+        "step_seconds": [x["step_seconds"] for x in steps],
+        "optimizer_seconds": [x["optimizer_seconds"] for x in steps],
+        "micro_batches": [{"sync": m["sync"], "forward_s": m["forward_seconds"], "backward_s": m["backward_seconds"]} for m in mbs],
+        "allreduce_calls": s["allreduce_calls"], "allreduce_bytes": s["allreduce_bytes"], "syncs": s["syncs"],
+        "seconds_per_sync": s["seconds_per_sync"], "allreduce_busy_seconds": s["seconds_per_sync"] * s["syncs"] if s["syncs"] else 0.0,
+    }
+
+
+def _bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict, list[dict]]:
+    """All runs of one preset: build, prepare, then repeats x K x modes (rotated); returns (info, runs)."""
+    import copy
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    from .models import build_model, count_parameters
+    from .profiler import CommProfiler
+
+    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    model = build_model(preset, cfg.vocab_size, cfg.block_size, seed=cfg.seed)
+    raw_model = copy.deepcopy(model).to(device)  # a fresh copy of the same weights for the raw DDP baseline
+    initial = [p.detach().clone() for p in model.parameters()]
+    n_params = count_parameters(model)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
+    acc_model, acc_opt = accelerator.prepare(model, opt)
+    ddp_kw = cfg.ddp_kwargs()
+    dev_ids = [device.index if device.index is not None else accelerator.local_process_index] if device.type == "cuda" else None
+    raw_ddp = DistributedDataParallel(raw_model, device_ids=dev_ids, **ddp_kw)
+    raw_opt = torch.optim.AdamW(raw_ddp.parameters(), lr=cfg.learning_rate)
+    hook = _comm_hook(cfg.comm_hook)
+    prof_acc = CommProfiler(accelerator, acc_model, hook=hook)
+    prof_raw = CommProfiler(accelerator, raw_ddp, hook=hook)
+
+    # Data: the K-th dataloader holds exactly (warm-up + measured) x K micro-batches per process.
+    run_steps = cfg.warmup_steps + cfg.steps
+    B, K_max = cfg.per_device_train_batch_size, max(cfg.accumulation_steps)
+    tokens = synthetic_tokens(run_steps * K_max * world * B, cfg.block_size, cfg.vocab_size, cfg.seed + 1)
+    loaders = {}
+    for K in cfg.accumulation_steps:
+        n_batches = run_steps * K * world
+        rows = _Rows(tokens[: n_batches * B])
+        loaders[K] = {
+            "toolkit": accelerator.prepare(DataLoader(rows, batch_size=B, shuffle=False)),
+            "raw": DataLoader(rows, batch_sampler=raw_batch_indices(n_batches, B, rank, world)),
+        }
+    memory = PeakMemory(device)
+    info = {"config": PRESETS[preset], "parameters": n_params, "gradient_bytes": grad_bytes,
+            "micro_batch": f"{B}x{cfg.block_size} tokens", "memory_method": memory.method,
+            "ddp_kwargs": ddp_kw, "comm_hook": cfg.comm_hook}
+    runs = []
+    rotation = 0
+    for rep in range(cfg.repeats):
+        for K in cfg.accumulation_steps:
+            order = cfg.modes[rotation % len(cfg.modes):] + cfg.modes[: rotation % len(cfg.modes)]
+            rotation += 1
+            for position, mode in enumerate(order):
+                label = f"{mode}/K{K}/r{rep}"
+                if mode == "raw_ddp":
+                    model_, opt_, prof = raw_ddp, raw_opt, prof_raw
+                else:
+                    model_, opt_, prof = acc_model, acc_opt, prof_acc
+                    accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = mode == "sync_each_batch"
+                _reset_training_state(model_, initial, opt_)
+                prof.enabled = True
+                tag = _Label(prof, cfg.warmup_steps, label)
+                gc.collect()
+                dist.barrier()
+                memory.reset()
+                t0 = time.perf_counter()
+                if mode == "raw_ddp":
+                    losses = run_raw_ddp(model_, opt_, loaders[K]["raw"], K, run_steps, prof, tag, device)
+                else:
+                    losses = run_toolkit(accelerator, model_, opt_, loaders[K]["toolkit"], K, run_steps, prof, tag)
+                wall = time.perf_counter() - t0
+                peak, increase = memory.peak()
+                mem = torch.tensor([peak if peak is not None else -1.0, increase if increase is not None else -1.0],
+                                   dtype=torch.float64, device=device)
+                dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+                prof.mode = label
+                rec = {"preset": preset, "K": K, "mode": mode, "repeat": rep, "position": position,
+                       "wall_seconds": wall, "losses": losses,
+                       "peak_rss_mb": mem[0].item() if peak is not None else None,
+                       "peak_increase_mb": mem[1].item() if increase is not None else None,
+                       **_profiled_records(prof, label)}
+                runs.append(rec)
+                bar.set_postfix_str(f"{preset} K={K} {mode}: {_median(rec['step_seconds']):.3f} s/step")
+                bar.update(1)
+    accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = False
+    del acc_model, acc_opt, raw_ddp, raw_opt, prof_acc, prof_raw, loaders, model, raw_model, opt
+    accelerator.free_memory()  # drops the prepared model, optimizer and dataloaders of this preset
+    gc.collect()
+    return info, runs
+
+
+def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
+    """Run the sweep described by ``cfg``; return the result (also written to ``cfg.output_dir`` by process 0).
+
+    Raises:
+        UsageError: bad input or fewer than 2 processes, before any output is written.
+        ProcessCountError: launched and visible process counts differ.
+    """
+    from accelerate.utils import DistributedDataParallelKwargs
+    from tqdm.auto import tqdm
+
+    from .launch import build_accelerator, launcher_world_size
+
+    cfg.validate()
+    if launcher_world_size() < 2:
+        raise UsageError("--num_processes", f"the bench compares DDP modes and needs >= 2 processes (launched: {launcher_world_size()})",
+                         "run it under accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench")
+    handlers = [DistributedDataParallelKwargs(**cfg.ddp_kwargs())] if cfg.ddp_kwargs() else []
+    accelerator = build_accelerator(None, kwargs_handlers=handlers)
+    world = accelerator.num_processes
+    started, load_start, t0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), os.getloadavg(), time.perf_counter()
+    total = len(cfg.model_presets) * cfg.repeats * len(cfg.accumulation_steps) * len(cfg.modes)
+    bar = tqdm(total=total, desc="bench runs", disable=not accelerator.is_main_process, file=sys.stdout)
+    presets, rows, per_k, all_runs, tables = {}, [], [], [], []
+    for preset in cfg.model_presets:
+        info, runs = _bench_preset(cfg, preset, accelerator, bar)
+        p_rows, p_k = summarize_preset(preset, info, runs, cfg, world)
+        presets[preset], all_runs = info, all_runs + runs
+        rows += p_rows
+        per_k += p_k
+        tables.append(format_preset_table(preset, info, p_rows, p_k, cfg.modes))
+        if accelerator.is_main_process:
+            bar.write(tables[-1] + "\n")
+    bar.close()
+    bars = evaluate_bars(rows, per_k, cfg)
+    result = {
+        "schema": "accum_kit.bench/1",
+        "command": _command(argv if argv is not None else []),
+        "config": asdict(cfg),
+        "machine": _machine(accelerator),
+        "versions": _versions(),
+        "data": "synthetic: uniformly random token ids, every position a target; seed --seed + 1",
+        "timings_from": "process 0 (step times); peak memory: max over processes",
+        "presets": presets,
+        "rows": rows,
+        "per_k": per_k,
+        "bars": bars,
+        "runs": all_runs,
+        "timing": {"started": started, "total_seconds": time.perf_counter() - t0,
+                   "load_average_start": list(load_start), "load_average_end": list(os.getloadavg())},
+    }
+    if accelerator.is_main_process:
+        paths = write_outputs(cfg.output_dir, result)
+        print("\n".join(tables))
+        print(format_bars(bars))
+        print(f"wrote {', '.join(str(p) for p in paths)} ({result['timing']['total_seconds']:.0f} s; "
+              f"load average {load_start[0]:.2f} at start, {result['timing']['load_average_end'][0]:.2f} at end)")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``accum-kit bench``: 0 on success, 2 on bad input (``error: ...`` on stderr), nothing written then."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        cfg = parse_bench_args(argv)
+    except _ArgumentError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run(cfg, argv)
+    except AccumKitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
