@@ -200,7 +200,7 @@ def train_loop(
                     hooks("on_step_end", state)
                     bar.update(1)
                     bar.set_postfix(loss=f"{state.loss:.4f}")
-            if state.step == total:
+            if state.step >= total:
                 break
         if norm.pending:
             raise RuntimeError(
@@ -208,7 +208,7 @@ def train_loop(
                 "so that Accelerate closes the last partial window (sync_with_dataloader)"
             )
         result.epochs = state.epoch + 1
-        if state.step == total:
+        if state.step >= total:
             break
     bar.close()
     result.micro_batches = state.micro_step

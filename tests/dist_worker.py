@@ -11,14 +11,18 @@ SPEC.json (written by the test)::
     {"model_config": {...GPT2Config kwargs...}, "seed": int, "lr": float, "pad_id": int,
      "examples": [{"input_ids": [...], "labels": [...]}, ...],
      "scenarios": [{"name": str, "K": int, "B": int, "mode": "tokens"|"mean",
-                    "sync_each_batch": bool}, ...]}
+                    "sync_each_batch": bool, "epochs": int, "max_train_steps": int|null,
+                    "max_grad_norm": float|null}, ...]}
+
+(``epochs``, ``max_train_steps`` and ``max_grad_norm`` are passed to train_loop as
+``num_train_epochs``, ``max_train_steps`` and ``max_grad_norm``; missing keys mean 1, None, None.)
 
 For every scenario it writes under OUT_DIR/<name>/:
 
 - ``init.pt`` (rank 0): the model's initial state_dict.
 - ``steps.pt`` (rank 0): a list with the model's state_dict after each optimizer step.
 - ``rank<r>.json`` (every rank): the LoopResult numbers, and per micro-batch the
-  loop's ``boundary`` / ``sync`` flags and the number of DDP comm-hook calls
+  loop's ``epoch`` / ``boundary`` / ``sync`` values and the number of DDP comm-hook calls
   (gradient bucket all-reduces) that happened while that micro-batch ran.
 
 The worker only runs accum_kit; all expected values are computed by the test.
@@ -84,7 +88,8 @@ class Recorder:
         self.current = state.micro_step
         assert len(self.micro) == state.micro_step, (len(self.micro), state.micro_step)
         self.micro.append(
-            {"micro": state.micro_step, "boundary": bool(state.boundary), "sync": bool(state.sync), "allreduce_calls": 0}
+            {"micro": state.micro_step, "epoch": state.epoch, "boundary": bool(state.boundary),
+             "sync": bool(state.sync), "allreduce_calls": 0}
         )
 
     def on_backward_end(self, state):
@@ -123,7 +128,9 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path) -> None:
         model,
         optimizer,
         loader,
-        num_train_epochs=1,
+        num_train_epochs=sc.get("epochs", 1),
+        max_train_steps=sc.get("max_train_steps"),
+        max_grad_norm=sc.get("max_grad_norm"),
         loss_normalization=sc["mode"],
         callbacks=[rec],
         progress=False,
@@ -145,6 +152,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path) -> None:
         "step_tokens": result.step_tokens,
         "micro_batches": result.micro_batches,
         "optimizer_steps": result.optimizer_steps,
+        "epochs": result.epochs,
         "micro": rec.micro,
         "stray_allreduce_calls": rec.stray_calls,
     }

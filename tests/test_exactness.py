@@ -13,15 +13,25 @@ r, r+W, r+2W, ...; so accumulation window s (K micro-batches per process) is
 global batches s*K*W ... (s+1)*K*W-1, i.e. consecutive dataset examples. The
 dataset size is a multiple of B*W so ``even_batches`` never duplicates examples,
 and the number of micro-batches per process is not a multiple of K, so every
-scenario ends with a partial window.
+epoch ends with a partial window.
+
+Beyond one epoch (``num_train_epochs``) Accelerate ends the window at the end of
+the dataloader and restarts its counter, so every epoch has the same windows
+(``shuffle=False``) and the partial window that ends an epoch is a step of its
+own. ``max_train_steps`` stops the run after that many windows (possibly in the
+middle of an epoch, or in a later epoch than ``num_train_epochs``). With
+``max_grad_norm`` the exact big-batch gradient is clipped as by
+``torch.nn.utils.clip_grad_norm_`` before the SGD step.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +45,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "dist_worker.py"
 DDP_CONFIG = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+LAUNCH_TIMEOUT_S = 300  # both launches together
 
 # float32 tolerance for parameters after each step: tight enough that the
 # mean-of-means / per-micro-batch-mean arithmetic fails it (test_oracle_is_sensitive).
@@ -61,12 +72,24 @@ MODEL_CONFIG = dict(
 )
 
 
-def _sc(name, K, mode="tokens", sync_each_batch=False):
-    return {"name": name, "K": K, "B": B, "mode": mode, "sync_each_batch": sync_each_batch}
+MAX_GRAD_NORM = 0.05  # below the unclipped big-batch gradient norm (checked in the clipping test)
+
+
+def _sc(name, K, mode="tokens", sync_each_batch=False, epochs=1, max_train_steps=None, max_grad_norm=None):
+    return {"name": name, "K": K, "B": B, "mode": mode, "sync_each_batch": sync_each_batch,
+            "epochs": epochs, "max_train_steps": max_train_steps, "max_grad_norm": max_grad_norm}
 
 
 SCENARIOS = {
-    1: [_sc("tok_k1", 1), _sc("tok_k3", 3), _sc("tok_k4", 4), _sc("mean_k3", 3, "mean")],
+    1: [
+        _sc("tok_k1", 1),
+        _sc("tok_k3", 3),
+        _sc("tok_k4", 4),
+        _sc("mean_k3", 3, "mean"),
+        _sc("tok_k3_2ep", 3, epochs=2),  # epoch: windows of 3, 3, 3, 1 micro-batches
+        _sc("tok_k3_max2", 3, max_train_steps=2),  # 2 of the epoch's 4 steps
+        _sc("tok_k4_clip", 4, max_grad_norm=MAX_GRAD_NORM),
+    ],
     2: [
         _sc("tok_k1", 1),
         _sc("tok_k3", 3),
@@ -74,8 +97,17 @@ SCENARIOS = {
         _sc("mean_k3", 3, "mean"),
         _sc("mean_k4", 4, "mean"),
         _sc("tok_k3_sync_each", 3, sync_each_batch=True),
+        _sc("tok_k3_2ep", 3, epochs=2),  # epoch: windows of 3, 2 micro-batches per process
+        _sc("tok_k2_max2", 2, max_train_steps=2),  # 2 of the epoch's 3 steps; 1 micro-batch left
+        _sc("tok_k3_max3", 3, max_train_steps=3),  # overrides num_train_epochs=1: stops inside epoch 2
+        _sc("tok_k3_clip", 3, max_grad_norm=MAX_GRAD_NORM),
     ],
 }
+
+
+def _is_base(sc) -> bool:
+    """One full epoch, no clipping: the scenarios of the original tests (2) and (3)."""
+    return sc["epochs"] == 1 and sc["max_train_steps"] is None and sc["max_grad_norm"] is None
 
 
 def make_examples(n=N_EXAMPLES, seed=1234):
@@ -144,7 +176,7 @@ def runs(tmp_path_factory):
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log_out, stderr=log_err, start_new_session=True)
         procs[world] = (cmd, proc, log_out, log_err, out)
 
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     failures = []
     try:
         for world, (cmd, proc, *_logs, out) in procs.items():
@@ -153,9 +185,17 @@ def runs(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 failures.append(f"worker with {world} process(es) timed out; killed")
     finally:
-        for cmd, proc, *_ in procs.values():
-            if proc.poll() is None:  # only the launches this fixture started (own session / group)
-                os.killpg(proc.pid, 9)
+        # Only the launches this fixture started (own session / group). torchrun starts every worker in
+        # a session of its own, so SIGKILL of the launcher's group would orphan them: SIGTERM first,
+        # which torchrun forwards to its workers, then SIGKILL what is left of the group.
+        alive = [proc for _, proc, *_ in procs.values() if proc.poll() is None]
+        for proc in alive:
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in alive:
+            try:
+                proc.wait(timeout=40)  # torchrun waits up to 30 s for its workers before SIGKILL
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     for world, (cmd, proc, log_out, log_err, out) in procs.items():
         rc = proc.returncode
@@ -205,6 +245,48 @@ def expected_boundaries(micro_batches_per_process: int, K: int):
     return [(j + 1) % K == 0 or j == micro_batches_per_process - 1 for j in range(micro_batches_per_process)]
 
 
+def _epochs(sc):
+    """Epoch indices the run may enter: num_train_epochs, or unbounded when max_train_steps is set."""
+    return itertools.count() if sc["max_train_steps"] else range(sc["epochs"])
+
+
+def expected_schedule(world: int, sc):
+    """Per local micro-batch of the whole run: (epoch, boundary). Each epoch restarts the windows;
+    the run stops right after the max_train_steps-th boundary."""
+    per_process = N_EXAMPLES // (B * world)
+    epoch_flags = expected_boundaries(per_process, sc["K"])
+    schedule, steps = [], 0
+    for epoch in _epochs(sc):
+        for boundary in epoch_flags:
+            schedule.append((epoch, boundary))
+            steps += boundary
+            if steps == sc["max_train_steps"]:
+                return schedule
+    return schedule
+
+
+def run_windows(world: int, sc):
+    """The windows of the whole run: the epoch's windows once per epoch, cut after max_train_steps."""
+    epoch_windows = windows_for(world, sc["K"])
+    windows = []
+    for _ in _epochs(sc):
+        for w in epoch_windows:
+            windows.append(w)
+            if len(windows) == sc["max_train_steps"]:
+                return windows
+    return windows
+
+
+def carry_over_windows(world: int, K: int, epochs: int, b: int = B, examples=EXAMPLES):
+    """WRONG on purpose: windows as if the accumulation counter ran on across epochs (no reset at
+    the end of the dataloader), i.e. every process's micro-batches of all epochs cut into K's."""
+    global_batches = [examples[i : i + b] for i in range(0, len(examples), b)]
+    per_process = len(global_batches) // world
+    local = [j for _ in range(epochs) for j in range(per_process)]
+    return [[global_batches[j * world + r] for j in local[i : i + K] for r in range(world)]
+            for i in range(0, len(local), K)]
+
+
 def example_loss(model, example):
     """(summed next-token NLL, number of target tokens) of one unpadded example."""
     ids = torch.tensor([example["input_ids"]])
@@ -215,17 +297,27 @@ def example_loss(model, example):
     return nll, int(keep.sum())
 
 
-def oracle_run(init, windows, rule, K, world, lr=LR):
+def oracle_run(init, windows, rule, K, world, lr=LR, max_grad_norm=None, clip_before_rescale=False):
     """See :func:`_oracle_run`; runs single-threaded (much faster for this tiny model on 2 cores)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _oracle_run(init, windows, rule, K, world, lr)
+        return _oracle_run(init, windows, rule, K, world, lr, max_grad_norm, clip_before_rescale)
     finally:
         torch.set_num_threads(threads)
 
 
-def _oracle_run(init, windows, rule, K, world, lr):
+def _clip_(params, max_norm):
+    """torch.nn.utils.clip_grad_norm_ semantics, written out: returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total_norm = math.sqrt(sum((g.double() ** 2).sum().item() for g in grads))
+    coef = min(1.0, max_norm / (total_norm + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+    return total_norm
+
+
+def _oracle_run(init, windows, rule, K, world, lr, max_grad_norm=None, clip_before_rescale=False):
     """Plain single-process SGD over the windows; returns params after each step and pre-step losses.
 
     rule:
@@ -233,6 +325,10 @@ def _oracle_run(init, windows, rule, K, world, lr):
       "accelerate_mean" loss = (1/W) sum_r (1/K) sum_i mean_i = sum_i mean_i / (K W) over all micro-batches
                         of the window (a partial window is still divided by K).
       "mean_of_means"   loss = mean over the window's micro-batches of their token means.
+    max_grad_norm: clip the window's gradient (all parameters, tied ones once) to this global L2 norm
+      before the step; each step's unclipped norm is returned as ``losses[s]["grad_norm"]``.
+    clip_before_rescale: WRONG on purpose ("tokens" only): clip sum(NLL) / (K W), the gradient before
+      the window rescale, and rescale by K W / N afterwards.
     """
     model = GPT2LMHeadModel(GPT2Config(**MODEL_CONFIG))
     model.load_state_dict(init)
@@ -258,9 +354,22 @@ def _oracle_run(init, windows, rule, K, world, lr):
         else:
             raise ValueError(rule)
         loss.backward()
+        grad_norm = None
+        if max_grad_norm is not None:
+            if clip_before_rescale:
+                assert rule == "tokens"
+                ratio = sum(counts) / (K * world)
+                for p in model.parameters():
+                    p.grad.mul_(ratio)
+                _clip_(model.parameters(), max_grad_norm)
+                for p in model.parameters():
+                    p.grad.div_(ratio)
+            else:
+                grad_norm = _clip_(model.parameters(), max_grad_norm)
         opt.step()
         params.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-        losses.append({"tokens": token_mean.item(), "mean_of_means": mean_of_means.item(), "tokens_count": sum(counts)})
+        losses.append({"tokens": token_mean.item(), "mean_of_means": mean_of_means.item(),
+                       "tokens_count": sum(counts), "grad_norm": grad_norm})
     return params, losses
 
 
@@ -286,7 +395,11 @@ def assert_params_match(saved_steps, oracle_params, label):
 
 
 def _cases(mode):
-    return [(w, sc["name"]) for w, scs in SCENARIOS.items() for sc in scs if sc["mode"] == mode]
+    return [(w, sc["name"]) for w, scs in SCENARIOS.items() for sc in scs if sc["mode"] == mode and _is_base(sc)]
+
+
+def _cases_where(pred):
+    return [(w, sc["name"]) for w, scs in SCENARIOS.items() for sc in scs if pred(sc)]
 
 
 # --------------------------------------------------------------------------- (1) all-reduces only on boundaries
@@ -297,16 +410,16 @@ def test_allreduce_only_on_window_boundaries(runs, name):
     run = runs[2][name]
     sc = run["scenario"]
     per_process = N_EXAMPLES // (B * 2)
-    boundary = expected_boundaries(per_process, sc["K"])
-    should_sync = [True] * per_process if sc["sync_each_batch"] else boundary
+    boundary = [b for _, b in expected_schedule(2, sc)]  # every epoch restarts its windows
+    should_sync = [True] * len(boundary) if sc["sync_each_batch"] else boundary
     counts_by_rank = []
     for info in run["ranks"]:
         r = info["rank"]
         assert info["num_processes"] == 2 and "MULTI_CPU" in info["distributed_type"], info["distributed_type"]
         assert info["comm_hook_registered"], f"rank {r}: prepared model is not DDP"
         assert info["len_dataloader"] == per_process
-        assert info["micro_batches"] == per_process
-        assert info["optimizer_steps"] == math.ceil(per_process / sc["K"])
+        assert info["micro_batches"] == len(boundary)
+        assert info["optimizer_steps"] == sum(boundary)
         micro = info["micro"]
         counts = [m["allreduce_calls"] for m in micro]
         counts_by_rank.append(counts)
@@ -358,7 +471,106 @@ def test_mean_mode_matches_accelerate_arithmetic(runs, world, name):
         assert info["train_loss"] == pytest.approx([l["mean_of_means"] for l in losses], rel=LOSS_RTOL), label
 
 
+# --------------------------------------------------------------------------- (4) epochs, max_train_steps, clipping
+
+_RULE = {"tokens": "tokens", "mean": "accelerate_mean"}  # scenario mode -> oracle rule
+_LOGGED = {"tokens": "tokens", "mean": "mean_of_means"}  # scenario mode -> what the loop logs
+
+
+def _check_run_against_oracle(run, world, **oracle_kwargs):
+    """Parameters after every step, logged losses and window token counts vs the oracle of run_windows."""
+    sc = run["scenario"]
+    label = f"W={world} {sc['name']}"
+    params, losses = oracle_run(run["init"], run_windows(world, sc), _RULE[sc["mode"]], sc["K"], world,
+                                **oracle_kwargs)
+    assert_params_match(run["steps"], params, label)
+    for info in run["ranks"]:
+        assert info["num_processes"] == world, f"{label}: rank {info['rank']} trained alone"
+        if sc["mode"] == "tokens":
+            assert info["step_tokens"] == [l["tokens_count"] for l in losses], f"{label}: window token counts"
+        assert info["train_loss"] == pytest.approx([l[_LOGGED[sc["mode"]]] for l in losses], rel=LOSS_RTOL), (
+            f"{label} rank {info['rank']}: logged losses"
+        )
+    return losses
+
+
+@pytest.mark.parametrize("world,name", _cases_where(lambda sc: True))
+def test_micro_batch_schedule(runs, world, name):
+    """Epoch and boundary of every micro-batch, on every process: windows restart at each epoch,
+    the run stops right after the max_train_steps-th step."""
+    run = runs[world][name]
+    sc = run["scenario"]
+    schedule = expected_schedule(world, sc)
+    for info in run["ranks"]:
+        label = f"W={world} {name} rank {info['rank']}"
+        assert info["len_dataloader"] == N_EXAMPLES // (B * world), label
+        assert [(m["epoch"], m["boundary"]) for m in info["micro"]] == schedule, f"{label}: (epoch, boundary) flags"
+        assert info["micro_batches"] == len(schedule), label
+        assert info["optimizer_steps"] == sum(b for _, b in schedule) == len(run_windows(world, sc)), label
+        assert info["epochs"] == schedule[-1][0] + 1, f"{label}: LoopResult.epochs"
+    assert len(run["steps"]) == len(run_windows(world, sc)), f"W={world} {name}: saved steps"
+
+
+@pytest.mark.parametrize("world,name", _cases_where(lambda sc: sc["epochs"] > 1))
+def test_epochs_restart_windows_and_match_big_batch(runs, world, name):
+    """Epoch 2 repeats epoch 1's windows; epoch 1's partial window is a step of its own."""
+    run = runs[world][name]
+    sc = run["scenario"]
+    epoch_windows = windows_for(world, sc["K"])
+    assert len(epoch_windows[-1]) < sc["K"] * world, "scenario lacks a partial window at the end of an epoch"
+    assert len(run_windows(world, sc)) == sc["epochs"] * len(epoch_windows)
+    _check_run_against_oracle(run, world)
+    for info in run["ranks"]:
+        assert info["epochs"] == sc["epochs"]
+        assert info["micro_batches"] == sc["epochs"] * info["len_dataloader"]
+
+
+@pytest.mark.parametrize("world,name", _cases_where(lambda sc: sc["max_train_steps"] is not None))
+def test_max_train_steps_stops_mid_epoch(runs, world, name):
+    """Exactly max_train_steps steps, the last one inside an epoch (also past num_train_epochs=1)."""
+    run = runs[world][name]
+    sc = run["scenario"]
+    per_process = N_EXAMPLES // (B * world)
+    steps_per_epoch = math.ceil(per_process / sc["K"])
+    full_epochs, rest = divmod(sc["max_train_steps"], steps_per_epoch)
+    assert rest > 0, "scenario does not stop in the middle of an epoch"
+    assert len(run["steps"]) == sc["max_train_steps"], f"W={world} {name}: saved steps"
+    _check_run_against_oracle(run, world)
+    for info in run["ranks"]:
+        assert info["optimizer_steps"] == sc["max_train_steps"]
+        # the rest < steps_per_epoch windows of the last epoch are all full ones
+        assert info["micro_batches"] == full_epochs * per_process + rest * sc["K"] < (full_epochs + 1) * per_process
+        assert info["epochs"] == full_epochs + 1
+
+
+@pytest.mark.parametrize("world,name", _cases_where(lambda sc: sc["max_grad_norm"] is not None))
+def test_clipping_matches_clipped_big_batch(runs, world, name):
+    """clip_grad_norm_ of the exact big-batch gradient (after the window rescale), then SGD."""
+    run = runs[world][name]
+    sc = run["scenario"]
+    losses = _check_run_against_oracle(run, world, max_grad_norm=sc["max_grad_norm"])
+    norms = [l["grad_norm"] for l in losses]
+    assert max(norms) > sc["max_grad_norm"], f"unclipped norms {norms} never exceed {sc['max_grad_norm']}: no clipping"
+
+
 # --------------------------------------------------------------------------- the checks can fail
+
+
+def _wrong_oracle(run, world, wrong):
+    """Final parameters of a wrong oracle: a wrong loss rule, or a wrong reading of the new options."""
+    sc = run["scenario"]
+    rule, windows = _RULE[sc["mode"]], run_windows(world, sc)
+    kwargs = {"max_grad_norm": sc["max_grad_norm"]}
+    if wrong == "carry_over":  # accumulation counter not reset at the end of the dataloader
+        windows = carry_over_windows(world, sc["K"], sc["epochs"])
+    elif wrong == "no_clip":
+        kwargs = {}
+    elif wrong == "clip_before_rescale":
+        kwargs["clip_before_rescale"] = True
+    else:
+        rule = wrong
+    params, _ = oracle_run(run["init"], windows, rule, sc["K"], world, **kwargs)
+    return params[-1]
 
 
 @pytest.mark.parametrize(
@@ -371,14 +583,18 @@ def test_mean_mode_matches_accelerate_arithmetic(runs, world, name):
         (2, "mean_k3", "tokens"),
         (2, "mean_k3", "mean_of_means"),  # partial window divided by its own count instead of K
         (1, "mean_k3", "mean_of_means"),
+        (1, "tok_k3_2ep", "carry_over"),
+        (2, "tok_k3_2ep", "carry_over"),
+        (1, "tok_k4_clip", "no_clip"),
+        (2, "tok_k3_clip", "no_clip"),
+        (1, "tok_k4_clip", "clip_before_rescale"),
+        (2, "tok_k3_clip", "clip_before_rescale"),
     ],
 )
 def test_oracle_is_sensitive(runs, world, name, wrong_rule):
     """The parameter comparison above would fail for the classic wrong arithmetic."""
     run = runs[world][name]
-    sc = run["scenario"]
-    wrong, _ = oracle_run(run["init"], windows_for(world, sc["K"]), wrong_rule, sc["K"], world)
-    diff, excess = max_excess(run["steps"][-1], wrong[-1])
+    diff, excess = max_excess(run["steps"][-1], _wrong_oracle(run, world, wrong_rule))
     assert excess > 0 and diff > SENSITIVITY_FACTOR * ATOL, (
         f"W={world} {name}: the {wrong_rule!r} oracle is within {diff:.2e} of the saved parameters; "
         "the tolerance cannot tell the arithmetics apart"
