@@ -53,12 +53,12 @@ dataclass for use from Python, and ``--json`` prints the same fields.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from dataclasses import asdict, dataclass
 
+from .cli import ArgumentParser, parse_args
 from .errors import UsageError
 from .loop import optimizer_steps_per_epoch
 
@@ -556,18 +556,9 @@ def format_plan(report: PlanReport) -> str:
     return "\n".join(lines)
 
 
-class _ArgumentError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # return code 2 from main() instead of sys.exit
-        raise _ArgumentError(message)
-
-
-def build_parser(prog: str = "accum-kit plan") -> argparse.ArgumentParser:
+def build_parser(prog: str = "accum-kit plan") -> ArgumentParser:
     """The argparse parser of ``accum-kit plan`` (Hugging Face style flag names)."""
-    p = _Parser(prog=prog, description=(
+    p = ArgumentParser(prog=prog, description=(
         "Effective batch size, optimizer steps per epoch, padded/dropped examples, learning-rate scaling, "
         "and the gradient accumulation steps that reach a target batch size."))
     p.add_argument("--per_device_train_batch_size", type=int, required=True,
@@ -590,12 +581,8 @@ def build_parser(prog: str = "accum-kit plan") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``accum-kit plan``: print the plan; 0 on success, 2 on bad input (``error: ...`` on stderr)."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except _ArgumentError as exc:
-        parser.print_usage(sys.stderr)
-        print(f"error: {exc}", file=sys.stderr)
+    args = parse_args(build_parser(), argv)
+    if args is None:
         return 2
     try:
         report = make_plan(

@@ -88,7 +88,6 @@ when the row selected by ``--loss_normalization`` passes, 1 when it does not,
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import os
@@ -103,6 +102,7 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import DataLoader
 
+from .cli import ArgumentParser, parse_args
 from .errors import AccumKitError, UsageError
 from .launch import build_accelerator, resolve_accumulation_steps
 from .loop import train_loop
@@ -797,23 +797,14 @@ def _evaluate(accelerator, oracle_model, runs, ran, norms, names, K, B, W, r, se
 # --------------------------------------------------------------------------- command line
 
 
-class _ArgumentError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # return code 2 from main() instead of sys.exit
-        raise _ArgumentError(message)
-
-
-def build_parser(prog: str = "accum-kit verify") -> argparse.ArgumentParser:
+def build_parser(prog: str = "accum-kit verify") -> ArgumentParser:
     """The argparse parser of ``accum-kit verify``."""
-    p = _Parser(prog=prog, description=(
+    p = ArgumentParser(prog=prog, description=(
         "Check that the accumulated gradient (K micro-batches per process, all processes, a full and a partial "
         "window) equals the gradient of one big batch on one process; report mean-of-means and the DDP "
         "semantics of a sum loss. Run under accelerate launch on any number of processes."))
     p.add_argument("--gradient_accumulation_steps", type=int, default=None,
-                   help=f"micro-batches per window, K (default: accelerate launch's value or {DEFAULT_ACCUMULATION_STEPS})")
+                   help=f"micro-batches per window, K (default: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS or {DEFAULT_ACCUMULATION_STEPS})")
     p.add_argument("--per_device_train_batch_size", type=int, default=DEFAULT_BATCH_SIZE,
                    help=f"examples per micro-batch per process (default {DEFAULT_BATCH_SIZE})")
     p.add_argument("--seed", type=int, default=0, help="seed of the examples and of the preset model (default 0)")
@@ -837,12 +828,8 @@ def build_parser(prog: str = "accum-kit verify") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``accum-kit verify``: 0 when the selected row passes, 1 when it fails, 2 on bad input."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except _ArgumentError as exc:
-        parser.print_usage(sys.stderr)
-        print(f"error: {exc}", file=sys.stderr)
+    args = parse_args(build_parser(), argv)
+    if args is None:
         return 2
     try:
         if args.json is not None and os.path.isdir(args.json):
