@@ -25,12 +25,14 @@ every run the weights and the AdamW state are reset to the same initial
 values, so the three modes compute the same losses (the JSON records them and
 the largest difference between modes).
 
-Schedule: for each preset, for each repeat, for each K, the modes in an order
-rotated by one from one (repeat, K) to the next; each run is
-``--warmup_steps`` optimizer steps that are not measured, then ``--steps``
-measured ones. Medians, min / max and quartiles are over all measured steps
-of all repeats. Timings come from process 0 (the processes meet at every
-all-reduce, so their step times agree); memory is the maximum over processes.
+Schedule: for each preset, one unrecorded run of every mode (a fresh model's
+first steps pay page faults and allocator growth), then for each repeat, for
+each K, the modes in an order rotated by one from one (repeat, K) to the
+next; each run is ``--warmup_steps`` optimizer steps that are not measured,
+then ``--steps`` measured ones. Medians, min / max and quartiles are over all
+measured steps of all repeats. Timings come from process 0 (the processes
+meet at every all-reduce, so their step times agree); memory is the maximum
+over processes.
 
 Every mode carries the same instrumentation: a
 :class:`accum_kit.profiler.CommProfiler` on its DDP model (a comm hook around
@@ -52,10 +54,19 @@ Derived figures (per preset; seconds):
   no-sync micro-batches (0 if negative);
 - ideal ``no_sync`` step time ``K c + a``, ideal ``sync_each_batch`` step time
   ``K c + K a``, ideal speedup ``(K c + K a) / (K c + a)``; the measured
-  speedup is ``sync_each_batch`` / ``no_sync`` median step time, also shown
-  as a fraction of the ideal;
+  speedup is ``sync_each_batch`` / ``no_sync`` step time, also shown as a
+  fraction of the ideal. Ratios of two modes (this one and ``no_sync`` /
+  ``raw_ddp``) are paired: the median over repeats of the ratio of the two
+  runs' median steps within one (repeat, K) block, which ran back to back
+  (the ratio of the pooled medians is in the JSON too);
 - ``overhead``: measured ``no_sync`` step minus ``K c + a`` (optimizer step,
-  gradient rescale, the token-count all-reduce, data loading);
+  gradient rescale, the token-count all-reduce, data loading); the ideal
+  speedup with it added to both sides is ``ideal_speedup_with_overhead``;
+- ``other``: per step, the time outside the timed phases (forward,
+  backward, optimizer step incl. rescale and token-count all-reduce):
+  fetching batches and the loop's own code. It is where the toolkit's loop
+  could cost more than the raw loop, measured directly rather than as the
+  difference of two whole steps, which the machine's noise can swamp;
 - exposed communication share of a mode: syncs per step x ``a`` / its step time;
   all-reduce busy share: time with a gradient all-reduce in flight (first
   bucket handed over to last bucket done, overlapped or not) / step time.
@@ -63,7 +74,7 @@ Derived figures (per preset; seconds):
 Peak memory per run: on CPU the process's resident set high-water mark
 (``VmHWM`` in ``/proc/self/status``), reset before each run by writing 5 to
 ``/proc/self/clear_refs``; on CUDA ``torch.cuda.max_memory_allocated`` after
-``reset_peak_memory_stats``.
+``reset_peak_memory_stats`` (that path is written but was only run on CPU).
 
 Bars, printed PASS / FAIL (measured in this one run, never in unit tests):
 the communication-heavy preset at K=8 must give ``no_sync`` a speedup of at
@@ -79,7 +90,6 @@ ideal, and the share of time spent in communication).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import os
@@ -91,6 +101,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .cli import ArgumentParser, parse_args
 from .errors import AccumKitError, UsageError
 from .models import PRESETS
 from .outputs import _umask, atomic_write_json, check_output_dir
@@ -111,7 +122,7 @@ BAR_MAX_MEMORY_RATIO = 1.05
 
 CSV_FIELDS = (
     "preset", "parameters", "K", "mode", "n_steps", "step_s_median", "step_s_min", "step_s_max", "step_s_q1",
-    "step_s_q3", "micro_batch_s", "tokens_per_s", "forward_s", "backward_s", "optimizer_s",
+    "step_s_q3", "micro_batch_s", "tokens_per_s", "forward_s", "backward_s", "optimizer_s", "other_s",
     "allreduce_calls_per_step", "allreduce_mb_per_step", "syncs_per_step", "allreduce_s_per_sync",
     "comm_share_exposed", "allreduce_busy_share", "peak_rss_mb", "peak_increase_mb",
     "c_s", "a_s", "ideal_no_sync_step_s", "ideal_sync_each_batch_step_s", "ideal_speedup", "speedup",
@@ -129,9 +140,9 @@ class BenchConfig:
     per_device_train_batch_size: int = 1
     block_size: int = 64
     vocab_size: int = 384
-    steps: int = 3
+    steps: int = 2
     warmup_steps: int = 1
-    repeats: int = 2
+    repeats: int = 3
     learning_rate: float = 1e-4
     seed: int = 42
     bucket_cap_mb: float | None = None
@@ -196,19 +207,10 @@ def _check_names(flag: str, given: list, allowed: tuple) -> None:
 # --------------------------------------------------------------------------- command line
 
 
-class _ArgumentError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # return code 2 from main() instead of sys.exit
-        raise _ArgumentError(message)
-
-
-def build_parser(prog: str = "accum-kit bench") -> argparse.ArgumentParser:
+def build_parser(prog: str = "accum-kit bench") -> ArgumentParser:
     """The argparse parser of ``accum-kit bench``."""
     d = BenchConfig()
-    p = _Parser(prog=prog, description=(
+    p = ArgumentParser(prog=prog, description=(
         "Step time, communication and peak memory of sync_each_batch, no_sync (accum_kit.train_loop) and a "
         "hand-written raw DDP loop over gradient accumulation steps K, side by side, with the ideal no_sync "
         "speedup. Run under: accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench"))
@@ -222,10 +224,10 @@ def build_parser(prog: str = "accum-kit bench") -> argparse.ArgumentParser:
     p.add_argument("--block_size", type=int, default=d.block_size, help="tokens per example (default 64)")
     p.add_argument("--vocab_size", type=int, default=d.vocab_size,
                    help="vocabulary of the synthetic token ids (default 384, the train job's byte tokenizer)")
-    p.add_argument("--steps", type=int, default=d.steps, help="measured optimizer steps per run (default 3)")
+    p.add_argument("--steps", type=int, default=d.steps, help="measured optimizer steps per run (default 2)")
     p.add_argument("--warmup_steps", type=int, default=d.warmup_steps,
                    help="optimizer steps before measuring, per run (default 1)")
-    p.add_argument("--repeats", type=int, default=d.repeats, help="passes over every K and mode (default 2)")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="passes over every K and mode, interleaved (default 3)")
     p.add_argument("--learning_rate", type=float, default=d.learning_rate, help="AdamW learning rate (default 1e-4)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the model weights and the data (default 42)")
     p.add_argument("--bucket_cap_mb", type=float, default=None, help="DDP gradient bucket size, MB (default: DDP's 25)")
@@ -237,11 +239,14 @@ def build_parser(prog: str = "accum-kit bench") -> argparse.ArgumentParser:
     return p
 
 
-def parse_bench_args(argv: list[str] | None = None) -> BenchConfig:
-    """Parse and validate; raises :class:`UsageError` (or ``_ArgumentError`` for argparse errors)."""
-    args = build_parser().parse_args(argv)
+def parse_bench_args(argv: list[str] | None = None) -> BenchConfig | None:
+    """Parse and validate; None after printing an argparse error; raises :class:`UsageError` for bad values."""
+    args = parse_args(build_parser(), argv)
+    if args is None:
+        return None
     cfg = BenchConfig(**vars(args))
     cfg.validate()
+    cfg.accumulation_steps = sorted(cfg.accumulation_steps)
     return cfg
 
 
@@ -507,6 +512,7 @@ def summarize_preset(preset: str, info: dict, runs: list[dict], cfg: BenchConfig
                 "forward_s": _median([m["forward_s"] for m in mbs]),
                 "backward_s": _median([m["backward_s"] for m in mbs]),
                 "optimizer_s": _median([s for r in rs for s in r["optimizer_seconds"]]),
+                "other_s": _median([s for r in rs for s in r["other_seconds"]]),
                 "allreduce_calls_per_step": _div(sum(r["allreduce_calls"] for r in rs), n_steps),
                 "allreduce_mb_per_step": _div(sum(r["allreduce_bytes"] for r in rs) / 2**20, n_steps),
                 "syncs_per_step": syncs,
@@ -522,13 +528,15 @@ def summarize_preset(preset: str, info: dict, runs: list[dict], cfg: BenchConfig
                      ideal_speedup=ideal_speedup(K, c, a))
         else:
             d.update(ideal_no_sync_step_s=None, ideal_sync_each_batch_step_s=None, ideal_speedup=None)
-        d["speedup"] = _div(med.get("sync_each_batch"), med.get("no_sync"))
+        d["speedup"], d["speedup_per_repeat"] = paired_ratio(runs, K, "sync_each_batch", "no_sync")
+        d["speedup_of_pooled_medians"] = _div(med.get("sync_each_batch"), med.get("no_sync"))
         d["fraction_of_ideal"] = _div(d["speedup"], d["ideal_speedup"])
         d["overhead_s"] = (med["no_sync"] - d["ideal_no_sync_step_s"]) if (
             med.get("no_sync") is not None and d["ideal_no_sync_step_s"] is not None) else None
         d["ideal_speedup_with_overhead"] = _div(d["ideal_sync_each_batch_step_s"] + d["overhead_s"],
                                                 d["ideal_no_sync_step_s"] + d["overhead_s"]) if d["overhead_s"] is not None else None
-        d["no_sync_over_raw_ddp"] = _div(med.get("no_sync"), med.get("raw_ddp"))
+        d["no_sync_over_raw_ddp"], d["no_sync_over_raw_ddp_per_repeat"] = paired_ratio(runs, K, "no_sync", "raw_ddp")
+        d["no_sync_over_raw_ddp_of_pooled_medians"] = _div(med.get("no_sync"), med.get("raw_ddp"))
         d["loss_max_abs_diff_between_modes"] = _loss_spread(runs, K)
         per_k.append(d)
         for row in block:
@@ -537,7 +545,56 @@ def summarize_preset(preset: str, info: dict, runs: list[dict], cfg: BenchConfig
                                           "no_sync_over_raw_ddp")})
             rows.append(row)
     info.update(ca)
+    info["profile"] = phase_profile(runs, cfg.modes, info["gradient_bytes"])
     return rows, per_k
+
+
+def phase_profile(runs: list[dict], modes: list, gradient_bytes: int) -> dict:
+    """Per mode, pooled over K and repeats: median phase times (s) and the all-reduce's time in flight."""
+    out = {}
+    for mode in modes:
+        rs = [r for r in runs if r["mode"] == mode]
+        mbs = [m for r in rs for m in r["micro_batches"]]
+        per_sync = _median([r["seconds_per_sync"] for r in rs if r["syncs"]])
+        out[mode] = {
+            "forward_s": _median([m["forward_s"] for m in mbs]),
+            "backward_no_sync_s": _median([m["backward_s"] for m in mbs if not m["sync"]]),
+            "backward_sync_s": _median([m["backward_s"] for m in mbs if m["sync"]]),
+            "optimizer_s": _median([x for r in rs for x in r["optimizer_seconds"]]),
+            "other_s": _median([x for r in rs for x in r["other_seconds"]]),
+            "allreduce_s_per_sync": per_sync,
+            "allreduce_GBps": _div(gradient_bytes / 1e9, per_sync),
+        }
+    return out
+
+
+def format_profile(profile: dict) -> str:
+    lines = [f"  {'profile (medians, s)':22s} {'forward':>8s} {'bwd no-sync':>11s} {'bwd sync':>9s} {'optimizer':>9s} "
+             f"{'other':>7s} {'all-reduce in flight/sync':>26s}"]
+    for mode, p in profile.items():
+        bw = f" ({p['allreduce_GBps']:.2f} GB/s)" if p["allreduce_GBps"] else ""
+        lines.append(f"  {mode:22s} {_f(p['forward_s'], '{:.4f}'):>8s} {_f(p['backward_no_sync_s'], '{:.4f}', '-'):>11s} "
+                     f"{_f(p['backward_sync_s'], '{:.4f}', '-'):>9s} {_f(p['optimizer_s'], '{:.4f}'):>9s} "
+                     f"{_f(p['other_s'], '{:.4f}'):>7s} {(_f(p['allreduce_s_per_sync'], '{:.4f}') + bw):>26s}")
+    lines.append("  (forward/backward: per micro-batch; optimizer (incl. rescale and token-count all-reduce) and other "
+                 "(batches, loop code): per step)")
+    return "\n".join(lines)
+
+
+def paired_ratio(runs: list[dict], K: int, num: str, den: str) -> tuple[float | None, list]:
+    """Median over repeats of (median step of ``num``'s run / median step of ``den``'s run) at this K.
+
+    Runs of one (repeat, K) block ran back to back, so a burst of load from
+    outside that hits one block (or one repeat) moves both sides of its ratio
+    or is voted out by the other repeats; a ratio of pooled medians has no
+    such protection.
+    """
+    ratios = []
+    for rep in sorted({r["repeat"] for r in runs}):
+        t = {r["mode"]: _median(r["step_seconds"]) for r in runs if r["K"] == K and r["repeat"] == rep}
+        if num in t and den in t and t[den]:
+            ratios.append(t[num] / t[den])
+    return _median(ratios), ratios
 
 
 def _loss_spread(runs: list[dict], K: int) -> float | None:
@@ -603,7 +660,7 @@ def format_preset_table(preset: str, info: dict, rows: list[dict], per_k: list[d
             f"micro-batch {info['micro_batch']}; c = {_f(info['c_seconds'], '{:.4f}')} s compute / micro-batch, "
             f"a = {_f(info['a_seconds'], '{:.4f}')} s exposed all-reduce / sync")
     cols = [f"{m + ' s/step':>25s}" for m in modes]
-    lines = [head, f"{'K':>3s} " + " ".join(cols) + f" {'ideal':>7s} {'speedup':>8s} {'ideal':>7s} {'of ideal':>8s}"
+    lines = [head, f"{'K':>3s} " + " ".join(cols) + f" {'Kc+a':>7s} {'speedup':>8s} {'ideal':>7s} {'% ideal':>8s}"
              f" {'ns/raw':>7s} {'peak MB':>8s} {'comm% each/ns':>13s}"]
     for d in per_k:
         K = d["K"]
@@ -617,8 +674,10 @@ def format_preset_table(preset: str, info: dict, rows: list[dict], per_k: list[d
         lines.append(f"{K:>3d} " + " ".join(cells) + f" {_f(d['ideal_no_sync_step_s']):>7s} {_f(d['speedup'], '{:.2f}x'):>8s}"
                      f" {_f(d['ideal_speedup'], '{:.2f}x'):>7s} {_f(d['fraction_of_ideal'], '{:.0%}'):>8s}"
                      f" {_f(d['no_sync_over_raw_ddp']):>7s} {_f(peak, '{:.0f}'):>8s} {share:>13s}")
-    lines.append("  (s/step: median [min-max] over repeats x measured steps; ideal = K c + a for no_sync; "
-                 "speedup = sync_each_batch / no_sync; ns/raw = no_sync / raw_ddp; peak MB: max over modes and processes)")
+    lines.append("  (s/step: median [min-max] over repeats x measured steps; Kc+a: ideal no_sync s/step; speedup: "
+                 "sync_each_batch / no_sync; ideal: (Kc+Ka)/(Kc+a); ns/raw: no_sync / raw_ddp (ratios: median over "
+                 "repeats of the ratio within each repeat); peak MB: resident "
+                 "set high-water mark, max over modes and processes; comm%: exposed all-reduce share of the step)")
     return "\n".join(lines)
 
 
@@ -750,8 +809,10 @@ def _machine(accelerator) -> dict:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def _command(argv: list[str]) -> str:
-    return "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench" + "".join(f" {a}" for a in argv)
+def _command(argv: list[str], world: int) -> str:
+    procs = "" if world == 2 else f" --num_processes {world}"  # accelerate_configs/cpu_ddp.yaml starts 2
+    return (f"accelerate launch --config_file accelerate_configs/cpu_ddp.yaml{procs} -m accum_kit bench"
+            + "".join(f" {a}" for a in argv))
 
 
 def _profiled_records(profiler, label: str) -> dict:
@@ -759,9 +820,14 @@ def _profiled_records(profiler, label: str) -> dict:
     steps = [s for s in profiler.step_records if s["mode"] == label]
     mbs = [m for m in profiler.micro_batches if m["mode"] == label]
     s = profiler.local_summary()  # filtered by profiler.mode == label
+    phases = {}
+    for m in mbs:
+        phases[m["step"]] = phases.get(m["step"], 0.0) + m["forward_seconds"] + m["backward_seconds"]
     return {
         "step_seconds": [x["step_seconds"] for x in steps],
         "optimizer_seconds": [x["optimizer_seconds"] for x in steps],
+        # the rest of the step: fetching batches and the loop's own code between the timed phases
+        "other_seconds": [x["step_seconds"] - phases.get(x["step"], 0.0) - x["optimizer_seconds"] for x in steps],
         "micro_batches": [{"sync": m["sync"], "forward_s": m["forward_seconds"], "backward_s": m["backward_seconds"]} for m in mbs],
         "allreduce_calls": s["allreduce_calls"], "allreduce_bytes": s["allreduce_bytes"], "syncs": s["syncs"],
         "seconds_per_sync": s["seconds_per_sync"], "allreduce_busy_seconds": s["seconds_per_sync"] * s["syncs"] if s["syncs"] else 0.0,
@@ -783,7 +849,8 @@ def _bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict
 
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     model = build_model(preset, cfg.vocab_size, cfg.block_size, seed=cfg.seed)
-    raw_model = copy.deepcopy(model).to(device)  # a fresh copy of the same weights for the raw DDP baseline
+    want_raw = "raw_ddp" in cfg.modes
+    raw_model = copy.deepcopy(model).to(device) if want_raw else None  # a fresh copy of the same weights
     initial = [p.detach().clone() for p in model.parameters()]
     n_params = count_parameters(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -792,11 +859,13 @@ def _bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict
     acc_model, acc_opt = accelerator.prepare(model, opt)
     ddp_kw = cfg.ddp_kwargs()
     dev_ids = [device.index if device.index is not None else accelerator.local_process_index] if device.type == "cuda" else None
-    raw_ddp = DistributedDataParallel(raw_model, device_ids=dev_ids, **ddp_kw)
-    raw_opt = torch.optim.AdamW(raw_ddp.parameters(), lr=cfg.learning_rate)
     hook = _comm_hook(cfg.comm_hook)
     prof_acc = CommProfiler(accelerator, acc_model, hook=hook)
-    prof_raw = CommProfiler(accelerator, raw_ddp, hook=hook)
+    raw_ddp = raw_opt = prof_raw = None
+    if want_raw:  # plain DDP, the same constructor arguments as Accelerate's DistributedDataParallelKwargs
+        raw_ddp = DistributedDataParallel(raw_model, device_ids=dev_ids, **ddp_kw)
+        raw_opt = torch.optim.AdamW(raw_ddp.parameters(), lr=cfg.learning_rate)
+        prof_raw = CommProfiler(accelerator, raw_ddp, hook=hook)
 
     # Data: the K-th dataloader holds exactly (warm-up + measured) x K micro-batches per process.
     run_steps = cfg.warmup_steps + cfg.steps
@@ -814,47 +883,61 @@ def _bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict
     info = {"config": PRESETS[preset], "parameters": n_params, "gradient_bytes": grad_bytes,
             "micro_batch": f"{B}x{cfg.block_size} tokens", "memory_method": memory.method,
             "ddp_kwargs": ddp_kw, "comm_hook": cfg.comm_hook}
+
+    def one_run(mode: str, K: int, label: str) -> dict:
+        if mode == "raw_ddp":
+            model_, opt_, prof = raw_ddp, raw_opt, prof_raw
+        else:
+            model_, opt_, prof = acc_model, acc_opt, prof_acc
+            accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = mode == "sync_each_batch"
+        _reset_training_state(model_, initial, opt_)
+        prof.enabled = True
+        tag = _Label(prof, cfg.warmup_steps, label)
+        gc.collect()
+        dist.barrier()
+        memory.reset()
+        t0 = time.perf_counter()
+        if mode == "raw_ddp":
+            losses = run_raw_ddp(model_, opt_, loaders[K]["raw"], K, run_steps, prof, tag, device)
+        else:
+            losses = run_toolkit(accelerator, model_, opt_, loaders[K]["toolkit"], K, run_steps, prof, tag)
+        wall = time.perf_counter() - t0
+        peak, increase = memory.peak()
+        mem = torch.tensor([-1.0 if peak is None else peak, -1.0 if increase is None else increase],
+                           dtype=torch.float64, device=device)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        prof.mode = label
+        return {"preset": preset, "K": K, "mode": mode, "wall_seconds": wall, "losses": losses,
+                "peak_rss_mb": None if peak is None else mem[0].item(),
+                "peak_increase_mb": None if increase is None else mem[1].item(),
+                **_profiled_records(prof, label)}
+
+    # Everything built so far lives until the preset is done: keep the cyclic garbage collector from
+    # re-scanning it (a full collection over transformers' objects takes ~0.1-0.5 s, in or out of a timed step).
+    gc.collect()
+    gc.freeze()
+
+    # One unrecorded run per mode first: a fresh model's first steps pay page faults and allocator
+    # growth that the per-run warm-up step does not fully absorb.
+    for mode in cfg.modes:
+        one_run(mode, cfg.accumulation_steps[0], f"preset_warmup/{mode}")
     runs = []
     rotation = 0
     for rep in range(cfg.repeats):
         for K in cfg.accumulation_steps:
-            order = cfg.modes[rotation % len(cfg.modes):] + cfg.modes[: rotation % len(cfg.modes)]
+            shift = rotation % len(cfg.modes)
+            order = cfg.modes[shift:] + cfg.modes[:shift]  # each mode takes every position in turn
             rotation += 1
             for position, mode in enumerate(order):
-                label = f"{mode}/K{K}/r{rep}"
-                if mode == "raw_ddp":
-                    model_, opt_, prof = raw_ddp, raw_opt, prof_raw
-                else:
-                    model_, opt_, prof = acc_model, acc_opt, prof_acc
-                    accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = mode == "sync_each_batch"
-                _reset_training_state(model_, initial, opt_)
-                prof.enabled = True
-                tag = _Label(prof, cfg.warmup_steps, label)
-                gc.collect()
-                dist.barrier()
-                memory.reset()
-                t0 = time.perf_counter()
-                if mode == "raw_ddp":
-                    losses = run_raw_ddp(model_, opt_, loaders[K]["raw"], K, run_steps, prof, tag, device)
-                else:
-                    losses = run_toolkit(accelerator, model_, opt_, loaders[K]["toolkit"], K, run_steps, prof, tag)
-                wall = time.perf_counter() - t0
-                peak, increase = memory.peak()
-                mem = torch.tensor([peak if peak is not None else -1.0, increase if increase is not None else -1.0],
-                                   dtype=torch.float64, device=device)
-                dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-                prof.mode = label
-                rec = {"preset": preset, "K": K, "mode": mode, "repeat": rep, "position": position,
-                       "wall_seconds": wall, "losses": losses,
-                       "peak_rss_mb": mem[0].item() if peak is not None else None,
-                       "peak_increase_mb": mem[1].item() if increase is not None else None,
-                       **_profiled_records(prof, label)}
+                rec = one_run(mode, K, f"{mode}/K{K}/r{rep}")
+                rec.update(repeat=rep, position=position)
                 runs.append(rec)
                 bar.set_postfix_str(f"{preset} K={K} {mode}: {_median(rec['step_seconds']):.3f} s/step")
                 bar.update(1)
     accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = False
     del acc_model, acc_opt, raw_ddp, raw_opt, prof_acc, prof_raw, loaders, model, raw_model, opt
     accelerator.free_memory()  # drops the prepared model, optimizer and dataloaders of this preset
+    gc.unfreeze()
     gc.collect()
     return info, runs
 
@@ -888,14 +971,14 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
         presets[preset], all_runs = info, all_runs + runs
         rows += p_rows
         per_k += p_k
-        tables.append(format_preset_table(preset, info, p_rows, p_k, cfg.modes))
+        tables.append(format_preset_table(preset, info, p_rows, p_k, cfg.modes) + "\n" + format_profile(info["profile"]))
         if accelerator.is_main_process:
             bar.write(tables[-1] + "\n")
     bar.close()
     bars = evaluate_bars(rows, per_k, cfg)
     result = {
         "schema": "accum_kit.bench/1",
-        "command": _command(argv if argv is not None else []),
+        "command": _command(argv if argv is not None else [], world),
         "config": asdict(cfg),
         "machine": _machine(accelerator),
         "versions": _versions(),
@@ -923,17 +1006,10 @@ def run(cfg: BenchConfig, argv: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """``accum-kit bench``: 0 on success, 2 on bad input (``error: ...`` on stderr), nothing written then."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
     try:
         cfg = parse_bench_args(argv)
-    except _ArgumentError as exc:
-        parser.print_usage(sys.stderr)
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
+        if cfg is None:  # argparse error, already printed
+            return 2
         run(cfg, argv)
     except AccumKitError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -108,6 +108,14 @@ def _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, 
         raise UsageError("--per_device_train_batch_size", "the train dataloader yields no batch", "add data or lower the batch size")
 
 
+def _release_dataloader(accelerator, dataloader) -> None:
+    # Stopping at max_train_steps leaves a prepared dataloader registered in Accelerate's
+    # GradientState (its end() never ran); later accumulate() calls would then see
+    # end_of_dataloader and sync on every micro-batch.
+    if hasattr(dataloader, "end") and dataloader in accelerator.gradient_state.dataloader_references:
+        dataloader.end()
+
+
 def _sync_each_batch(accelerator) -> bool:
     return bool(accelerator.use_distributed and accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
 
@@ -171,6 +179,7 @@ def train_loop(
     state, result = LoopState(), LoopResult()
     bar = tqdm(total=total, desc="optimizer steps", disable=not (progress and accelerator.is_main_process))
     model.train()
+    accelerator.step = 0  # Accelerate's micro-batch counter: an earlier loop may have stopped mid-window
     hooks("on_train_begin", state)
     last = time.perf_counter()
     for state.epoch in epochs:
@@ -210,6 +219,7 @@ def train_loop(
         result.epochs = state.epoch + 1
         if state.step >= total:
             break
+    _release_dataloader(accelerator, train_dataloader)
     bar.close()
     result.micro_batches = state.micro_step
     hooks("on_train_end", state)

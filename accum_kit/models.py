@@ -21,6 +21,8 @@ PRESETS: dict[str, dict] = {
     "mini": dict(n_layer=4, n_embd=256, n_head=4),
     # ~29M parameters: the size used for the timing figures in shared/DESIGN.md.
     "small": dict(n_layer=9, n_embd=512, n_head=8),
+    # ~25M parameters, little compute per micro-batch: `accum-kit bench`'s communication-heavy case.
+    "comm_heavy": dict(n_layer=2, n_embd=1024, n_head=16),
 }
 
 

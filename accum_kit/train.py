@@ -164,6 +164,7 @@ def run(cfg: TrainConfig) -> dict:
         "eval_perplexity_after": ppl_after,
         "tokens_per_second": result.tokens_per_second,
         "seconds_per_optimizer_step": result.median_step_seconds,
+        "step_seconds": result.step_seconds,
         "train_seconds": sum(result.step_seconds),
         "dataset": source,
         "train_examples": len(train_ds),

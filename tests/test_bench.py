@@ -1,0 +1,277 @@
+"""``accum-kit bench``: one small 2-process sweep, checked by arithmetic on its own records; bad input.
+
+The sweep (``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench``
+with the tiny and mini presets, K in 1 2, 1 repeat, 1 warm-up step, 2
+measured steps) starts once per module and runs while the in-process
+bad-input cases run. Expected values come from:
+
+- the flags (row counts, schedule, steps per run);
+- the models themselves, built here: gradient bytes all-reduced per sync;
+- arithmetic on the JSON's own raw records: the ideal speedup from ``c`` and
+  ``a``, ``c`` and ``a`` from the per-micro-batch phase times, medians from
+  the per-step times;
+- the three modes doing the same arithmetic on the same data from the same
+  weights: equal losses.
+
+No timing is asserted (timings belong to the bench's own printed bars).
+Cost: one launch of ~15-30 s (mostly imports), in-process ``main(argv)`` calls.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+
+import pytest
+
+import job_helpers as jh
+
+PRESETS = ("tiny", "mini")
+KS = (1, 2)
+MODES = ("sync_each_batch", "no_sync", "raw_ddp")
+WARMUP, STEPS, REPEATS, WORLD = 1, 2, 1, 2
+BLOCK, VOCAB = 32, 384
+ARGS = ["--model_presets", *PRESETS, "--accumulation_steps", *map(str, KS), "--repeats", str(REPEATS),
+        "--warmup_steps", str(WARMUP), "--steps", str(STEPS), "--block_size", str(BLOCK)]
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """Start the 2-process bench (not waiting); killed at module end if still running."""
+    root = tmp_path_factory.mktemp("bench")
+    out = root / "out"
+    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "bench", *ARGS, "--output_dir", str(out), num_processes=WORLD)
+    started = jh.start(cmd, jh.clean_env(), root, "bench")
+    yield {"started": started, "out": out}
+    if started[1].poll() is None:  # only the launch this fixture started (its own process group)
+        jh.finish(started, timeout=0.1)
+
+
+@pytest.fixture(scope="module")
+def bench(launch):
+    res = jh.finish(launch["started"], timeout=240)
+    assert res.returncode == 0, res.describe()
+    out = launch["out"]
+    return {"res": res, "out": out, "json": json.loads((out / "bench.json").read_text()),
+            "csv": list(csv.DictReader((out / "bench.csv").open()))}
+
+
+# --------------------------------------------------------------------------- bad input (in process, no launch)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--accumulation_steps", "1", "0"], "--accumulation_steps"),
+    (["--accumulation_steps", "2", "2"], "--accumulation_steps"),
+    (["--steps", "0"], "--steps"),
+    (["--warmup_steps", "-1"], "--warmup_steps"),
+    (["--repeats", "0"], "--repeats"),
+    (["--model_presets", "tiny", "huge"], "--model_presets"),
+    (["--modes", "no_sync", "fast"], "--modes"),
+    (["--comm_hook", "int8"], "--comm_hook"),
+    (["--bucket_cap_mb", "0"], "--bucket_cap_mb"),
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size"),
+    (["--steps", "three"], "--steps"),  # argparse's own error
+])
+def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(launch, argv, flag, tmp_path, capsys):
+    """(Requests the launch first, so the sweep runs while these in-process cases do.)"""
+    from accum_kit.bench import main
+
+    out = tmp_path / "out"
+    assert main([*argv, "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and flag in err, err
+    assert not out.exists()
+
+
+def test_single_process_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    from accum_kit.bench import main
+
+    for name in jh.LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "out"
+    assert main(["--model_presets", "tiny", "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--num_processes" in err and "accelerate launch" in err, err
+    assert not out.exists()
+
+
+def test_output_dir_that_is_a_file_is_refused(tmp_path, capsys):
+    from accum_kit.bench import main
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["--output_dir", str(f)]) == 2
+    assert "--output_dir" in capsys.readouterr().err
+    assert f.read_text() == "x"
+
+
+def test_cli_lists_and_dispatches_bench(capsys):
+    from accum_kit.cli import main
+
+    assert main(["bench", "--accumulation_steps", "0"]) == 2
+    assert "--accumulation_steps" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert "bench" in capsys.readouterr().out
+
+
+def test_ideal_speedup_formula():
+    from accum_kit.bench import ideal_speedup
+
+    assert ideal_speedup(1, 0.3, 0.1) == pytest.approx(1.0)
+    assert ideal_speedup(8, 0.2, 0.2) == pytest.approx((1.6 + 1.6) / (1.6 + 0.2))
+    assert ideal_speedup(16, 1.0, 0.0) == pytest.approx(1.0)
+
+
+# --------------------------------------------------------------------------- the launched sweep
+
+
+def test_output_files_exist_parse_and_leave_no_temp_files(bench):
+    out = bench["out"]
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert jh.staging_leftovers(out) == []
+    assert sorted(p.name for p in out.iterdir()) == ["bench.csv", "bench.json", "bench.png"]
+
+
+def test_csv_has_one_row_per_preset_k_mode_matching_the_json(bench):
+    rows, js = bench["csv"], bench["json"]["rows"]
+    assert len(rows) == len(PRESETS) * len(KS) * len(MODES) == len(js)
+    assert sorted((r["preset"], int(r["K"]), r["mode"]) for r in rows) == sorted(
+        (p, k, m) for p in PRESETS for k in KS for m in MODES)
+    for r, j in zip(rows, js):
+        assert (r["preset"], int(r["K"]), r["mode"]) == (j["preset"], j["K"], j["mode"])
+        for key in ("step_s_median", "ideal_speedup", "allreduce_calls_per_step", "peak_rss_mb"):
+            assert float(r[key]) == pytest.approx(j[key], rel=1e-12)
+
+
+def test_schedule_runs_and_steps(bench):
+    runs = bench["json"]["runs"]
+    assert len(runs) == len(PRESETS) * REPEATS * len(KS) * len(MODES)
+    for r in runs:
+        assert len(r["step_seconds"]) == STEPS and len(r["optimizer_seconds"]) == STEPS
+        assert len(r["losses"]) == WARMUP + STEPS
+        assert len(r["micro_batches"]) == STEPS * r["K"]  # measured micro-batches only
+        assert all(math.isfinite(x) and x > 0 for x in r["step_seconds"])
+        # the timed phases lie inside the step: what is left over is >= 0
+        assert len(r["other_seconds"]) == STEPS and all(x >= -1e-9 for x in r["other_seconds"])
+    # Rotated order: consecutive (repeat, K) blocks start with different modes.
+    for p in PRESETS:
+        firsts = [r["mode"] for r in runs if r["preset"] == p and r["position"] == 0]
+        assert firsts == [MODES[i % len(MODES)] for i in range(len(firsts))]
+
+
+def test_medians_and_spread_come_from_the_measured_steps(bench):
+    js = bench["json"]
+    for row in js["rows"]:
+        steps = [s for r in js["runs"] if (r["preset"], r["K"], r["mode"]) == (row["preset"], row["K"], row["mode"])
+                 for s in r["step_seconds"]]
+        assert row["n_steps"] == len(steps) == REPEATS * STEPS
+        assert row["step_s_median"] == pytest.approx(statistics.median(steps))
+        assert row["step_s_min"] == pytest.approx(min(steps)) and row["step_s_max"] == pytest.approx(max(steps))
+
+
+def paired(runs, K, num, den):
+    """Median over repeats of the ratio of the two runs' median step times in that repeat."""
+    ratios = []
+    for rep in range(REPEATS):
+        t = {r["mode"]: statistics.median(r["step_seconds"]) for r in runs if r["K"] == K and r["repeat"] == rep}
+        ratios.append(t[num] / t[den])
+    return statistics.median(ratios)
+
+
+def test_c_and_a_from_phase_times_and_ideal_arithmetic(bench):
+    js = bench["json"]
+    for p in PRESETS:
+        runs = [r for r in js["runs"] if r["preset"] == p]
+        c = statistics.median(m["forward_s"] + m["backward_s"] for r in runs if r["mode"] == "no_sync"
+                              for m in r["micro_batches"] if not m["sync"])
+        bwd_sync = statistics.median(m["backward_s"] for r in runs if r["mode"] == "sync_each_batch" for m in r["micro_batches"])
+        bwd_free = statistics.median(m["backward_s"] for r in runs if r["mode"] == "no_sync"
+                                     for m in r["micro_batches"] if not m["sync"])
+        info = js["presets"][p]
+        assert info["c_seconds"] == pytest.approx(c)
+        assert info["a_seconds"] == pytest.approx(max(bwd_sync - bwd_free, 0.0))
+        c, a = info["c_seconds"], info["a_seconds"]
+        for d in (d for d in js["per_k"] if d["preset"] == p):
+            K = d["K"]
+            med = {r["mode"]: r["step_s_median"] for r in js["rows"] if r["preset"] == p and r["K"] == K}
+            assert d["ideal_no_sync_step_s"] == pytest.approx(K * c + a)
+            assert d["ideal_sync_each_batch_step_s"] == pytest.approx(K * c + K * a)
+            assert d["ideal_speedup"] == pytest.approx((K * c + K * a) / (K * c + a))
+            assert d["speedup"] == pytest.approx(paired(runs, K, "sync_each_batch", "no_sync"))
+            assert d["speedup_of_pooled_medians"] == pytest.approx(med["sync_each_batch"] / med["no_sync"])
+            assert d["fraction_of_ideal"] == pytest.approx(d["speedup"] / d["ideal_speedup"])
+            assert d["no_sync_over_raw_ddp"] == pytest.approx(paired(runs, K, "no_sync", "raw_ddp"))
+            assert d["no_sync_over_raw_ddp_of_pooled_medians"] == pytest.approx(med["no_sync"] / med["raw_ddp"])
+            assert d["overhead_s"] == pytest.approx(med["no_sync"] - (K * c + a))
+            if K == 1:
+                assert d["ideal_speedup"] == pytest.approx(1.0)
+
+
+def _gradient_bytes(preset: str) -> int:
+    """Bytes of all trainable parameters, from a model built here (tied weights counted once)."""
+    from accum_kit.models import build_model
+
+    model = build_model(preset, VOCAB, BLOCK, seed=0)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def test_allreduce_counts_and_bytes_are_k_times_fewer_with_no_sync(bench):
+    js = bench["json"]
+    for p in PRESETS:
+        grad_bytes = _gradient_bytes(p)
+        assert js["presets"][p]["gradient_bytes"] == grad_bytes
+        for K in KS:
+            row = {r["mode"]: r for r in js["rows"] if r["preset"] == p and r["K"] == K}
+            calls_once = row["no_sync"]["allreduce_calls_per_step"]
+            assert calls_once >= 1 and calls_once == int(calls_once)
+            assert row["sync_each_batch"]["allreduce_calls_per_step"] == K * calls_once
+            assert row["raw_ddp"]["allreduce_calls_per_step"] == calls_once  # the same DDP bucket settings
+            assert row["sync_each_batch"]["syncs_per_step"] == K
+            assert row["no_sync"]["syncs_per_step"] == row["raw_ddp"]["syncs_per_step"] == 1
+            for mode, syncs in (("sync_each_batch", K), ("no_sync", 1), ("raw_ddp", 1)):
+                assert row[mode]["allreduce_mb_per_step"] * 2**20 == pytest.approx(syncs * grad_bytes)
+
+
+def test_three_modes_compute_the_same_losses(bench):
+    """Same weights, same data, same arithmetic: the loss of every step agrees across modes."""
+    runs = bench["json"]["runs"]
+    for p in PRESETS:
+        for K in KS:
+            losses = {r["mode"]: r["losses"] for r in runs if r["preset"] == p and r["K"] == K and r["repeat"] == 0}
+            assert set(losses) == set(MODES)
+            for mode in MODES:
+                assert losses[mode] == pytest.approx(losses["no_sync"], rel=1e-5, abs=1e-6), (p, K, mode)
+            # random tokens over a 384-id vocabulary: the first loss is about ln(384) = 5.95
+            assert losses["no_sync"][0] == pytest.approx(math.log(VOCAB), abs=0.3)
+
+
+def test_memory_is_recorded_per_run(bench):
+    js = bench["json"]
+    for p in PRESETS:
+        assert "VmHWM" in js["presets"][p]["memory_method"]
+    for r in js["runs"]:
+        assert r["peak_rss_mb"] > 50 and r["peak_increase_mb"] >= 0
+
+
+def test_bars_and_printed_table(bench):
+    js, stdout = bench["json"], bench["res"].stdout
+    bars = {b["name"]: b for b in js["bars"]}
+    assert list(bars) == ["speedup", "fraction_of_ideal", "no_sync_vs_raw_ddp", "memory"]
+    # No comm_heavy preset and no K=16 in this sweep: those bars are not measured.
+    assert bars["speedup"]["passed"] is None and bars["fraction_of_ideal"]["passed"] is None
+    assert bars["memory"]["passed"] is None
+    worst = max(d["no_sync_over_raw_ddp"] for d in js["per_k"])
+    assert bars["no_sync_vs_raw_ddp"]["value"] == pytest.approx(worst)
+    assert bars["no_sync_vs_raw_ddp"]["passed"] is (worst <= 1.03)
+    for p in PRESETS:
+        assert f"{p}: " in stdout
+    assert stdout.count("SKIP (not measured)") == 3
+    assert ("PASS  no_sync / raw_ddp" in stdout) != ("FAIL  no_sync / raw_ddp" in stdout)
+    cfg = js["config"]
+    assert cfg["accumulation_steps"] == list(KS) and cfg["model_presets"] == list(PRESETS)
+    assert js["command"].startswith("accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench")
+    assert js["machine"]["world_size"] == WORLD and js["machine"]["backend"] == "gloo"
+    assert {"torch", "accelerate", "transformers"} <= set(js["versions"])
