@@ -235,12 +235,12 @@ class CommProfiler:
             self._t["optimizer"] = self._now()
 
     def on_step_end(self, state):
+        now = self._now() if self.enabled else None
+        if self._torch_profiler is not None:
+            self._torch_profiler.step()  # advances the trace schedule by one optimizer step, enabled or not
         if not self.enabled:
             self._t["step_start"] = time.perf_counter()
             return
-        now = self._now()
-        if self._torch_profiler is not None:
-            self._torch_profiler.step()  # advances the trace schedule by one optimizer step
         self.step_records.append({
             "step": state.step - 1, "mode": self.mode,
             "optimizer_seconds": now - self._t["optimizer"],

@@ -50,7 +50,9 @@ SUMMARY_KEYS = ("allreduce_calls", "allreduce_bytes", "allreduce_seconds", "algb
 AB_KEYS = ("seconds_per_step_sync_each_batch", "seconds_per_step_no_sync", "measured_seconds_saved_per_step", "speedup")
 
 # Train job bundled into the launch (run last by the worker).
-JOB_K, JOB_STEPS, JOB_AB = 2, 8, 2  # the trace starts after 1 + 2 x JOB_AB steps, warms up 1, records 2
+# Windows: 1 warm-up, 2 x JOB_AB A/B, 2 x JOB_OVERHEAD profiler on/off, then the trace warms up 1 and records 2.
+JOB_K, JOB_AB, JOB_OVERHEAD = 2, 2, 1
+JOB_STEPS = 1 + 2 * JOB_AB + 2 * JOB_OVERHEAD + 3
 
 
 def _sc(name, K, **kw):
@@ -96,6 +98,7 @@ def launch(tmp_path_factory):
     argv = ["train", "--model_preset", "tiny", "--train_file", str(corpus), "--block_size", "64",
             "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", str(JOB_K),
             "--max_train_steps", str(JOB_STEPS), "--profile_ab_steps", str(JOB_AB), "--trace_dir", str(trace_dir),
+            "--profile_overhead_steps", str(JOB_OVERHEAD),
             "--output_dir", str(job_out), "--max_train_samples", "64", "--max_eval_samples", "8",
             "--num_warmup_steps", "0", "--logging_steps", "10"]
     spec = {"model_config": MODEL_CONFIG, "seed": SEED, "lr": LR, "pad_id": PAD_ID, "bucket_cap_mb": BUCKET_CAP_MB,
@@ -449,7 +452,11 @@ def test_train_job_summary_has_comm_block(runs):
     assert not missing, sorted(missing)
     assert comm["world_size"] == WORLD and comm["mode"] == "no_sync"
     assert comm["ab_steps_each"] == JOB_AB
-    home_steps = JOB_STEPS - JOB_AB  # the A/B switch's sync_each_batch windows are reported apart
+    # The A/B switch's sync_each_batch windows are reported apart; the profiler-off windows are not recorded.
+    home_steps = JOB_STEPS - JOB_AB - JOB_OVERHEAD
+    assert comm["overhead_steps_each"] == JOB_OVERHEAD
+    assert comm["profiler_overhead_ratio"] == pytest.approx(
+        comm["seconds_per_step_profiler_on"] / comm["seconds_per_step_profiler_off"])
     assert comm["optimizer_steps"] == home_steps
     assert comm["skipped_syncs"] == home_steps * (JOB_K - 1)
     assert comm["allreduce_calls"] >= home_steps and comm["allreduce_bytes"] > 0
