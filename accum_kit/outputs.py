@@ -32,20 +32,37 @@ def check_output_dir(output_dir: str, flag: str = "--output_dir") -> None:
         raise UsageError(flag, f"{parent} is not writable", "pass a writable location")
 
 
-def atomic_write_json(path: str | os.PathLike, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` via a temporary file in the same directory and ``os.replace``."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual file mode
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically (see :func:`atomic_write_bytes`)."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
+
+
+def library_versions() -> dict:
+    """Versions of Python and the libraries whose behaviour the figures depend on."""
+    import platform
+
+    import accelerate
+    import datasets
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "accelerate": accelerate.__version__,
+            "transformers": transformers.__version__, "datasets": datasets.__version__}
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from .evaluation import evaluate_loss
 from .launch import build_accelerator, resolve_accumulation_steps
 from .loop import train_loop
 from .models import build_model, count_parameters, load_model
-from .outputs import atomic_write_json, check_output_dir, staged_output_dir
+from .outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
 from .profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
 
 logger = get_logger("accum_kit.train")  # logs on the main process only
@@ -177,7 +177,7 @@ def run(cfg: TrainConfig) -> dict:
         "sync_each_batch": cfg.sync_each_batch,
         "learning_rate": cfg.learning_rate,
         "seed": cfg.seed,
-        "versions": _versions(),
+        "versions": library_versions(),
     }
     if comm is not None:
         summary["comm"] = comm
@@ -241,15 +241,6 @@ def _quiet_other_processes(accelerator) -> None:
         datasets.utils.logging.set_verbosity_error()
         datasets.disable_progress_bars()
         transformers.utils.logging.set_verbosity_error()
-
-
-def _versions() -> dict:
-    import accelerate
-    import datasets
-    import transformers
-
-    return {"torch": torch.__version__, "accelerate": accelerate.__version__,
-            "transformers": transformers.__version__, "datasets": datasets.__version__}
 
 
 def main(argv: list[str] | None = None) -> int:

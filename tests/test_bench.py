@@ -117,7 +117,7 @@ def test_cli_lists_and_dispatches_bench(capsys):
 
 
 def test_ideal_speedup_formula():
-    from accum_kit.bench import ideal_speedup
+    from accum_kit.bench_report import ideal_speedup
 
     assert ideal_speedup(1, 0.3, 0.1) == pytest.approx(1.0)
     assert ideal_speedup(8, 0.2, 0.2) == pytest.approx((1.6 + 1.6) / (1.6 + 0.2))
