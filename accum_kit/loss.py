@@ -28,6 +28,7 @@ from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import DistributedType
 
 IGNORE_INDEX = -100
 NORMALIZATIONS = ("tokens", "mean")
@@ -76,11 +77,15 @@ class WindowNormalizer:
 
     Raises:
         ValueError: unknown ``mode``.
+        NotImplementedError: ``tokens`` under DeepSpeed (not supported).
     """
 
     def __init__(self, accelerator, mode: str = "tokens"):
         if mode not in NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {NORMALIZATIONS}, got {mode!r}")
+        if mode == "tokens" and accelerator.distributed_type == DistributedType.DEEPSPEED:
+            # DeepSpeed's engine scales by K itself and owns the gradients: the K x W / N rescale would be wrong.
+            raise NotImplementedError("loss_normalization='tokens' is not supported under DeepSpeed; use 'mean'")
         self.accelerator, self.mode = accelerator, mode
         self._reset()
 
