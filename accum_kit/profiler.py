@@ -471,6 +471,7 @@ def format_table(comm: dict) -> str:
 
     rows = [
         ("all-reduce calls", "allreduce_calls", ""), ("all-reduce calls / step", "allreduce_calls_per_step", ""),
+        ("all-reduce calls / sync (buckets)", "allreduce_calls_per_sync", ""),
         ("all-reduce bytes", "allreduce_bytes", " B"), ("all-reduce seconds (sum of buckets)", "allreduce_seconds", " s"),
         ("seconds per sync", "seconds_per_sync", " s"), ("algbw", "algbw_GBps", " GB/s"), ("busbw", "busbw_GBps", " GB/s"),
         ("skipped syncs", "skipped_syncs", ""), ("forward / micro-batch", "forward_seconds", " s"),
