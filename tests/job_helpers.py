@@ -1,4 +1,4 @@
-"""Shared helpers for tests/test_train_job.py and tests/test_launch_guard.py.
+"""Shared helpers for the tests and their worker scripts.
 
 Not a test module (pytest does not collect it): launching subprocesses with a
 clean environment, a small real text corpus, and resetting Accelerate's
@@ -151,3 +151,25 @@ def staging_leftovers(output_dir: Path) -> list[Path]:
 
 def rmtree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def pad_collate(pad_id: int):
+    """Right-pad to the longest example of the micro-batch: pad id, attention_mask 0, labels -100."""
+
+    import torch
+
+    def collate(examples):
+        width = max(len(e["input_ids"]) for e in examples)
+        ids, mask, labels = [], [], []
+        for e in examples:
+            n = len(e["input_ids"])
+            ids.append(e["input_ids"] + [pad_id] * (width - n))
+            mask.append([1] * n + [0] * (width - n))
+            labels.append(e["labels"] + [-100] * (width - n))
+        return {
+            "input_ids": torch.tensor(ids, dtype=torch.long),
+            "attention_mask": torch.tensor(mask, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
+        }
+
+    return collate

@@ -51,27 +51,8 @@ from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import accum_kit
+from job_helpers import pad_collate  # the worker runs as a script from tests/
 from accum_kit.profiler import ABSwitch, CommProfiler
-
-
-def pad_collate(pad_id: int):
-    """Right-pad to the longest example of the micro-batch: pad id, attention_mask 0, labels -100."""
-
-    def collate(examples):
-        width = max(len(e["input_ids"]) for e in examples)
-        ids, mask, labels = [], [], []
-        for e in examples:
-            n = len(e["input_ids"])
-            ids.append(e["input_ids"] + [pad_id] * (width - n))
-            mask.append([1] * n + [0] * (width - n))
-            labels.append(e["labels"] + [-100] * (width - n))
-        return {
-            "input_ids": torch.tensor(ids, dtype=torch.long),
-            "attention_mask": torch.tensor(mask, dtype=torch.long),
-            "labels": torch.tensor(labels, dtype=torch.long),
-        }
-
-    return collate
 
 
 class FlagRecorder:

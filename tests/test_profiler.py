@@ -169,7 +169,7 @@ def test_single_process_reports_zero_communication(launch, monkeypatch):
 
     import accum_kit
     from accum_kit.profiler import CommProfiler, format_table
-    from profiler_worker import pad_collate
+    from job_helpers import pad_collate
 
     for name in jh.LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
