@@ -122,9 +122,10 @@ class BatchPlan:
         micro_batches_per_process: ``M``, micro-batches each process runs per epoch.
         optimizer_steps_per_epoch: ``ceil(M / K)``.
         examples_per_epoch: examples processed per epoch over all processes,
-            padding included: ``M B P``.
+            padding included: ``M B P`` (one process: ``N``; Accelerate pads
+            only when it shards the batches over several processes).
         examples_padded: examples repeated from the start of the epoch to
-            complete the last global batch (0 with ``drop_last``).
+            complete the last global batch (0 with ``drop_last`` or one process).
         examples_dropped: examples never seen in the epoch (0 without ``drop_last``).
         last_step_micro_batches: micro-batches per process in the epoch's last
             optimizer step, ``M mod K`` or ``K`` when that is 0.
@@ -209,6 +210,10 @@ def plan_batch(
     else:
         M = math.ceil(N / global_micro)
         padded, dropped = M * global_micro - N, 0
+    # Accelerate shards (and pads with repeated examples) only for several processes;
+    # with one, the last micro-batch is simply shorter.
+    short = padded if P == 1 else 0
+    padded -= short
     r = M % K or K
     return BatchPlan(
         B,
@@ -219,11 +224,11 @@ def plan_batch(
         num_examples=N,
         micro_batches_per_process=M,
         optimizer_steps_per_epoch=optimizer_steps_per_epoch(M, K),
-        examples_per_epoch=M * global_micro,
+        examples_per_epoch=M * global_micro - short,
         examples_padded=padded,
         examples_dropped=dropped,
         last_step_micro_batches=r,
-        last_step_examples=r * global_micro,
+        last_step_examples=r * global_micro - short,
         last_step_is_partial=r < K,
     )
 

@@ -140,6 +140,30 @@ def test_steps_per_epoch_match_accelerate_sync(fresh_accelerate_state):
     assert plan.last_step_micro_batches == 1
 
 
+@pytest.mark.parametrize("n,b,k", [(10, 4, 3), (30, 4, 3), (9, 2, 2)])
+def test_one_process_pads_nothing(fresh_accelerate_state, n, b, k):
+    """Oracle: a prepared 1-process DataLoader, whose last micro-batch is short (no BatchSamplerShard padding)."""
+    import torch
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=k)
+    model = torch.nn.Linear(1, 1)
+    model, loader = accelerator.prepare(model, torch.utils.data.DataLoader(torch.arange(n).view(n, 1), batch_size=b))
+    windows, current = [], []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            current += batch.view(-1).tolist()
+            if accelerator.sync_gradients:
+                windows.append(current)
+                current = []
+    seen = [x for w in windows for x in w]
+    plan = plan_batch(b, k, 1, n)
+    assert sorted(seen) == list(range(n))  # every example once, none repeated
+    assert plan.examples_padded == 0 and plan.examples_per_epoch == len(seen)
+    assert plan.optimizer_steps_per_epoch == len(windows)
+    assert plan.last_step_examples == len(windows[-1])
+
+
 # ---------------------------------------------------------------- learning rate
 
 
