@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .outputs import atomic_write_bytes, atomic_write_json
+from .outputs import atomic_write_bytes, atomic_write_json, staged_output_dir
 
 if TYPE_CHECKING:
     from .bench import BenchConfig
@@ -342,15 +342,22 @@ def plot_png(result: dict) -> bytes | None:
 
 
 def write_outputs(output_dir: str, result: dict) -> list[Path]:
-    """bench.json, bench.csv and bench.png (if matplotlib is present), each atomically; returns the paths."""
-    out = Path(output_dir)
-    paths = [out / "bench.json", out / "bench.csv"]
-    atomic_write_json(paths[0], result)
-    atomic_write_bytes(paths[1], csv_text(result["rows"]).encode())
+    """bench.json, bench.csv and bench.png (if matplotlib is present); returns the paths.
+
+    All three are made in a staging directory first and moved in only when
+    every one of them exists, so a failure leaves ``output_dir`` as it was and
+    new data never sits beside an old plot.
+    """
     png = plot_png(result)
-    if png is not None:
-        paths.append(out / "bench.png")
-        atomic_write_bytes(paths[2], png)
-    return paths
+    names = ["bench.json", "bench.csv"] + (["bench.png"] if png is not None else [])
+    with staged_output_dir(output_dir) as staging:
+        atomic_write_json(staging / "bench.json", result)
+        atomic_write_bytes(staging / "bench.csv", csv_text(result["rows"]).encode())
+        if png is not None:
+            atomic_write_bytes(staging / "bench.png", png)
+    stale = Path(output_dir) / "bench.png"
+    if png is None and stale.exists():
+        stale.unlink()  # a plot of an earlier run must not pass for this one
+    return [Path(output_dir) / n for n in names]
 
 

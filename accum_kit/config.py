@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .data import check_data_flags
 from .errors import UsageError
 from .loss import NORMALIZATIONS
 from .models import PRESETS
@@ -88,6 +89,7 @@ class TrainConfig:
             raise UsageError("--model_preset", f"unknown preset {self.model_preset!r}", f"use one of {sorted(PRESETS)}")
         if self.train_file is not None and self.dataset_name is not None:
             raise UsageError("--train_file", "given together with --dataset_name", "pass only one data source")
+        check_data_flags(self.train_file, self.validation_split_percentage)
 
 
 def parse_train_args(argv: list[str] | None = None) -> TrainConfig:

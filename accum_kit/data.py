@@ -76,6 +76,30 @@ def _split_validation(train, percentage: int):
     return DatasetDict(validation=train.select(range(n_val)), train=train.select(range(n_val, len(train))))
 
 
+_BUILDERS = {"txt": "text", "text": "text", "json": "json", "jsonl": "json", "csv": "csv"}
+
+
+def check_data_flags(train_file: str | None, validation_split_percentage: int) -> None:
+    """The data flags' checks that need no data loaded (every process runs them before any collective).
+
+    Raises:
+        UsageError: percentage outside [0, 100); ``train_file`` missing, empty or of an unsupported type.
+    """
+    if not 0 <= validation_split_percentage < 100:
+        raise UsageError(
+            "--validation_split_percentage", f"must be in [0, 100) (got {validation_split_percentage})", "pass e.g. 5"
+        )
+    if train_file is None:
+        return
+    if not os.path.isfile(train_file):
+        raise UsageError("--train_file", f"no such file: {train_file}", "pass an existing .txt, .json or .csv file")
+    if os.path.getsize(train_file) == 0:  # datasets raises DatasetGenerationError on an empty file
+        raise UsageError("--train_file", f"{train_file} is empty", "pass a file with text in it")
+    ext = train_file.rsplit(".", 1)[-1].lower()
+    if ext not in _BUILDERS:
+        raise UsageError("--train_file", f"unsupported extension .{ext}", "use a .txt, .json, .jsonl or .csv file")
+
+
 def load_raw_datasets(
     dataset_name: str | None = None,
     dataset_config_name: str | None = None,
@@ -103,20 +127,9 @@ def load_raw_datasets(
     """
     from datasets import load_dataset
 
-    if not 0 <= validation_split_percentage < 100:
-        raise UsageError(
-            "--validation_split_percentage", f"must be in [0, 100) (got {validation_split_percentage})", "pass e.g. 5"
-        )
+    check_data_flags(train_file, validation_split_percentage)
     if train_file is not None:
-        if not os.path.isfile(train_file):
-            raise UsageError("--train_file", f"no such file: {train_file}", "pass an existing .txt, .json or .csv file")
-        if os.path.getsize(train_file) == 0:  # datasets raises DatasetGenerationError on an empty file
-            raise UsageError("--train_file", f"{train_file} is empty", "pass a file with text in it")
-        ext = train_file.rsplit(".", 1)[-1].lower()
-        builder = {"txt": "text", "text": "text", "json": "json", "jsonl": "json", "csv": "csv"}.get(ext)
-        if builder is None:
-            raise UsageError("--train_file", f"unsupported extension .{ext}", "use a .txt, .json, .jsonl or .csv file")
-        raw = load_dataset(builder, data_files={"train": train_file})
+        raw = load_dataset(_BUILDERS[train_file.rsplit(".", 1)[-1].lower()], data_files={"train": train_file})
         source = f"file:{train_file}"
     elif dataset_name in (None, DEFAULT_DATASET):
         raw = {"train": load_default_corpus()}

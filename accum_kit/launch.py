@@ -16,7 +16,7 @@ import os
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin
+from accelerate.utils import GradientAccumulationPlugin, get_int_from_env
 
 from .errors import ProcessCountError, UsageError
 
@@ -24,8 +24,11 @@ _ENV_STEPS = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
 
 
 def launcher_world_size() -> int:
-    """Number of processes the launcher (torchrun / accelerate launch) started; 1 if none."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """Number of processes the launcher (torchrun, accelerate launch, mpirun) started; 1 if none.
+
+    Reads the same variables as Accelerate's own state (``WORLD_SIZE`` and the MPI ones).
+    """
+    return get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
 
 
 def _has_gpu() -> bool:

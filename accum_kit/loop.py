@@ -182,45 +182,48 @@ def train_loop(
     accelerator.step = 0  # Accelerate's micro-batch counter: an earlier loop may have stopped mid-window
     hooks("on_train_begin", state)
     last = time.perf_counter()
-    for state.epoch in epochs:
-        if hasattr(train_dataloader, "set_epoch"):
-            train_dataloader.set_epoch(state.epoch)  # reshuffle per epoch, as in Accelerate's examples
-        for batch in train_dataloader:
-            with accelerator.accumulate(model):
-                state.boundary = accelerator.sync_gradients
-                state.sync = state.boundary or _sync_each_batch(accelerator)
-                hooks("on_micro_batch_begin", state)
-                summed_loss, num_items = loss_fn(model, batch)
-                hooks("on_forward_end", state)
-                accelerator.backward(norm.backward_loss(summed_loss, num_items))
-                hooks("on_backward_end", state)
-                state.micro_step += 1
-                if accelerator.sync_gradients:
-                    hooks("on_step_begin", state)
-                    state.loss, state.window_tokens = norm.finish(model)  # exact rescale before clipping
-                    if max_grad_norm is not None:
-                        accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-                    optimizer.step()
-                    if lr_scheduler is not None:
-                        lr_scheduler.step()
-                    optimizer.zero_grad()
-                    state.step += 1
-                    last = result.record(state.loss, state.window_tokens, since=last)
-                    hooks("on_step_end", state)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{state.loss:.4f}")
+    try:
+        for state.epoch in epochs:
+            if hasattr(train_dataloader, "set_epoch"):
+                train_dataloader.set_epoch(state.epoch)  # reshuffle per epoch, as in Accelerate's examples
+            for batch in train_dataloader:
+                with accelerator.accumulate(model):
+                    state.boundary = accelerator.sync_gradients
+                    state.sync = state.boundary or _sync_each_batch(accelerator)
+                    hooks("on_micro_batch_begin", state)
+                    summed_loss, num_items = loss_fn(model, batch)
+                    hooks("on_forward_end", state)
+                    accelerator.backward(norm.backward_loss(summed_loss, num_items))
+                    hooks("on_backward_end", state)
+                    state.micro_step += 1
+                    if accelerator.sync_gradients:
+                        hooks("on_step_begin", state)
+                        state.loss, state.window_tokens = norm.finish(model)  # exact rescale before clipping
+                        if max_grad_norm is not None:
+                            accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                        optimizer.step()
+                        if lr_scheduler is not None:
+                            lr_scheduler.step()
+                        optimizer.zero_grad()
+                        state.step += 1
+                        last = result.record(state.loss, state.window_tokens, since=last)
+                        hooks("on_step_end", state)
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{state.loss:.4f}")
+                if state.step >= total:
+                    break
+            if norm.pending:
+                raise RuntimeError(
+                    "the dataloader ended inside an accumulation window; pass it through accelerator.prepare "
+                    "and keep GradientAccumulationPlugin(sync_with_dataloader=True) so that Accelerate closes "
+                    "the last partial window"
+                )
+            result.epochs = state.epoch + 1
             if state.step >= total:
                 break
-        if norm.pending:
-            raise RuntimeError(
-                "the dataloader ended inside an accumulation window; pass it through accelerator.prepare "
-                "so that Accelerate closes the last partial window (sync_with_dataloader)"
-            )
-        result.epochs = state.epoch + 1
-        if state.step >= total:
-            break
-    _release_dataloader(accelerator, train_dataloader)
-    bar.close()
+    finally:  # also on an exception (e.g. a notebook interrupt): leave Accelerate's state clean
+        _release_dataloader(accelerator, train_dataloader)
+        bar.close()
     result.micro_batches = state.micro_step
     hooks("on_train_end", state)
     return result

@@ -13,7 +13,7 @@ and DDP averages the gradients over the W processes. So backward of the plain
 ``S_{r,i}`` leaves ``sum S / (K W)`` after the boundary all-reduce, and one
 multiplication of the gradients by ``K W / N`` makes it exact ("rescale after",
 shared/DESIGN.md). ``N`` is summed over processes with one all-reduce of a
-2-element tensor per window, after the gradient all-reduce, so it needs no
+3-element tensor (loss sum, tokens, micro-batches) per window, after the gradient all-reduce, so it needs no
 look-ahead and nothing blocks earlier micro-batches. A last partial window of
 an epoch simply has a smaller ``N``: it is never divided by K.
 

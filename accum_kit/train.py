@@ -9,7 +9,6 @@ accelerator -> data + model -> :func:`accum_kit.train_loop` -> summary files.
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import time
 
@@ -22,7 +21,7 @@ from .data import build_collator, build_tokenizer, load_raw_datasets, tokenize_d
 from .errors import AccumKitError, UsageError
 from .evaluation import evaluate_loss
 from .launch import build_accelerator, resolve_accumulation_steps
-from .loop import train_loop
+from .loop import optimizer_steps_per_epoch, train_loop
 from .models import build_model, count_parameters, load_model
 from .outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
 from .profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
@@ -107,6 +106,8 @@ def run(cfg: TrainConfig) -> dict:
     from transformers import get_scheduler
 
     check_output_dir(cfg.output_dir)
+    if cfg.trace_dir:
+        check_output_dir(cfg.trace_dir, flag="--trace_dir")
     k = resolve_accumulation_steps(cfg.gradient_accumulation_steps, default=DEFAULT_ACCUMULATION_STEPS)
     accelerator = build_accelerator(k, sync_each_batch=cfg.sync_each_batch)
     _quiet_other_processes(accelerator)
@@ -119,12 +120,15 @@ def run(cfg: TrainConfig) -> dict:
     else:
         model = build_model(cfg.model_preset, len(tokenizer), cfg.block_size, seed=cfg.seed,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if not cfg.packing and tokenizer.pad_token is None:
+        raise UsageError("--packing", "unpacked examples need padding but the tokenizer has no pad token",
+                         "use packed blocks (the default) or save a tokenizer with a pad token")
     collate = build_collator(tokenizer, cfg.packing)
     train_dl = DataLoader(train_ds, shuffle=True, collate_fn=collate, batch_size=cfg.per_device_train_batch_size)
     eval_dl = DataLoader(eval_ds, collate_fn=collate, batch_size=cfg.per_device_eval_batch_size)
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, _optimizer(model, cfg), train_dl, eval_dl)
 
-    steps = cfg.max_train_steps or cfg.num_train_epochs * math.ceil(len(train_dl) / k)
+    steps = cfg.max_train_steps or cfg.num_train_epochs * optimizer_steps_per_epoch(len(train_dl), k)
     # A prepared scheduler steps once per process per optimizer step (Accelerate's convention).
     lr_scheduler = accelerator.prepare(get_scheduler(
         cfg.lr_scheduler_type, optimizer=optimizer,
@@ -147,7 +151,7 @@ def run(cfg: TrainConfig) -> dict:
     )
     eval_after, ppl_after = evaluate_loss(accelerator, model, eval_dl)
     logger.info("eval loss after training: %.4f (perplexity %.2f)", eval_after, ppl_after)
-    comm = _comm_block(profiler, switches, math.ceil(len(train_dl) / k), accelerator)
+    comm = _comm_block(profiler, switches, optimizer_steps_per_epoch(len(train_dl), k), accelerator)
 
     summary = {
         "world_size": accelerator.num_processes,

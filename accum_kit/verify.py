@@ -108,7 +108,7 @@ from .launch import build_accelerator, resolve_accumulation_steps
 from .loop import train_loop
 from .loss import causal_lm_loss
 from .models import PRESETS, build_model, load_model
-from .outputs import atomic_write_json
+from .outputs import atomic_write_json, check_output_dir
 
 DEFAULT_ACCUMULATION_STEPS = 3
 DEFAULT_BATCH_SIZE = 2
@@ -832,8 +832,10 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         return 2
     try:
-        if args.json is not None and os.path.isdir(args.json):
-            raise UsageError("--json", f"{args.json} is a directory", "pass a file path, e.g. verify.json")
+        if args.json is not None:
+            if os.path.isdir(args.json):
+                raise UsageError("--json", f"{args.json} is a directory", "pass a file path, e.g. verify.json")
+            check_output_dir(os.path.dirname(os.path.abspath(args.json)), flag="--json")
         report = verify_accumulation(
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             per_device_train_batch_size=args.per_device_train_batch_size,

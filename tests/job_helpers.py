@@ -8,7 +8,6 @@ process-wide singleton state between in-process runs.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -89,6 +88,23 @@ def start(cmd: list[str], env: dict, log_dir: Path, name: str) -> tuple:
     return cmd, proc, out, err, time.monotonic()
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a launch started by :func:`start` and the workers it spawned.
+
+    torchrun starts every worker in a session of its own, so killing the
+    launcher's group would orphan them: SIGTERM first, which torchrun forwards
+    to its workers, then SIGKILL what is left of the group.
+    """
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=40)  # torchrun waits up to 30 s for its workers before killing them
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def finish(started: tuple, timeout: float) -> Finished:
     """Wait for a process from :func:`start`; kill its own process group on timeout."""
     import time
@@ -97,8 +113,7 @@ def finish(started: tuple, timeout: float) -> Finished:
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group of the process this helper started
-        proc.wait()
+        stop(proc)
         rc = -9
     texts = []
     for f in (out, err):
@@ -147,10 +162,6 @@ def staging_leftovers(output_dir: Path) -> list[Path]:
     if output_dir.is_dir():
         found += [p for p in output_dir.iterdir() if p.name.startswith(".")]
     return found
-
-
-def rmtree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def pad_collate(pad_id: int):

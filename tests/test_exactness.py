@@ -31,7 +31,6 @@ import json
 import math
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +38,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+import job_helpers as jh
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -185,18 +186,8 @@ def runs(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 failures.append(f"worker with {world} process(es) timed out; killed")
     finally:
-        # Only the launches this fixture started (own session / group). torchrun starts every worker in
-        # a session of its own, so SIGKILL of the launcher's group would orphan them: SIGTERM first,
-        # which torchrun forwards to its workers, then SIGKILL what is left of the group.
-        alive = [proc for _, proc, *_ in procs.values() if proc.poll() is None]
-        for proc in alive:
-            os.killpg(proc.pid, signal.SIGTERM)
-        for proc in alive:
-            try:
-                proc.wait(timeout=40)  # torchrun waits up to 30 s for its workers before SIGKILL
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        for _, proc, *_ in procs.values():
+            jh.stop(proc)  # only the launches this fixture started, workers included
     for world, (cmd, proc, log_out, log_err, out) in procs.items():
         rc = proc.returncode
         for f in (log_out, log_err):
