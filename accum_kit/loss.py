@@ -78,6 +78,11 @@ class WindowNormalizer:
     Raises:
         ValueError: unknown ``mode``.
         NotImplementedError: ``tokens`` under DeepSpeed (not supported).
+
+    Note: ``tokens`` back-propagates summed losses, so gradients before the
+    boundary rescale are about (tokens per micro-batch) times those of a mean
+    loss. With fp16 and a GradScaler the first steps may overflow and be
+    skipped while the scale backs off; bf16 and fp32 are unaffected.
     """
 
     def __init__(self, accelerator, mode: str = "tokens"):

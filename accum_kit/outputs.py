@@ -70,8 +70,9 @@ def staged_output_dir(output_dir: str | os.PathLike):
     """Yield a fresh staging directory; on success move its files into ``output_dir``.
 
     The staging directory is a sibling of ``output_dir`` (same file system, so
-    every move is an atomic rename). On an exception it is deleted and
-    ``output_dir`` is left as it was.
+    every move is an atomic rename). On an exception inside the ``with`` block
+    it is deleted and ``output_dir`` is left as it was. Into an existing
+    ``output_dir`` the entries move one by one, each replacing its namesake.
     """
     output_dir = Path(output_dir).absolute()
     output_dir.parent.mkdir(parents=True, exist_ok=True)
