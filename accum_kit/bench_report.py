@@ -197,6 +197,15 @@ def _loss_spread(runs: list[dict], K: int) -> float | None:
     return worst
 
 
+def _worst_bar(name: str, description: str, items: list, threshold: float) -> dict:
+    """A bar that every ``(ratio, label)`` in ``items`` must meet (ratio <= threshold); None when nothing was measured."""
+    worst = max(items) if items else None
+    return {"name": name, "description": description, "value": worst[0] if worst else None, "threshold": threshold,
+            "passed": None if worst is None else all(r <= threshold for r, _ in items),
+            "detail": None if worst is None else f"worst {worst[0]:.3f} ({worst[1]}); all: "
+            + ", ".join(f"{label}: {r:.3f}" for r, label in items)}
+
+
 def evaluate_bars(rows: list[dict], per_k: list[dict], cfg: BenchConfig) -> list[dict]:
     """The four bars of issue 5 on what this run measured (``passed`` None = not measured)."""
     bars = []
@@ -211,13 +220,9 @@ def evaluate_bars(rows: list[dict], per_k: list[dict], cfg: BenchConfig) -> list
                  "value": fr, "threshold": BAR_MIN_FRACTION_OF_IDEAL,
                  "passed": None if fr is None else fr >= BAR_MIN_FRACTION_OF_IDEAL,
                  "detail": None if fr is None else f"{fr:.1%} ({sp:.3f}x of ideal {ck['ideal_speedup']:.3f}x)"})
-    ratios = [(d["no_sync_over_raw_ddp"], d["preset"], d["K"]) for d in per_k if d["no_sync_over_raw_ddp"] is not None]
-    worst = max(ratios) if ratios else None
-    bars.append({"name": "no_sync_vs_raw_ddp", "description": f"no_sync / raw_ddp step time <= {BAR_MAX_RAW_RATIO} at every K",
-                 "value": worst[0] if worst else None, "threshold": BAR_MAX_RAW_RATIO,
-                 "passed": None if worst is None else all(r <= BAR_MAX_RAW_RATIO for r, _, _ in ratios),
-                 "detail": None if worst is None else f"worst {worst[0]:.3f} ({worst[1]} K={worst[2]}); all: "
-                 + ", ".join(f"{p} K={k}: {r:.3f}" for r, p, k in ratios)})
+    ratios = [(d["no_sync_over_raw_ddp"], f'{d["preset"]} K={d["K"]}') for d in per_k if d["no_sync_over_raw_ddp"] is not None]
+    bars.append(_worst_bar("no_sync_vs_raw_ddp", f"no_sync / raw_ddp step time <= {BAR_MAX_RAW_RATIO} at every K",
+                           ratios, BAR_MAX_RAW_RATIO))
     lo, hi = BAR_MEMORY_K
     mem = []
     for r_hi in rows:
@@ -225,13 +230,9 @@ def evaluate_bars(rows: list[dict], per_k: list[dict], cfg: BenchConfig) -> list
             continue
         r_lo = next((r for r in rows if r["preset"] == r_hi["preset"] and r["mode"] == r_hi["mode"] and r["K"] == lo), None)
         if r_lo and r_lo["peak_rss_mb"]:
-            mem.append((r_hi["peak_rss_mb"] / r_lo["peak_rss_mb"], r_hi["preset"], r_hi["mode"]))
-    wm = max(mem) if mem else None
-    bars.append({"name": "memory", "description": f"peak memory at K={hi} <= {BAR_MAX_MEMORY_RATIO}x that at K={lo}",
-                 "value": wm[0] if wm else None, "threshold": BAR_MAX_MEMORY_RATIO,
-                 "passed": None if wm is None else all(m <= BAR_MAX_MEMORY_RATIO for m, _, _ in mem),
-                 "detail": None if wm is None else f"worst {wm[0]:.3f} ({wm[1]} {wm[2]}); all: "
-                 + ", ".join(f"{p} {m}: {x:.3f}" for x, p, m in mem)})
+            mem.append((r_hi["peak_rss_mb"] / r_lo["peak_rss_mb"], f'{r_hi["preset"]} {r_hi["mode"]}'))
+    bars.append(_worst_bar("memory", f"peak memory at K={hi} <= {BAR_MAX_MEMORY_RATIO}x that at K={lo}",
+                           mem, BAR_MAX_MEMORY_RATIO))
     return bars
 
 
