@@ -1,14 +1,26 @@
-"""``accum-kit`` / ``python -m accum_kit``: one sub-command per job.
+"""``accum-kit`` / ``python -m accum_kit``: one sub-command per job, one way to parse and fail.
 
-Each sub-command lives in its own module with a ``main(argv) -> int``; this
-file only dispatches, so ``accum-kit train --help`` shows the job's own flags.
+Every sub-command module exposes three names:
+
+- ``ARGUMENTS``: a dataclass whose fields are the flags. It is parsed with
+  transformers' ``HfArgumentParser`` (so ``--help`` shows every default) and
+  its ``__post_init__`` checks the values, raising
+  :class:`accum_kit.errors.UsageError` for a bad one;
+- ``DESCRIPTION``: the ``--help`` text;
+- ``run_command(args) -> int``: does the work and returns the exit code.
+
+:func:`run` is the only place that turns errors into exit codes: a flag
+argparse cannot parse, or any :class:`~accum_kit.errors.AccumKitError`, prints
+``error: ...`` to stderr and returns 2. Nothing here imports torch, so
+``accum-kit plan`` starts without it.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
+
+from .errors import AccumKitError
 
 COMMANDS = {
     "train": ("accum_kit.train", "train a causal LM with exact, no_sync gradient accumulation"),
@@ -18,25 +30,70 @@ COMMANDS = {
 }
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse that raises :class:`ArgumentError` instead of exiting, so ``main`` returns 2."""
-
-    def error(self, message):
-        raise ArgumentError(message)
-
-
 class ArgumentError(Exception):
     """A flag argparse could not parse (unknown, missing, wrong type)."""
 
 
-def parse_args(parser: ArgumentParser, argv: list[str] | None):
-    """Parse ``argv``; on a bad flag print usage and ``error: ...`` to stderr and return None."""
+# Legacy argparse helpers, still used by sub-commands not yet moved to ARGUMENTS dataclasses.
+import argparse as _argparse
+
+
+class ArgumentParser(_argparse.ArgumentParser):
+    def error(self, message):
+        raise ArgumentError(message)
+
+
+def parse_args(parser, argv):
     try:
         return parser.parse_args(argv)
     except ArgumentError as exc:
         parser.print_usage(sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return None
+
+
+def build_parser(arguments: type, prog: str, description: str):
+    """An ``HfArgumentParser`` for the dataclass ``arguments`` that raises :class:`ArgumentError` instead of exiting."""
+    from transformers import HfArgumentParser
+
+    class _Parser(HfArgumentParser):
+        def error(self, message):
+            raise ArgumentError(message)
+
+    return _Parser(arguments, prog=prog, description=description)
+
+
+def parse(arguments: type, argv: list[str], prog: str = "accum-kit", description: str = ""):
+    """Parse ``argv`` into one validated ``arguments`` instance.
+
+    Raises:
+        ArgumentError: unknown flag, bad type or missing value.
+        UsageError: a value the dataclass's ``__post_init__`` refused.
+    """
+    parser = build_parser(arguments, prog, description)
+    args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if rest:
+        raise ArgumentError(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
+def run(name: str, argv: list[str] | None = None) -> int:
+    """Run sub-command ``name`` with ``argv``; returns its exit code (2 for bad flags or values)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    module = importlib.import_module(COMMANDS[name][0])
+    if not hasattr(module, "ARGUMENTS"):  # legacy sub-command
+        return module.main(argv)
+    prog = f"accum-kit {name}"
+    try:
+        args = parse(module.ARGUMENTS, argv, prog, module.DESCRIPTION)
+        return module.run_command(args)
+    except ArgumentError as exc:
+        build_parser(module.ARGUMENTS, prog, module.DESCRIPTION).print_usage(sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except AccumKitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _usage() -> str:
@@ -56,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return module.main(rest)
+    return run(name, rest)
 
 
 if __name__ == "__main__":

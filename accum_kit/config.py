@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import checks
 from .data import check_data_flags
 from .errors import UsageError
 from .loss import NORMALIZATIONS
@@ -32,7 +33,7 @@ class TrainConfig:
     max_eval_samples: int | None = field(default=256, metadata={"help": "Evaluate on the first N validation examples (0 or less: all)."})
     per_device_train_batch_size: int = field(default=4, metadata={"help": "Micro-batch size per process, examples."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Evaluation batch size per process, examples."})
-    gradient_accumulation_steps: int | None = field(default=None, metadata={"help": "Micro-batches per optimizer step (K); default: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS or 4."})
+    gradient_accumulation_steps: int | None = field(default=None, metadata={"help": "Micro-batches per optimizer step (K); None: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 4."})
     learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate (AdamW)."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not applied to biases and LayerNorm weights)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": f"One of {SCHEDULERS}."})
@@ -58,48 +59,19 @@ class TrainConfig:
             self.max_grad_norm = None
         if self.max_eval_samples is not None and self.max_eval_samples <= 0:
             self.max_eval_samples = None
-        positive = {
-            "--per_device_train_batch_size": self.per_device_train_batch_size,
-            "--per_device_eval_batch_size": self.per_device_eval_batch_size,
-            "--block_size": self.block_size,
-            "--num_train_epochs": self.num_train_epochs,
-            "--logging_steps": self.logging_steps,
-        }
-        if self.gradient_accumulation_steps is not None:
-            positive["--gradient_accumulation_steps"] = self.gradient_accumulation_steps
-        if self.max_train_samples is not None:
-            positive["--max_train_samples"] = self.max_train_samples
-        for flag, value in positive.items():
-            if value < 1:
-                raise UsageError(flag, f"must be >= 1 (got {value})", "pass a positive integer")
-        for flag, value in (("--profile_ab_steps", self.profile_ab_steps), ("--profile_overhead_steps", self.profile_overhead_steps)):
-            if value < 0:
-                raise UsageError(flag, f"must be >= 0 (got {value})", "pass 0 (off) or a positive integer")
+        for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "block_size", "num_train_epochs",
+                     "logging_steps", "gradient_accumulation_steps", "max_train_samples"):
+            if getattr(self, flag) is not None:
+                checks.at_least(f"--{flag}", getattr(self, flag))
+        for flag in ("profile_ab_steps", "profile_overhead_steps", "num_warmup_steps"):
+            checks.at_least(f"--{flag}", getattr(self, flag), minimum=0, fix="pass 0 (off) or a positive integer")
         if self.profile_ab_steps or self.profile_overhead_steps or self.trace_dir:
             self.profile_comm = True
-        if self.learning_rate <= 0:
-            raise UsageError("--learning_rate", f"must be > 0 (got {self.learning_rate})", "pass e.g. 2e-3")
-        if self.num_warmup_steps < 0:
-            raise UsageError("--num_warmup_steps", f"must be >= 0 (got {self.num_warmup_steps})", "pass 0 or more")
-        if self.loss_normalization not in NORMALIZATIONS:
-            raise UsageError("--loss_normalization", f"unknown value {self.loss_normalization!r}", f"use one of {NORMALIZATIONS}")
-        if self.lr_scheduler_type not in SCHEDULERS:
-            raise UsageError("--lr_scheduler_type", f"unknown value {self.lr_scheduler_type!r}", f"use one of {SCHEDULERS}")
-        if self.model_name_or_path is None and self.model_preset not in PRESETS:
-            raise UsageError("--model_preset", f"unknown preset {self.model_preset!r}", f"use one of {sorted(PRESETS)}")
+        checks.positive("--learning_rate", self.learning_rate, fix="pass e.g. 2e-3")
+        checks.one_of("--loss_normalization", self.loss_normalization, NORMALIZATIONS)
+        checks.one_of("--lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
+        if self.model_name_or_path is None:
+            checks.one_of("--model_preset", self.model_preset, sorted(PRESETS))
         if self.train_file is not None and self.dataset_name is not None:
             raise UsageError("--train_file", "given together with --dataset_name", "pass only one data source")
         check_data_flags(self.train_file, self.validation_split_percentage)
-
-
-def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
-    """Parse command-line flags into a validated :class:`TrainConfig`.
-
-    Raises:
-        UsageError: a value out of range (argparse itself exits 2 on unknown flags).
-    """
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(TrainConfig, description="Train a causal LM with exact, no_sync gradient accumulation.")
-    (config,) = parser.parse_args_into_dataclasses(args=argv)
-    return config

@@ -27,6 +27,7 @@ class UsageError(AccumKitError, ValueError):
 class ProcessCountError(AccumKitError, RuntimeError):
     """The launcher started N processes but the Accelerator sees a different number.
 
-    Raised by :func:`accum_kit.launch.check_process_count`; this is the silent
-    "every process trains alone" failure described in shared/DESIGN.md.
+    Raised by :func:`accum_kit.launch.check_process_count`; without it, a
+    multi-process launch on a machine without a GPU silently trains every
+    process alone (see :mod:`accum_kit.launch`).
     """

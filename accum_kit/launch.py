@@ -3,7 +3,7 @@
 On a machine without CUDA, `accelerate launch` with a two-process config starts
 two processes through torchrun, but a plain ``Accelerator()`` in each of them
 sees ``DistributedType.NO`` and ``num_processes == 1``: two independent
-trainings and no error (measured, see shared/DESIGN.md). ``Accelerator(cpu=True)``
+trainings and no error (measured with accelerate 1.15, torch 2.13; docs/design.md). ``Accelerator(cpu=True)``
 makes them join one gloo process group instead. :func:`build_accelerator` passes
 ``cpu=True`` whenever the launcher started several processes and no GPU is
 present, then :func:`check_process_count` compares the launcher's ``WORLD_SIZE``
@@ -18,9 +18,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, get_int_from_env
 
+from . import checks
 from .errors import ProcessCountError, UsageError
 
 _ENV_STEPS = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+
+#: K when neither ``--gradient_accumulation_steps`` nor the environment gives one.
+#: One rule for every entry point (train, verify, bench, plan, build_accelerator).
+DEFAULT_GRADIENT_ACCUMULATION_STEPS = 4
 
 
 def launcher_world_size() -> int:
@@ -38,7 +43,7 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve_accumulation_steps(requested: int | None, default: int = 1) -> int:
+def resolve_accumulation_steps(requested: int | None, default: int = DEFAULT_GRADIENT_ACCUMULATION_STEPS) -> int:
     """The gradient accumulation steps K to use.
 
     Args:
@@ -49,7 +54,8 @@ def resolve_accumulation_steps(requested: int | None, default: int = 1) -> int:
         ``requested`` if given, else the environment variable
         ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` (which Accelerate itself reads
         in ``Accelerator()``; ``accelerate launch --gradient_accumulation_steps``
-        sets it only for DeepSpeed launches in accelerate 1.15), else ``default``.
+        sets it only for DeepSpeed launches in accelerate 1.15), else ``default``
+        (:data:`DEFAULT_GRADIENT_ACCUMULATION_STEPS`, 4).
 
     Raises:
         UsageError: K below 1, or the script flag and the launcher flag disagree.
@@ -63,8 +69,7 @@ def resolve_accumulation_steps(requested: int | None, default: int = 1) -> int:
             "give it in one place only",
         )
     steps = requested if requested is not None else (env_steps if env_steps is not None else default)
-    if steps < 1:
-        raise UsageError("--gradient_accumulation_steps", f"must be >= 1 (got {steps})", "pass a positive integer")
+    checks.at_least("--gradient_accumulation_steps", steps)
     return steps
 
 
@@ -101,7 +106,8 @@ def build_accelerator(
 
     Args:
         gradient_accumulation_steps: micro-batches per optimizer step (K); None
-            reads ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` or uses 1.
+            reads ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` or uses 4
+            (see :func:`resolve_accumulation_steps`).
         sync_each_batch: all-reduce gradients on every micro-batch instead of
             only on the window's boundary (Accelerate's ``GradientAccumulationPlugin``
             option of the same name); for A/B comparisons only, it is slower.

@@ -11,28 +11,18 @@ update equal to that of one big batch on one process.
 from __future__ import annotations
 
 import itertools
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
+from . import checks
+from .callbacks import CallbackList, LoopState
+from .compat import release_dataloader, restart_window_counter, sync_each_batch
 from .errors import UsageError
 from .loss import NORMALIZATIONS, LossFn, WindowNormalizer, causal_lm_loss
-
-
-@dataclass
-class LoopState:
-    """What callbacks see. Counters are per process; ``step`` counts optimizer steps done."""
-
-    epoch: int = 0
-    step: int = 0
-    micro_step: int = 0  # micro-batches done on this process
-    boundary: bool = False  # this micro-batch ends a window (optimizer step follows)
-    sync: bool = False  # DDP all-reduces gradients in this micro-batch's backward
-    loss: float = float("nan")  # loss of the last finished window, nats
-    window_tokens: int = 0  # target tokens of the last finished window, all processes
+from .planning import optimizer_steps_per_epoch
 
 
 @dataclass
@@ -77,47 +67,16 @@ class LoopResult:
         return statistics.median(self.step_seconds) if self.step_seconds else float("nan")
 
 
-def optimizer_steps_per_epoch(micro_batches_per_process: int, gradient_accumulation_steps: int) -> int:
-    """Optimizer steps in one epoch: a last partial window still makes a step (ceil)."""
-    return math.ceil(micro_batches_per_process / gradient_accumulation_steps)
-
-
-class _Callbacks:
-    """Calls ``name(state)`` on every callback that defines it (duck typing, like TrainerCallback)."""
-
-    def __init__(self, callbacks):
-        self.callbacks = [c for c in callbacks if c is not None]
-
-    def __call__(self, name: str, state: LoopState) -> None:
-        for cb in self.callbacks:
-            fn = getattr(cb, name, None)
-            if fn is not None:
-                fn(state)
-
-
-def _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization):
-    if loss_normalization not in NORMALIZATIONS:
-        raise UsageError("--loss_normalization", f"unknown value {loss_normalization!r}", f"use one of {NORMALIZATIONS}")
-    if max_train_steps is not None and max_train_steps < 1:
-        raise UsageError("--max_train_steps", f"must be >= 1 (got {max_train_steps})", "pass a positive integer or omit it")
-    if max_train_steps is None and num_train_epochs < 1:
-        raise UsageError("--num_train_epochs", f"must be >= 1 (got {num_train_epochs})", "pass a positive integer")
-    if max_grad_norm is not None and max_grad_norm <= 0:
-        raise UsageError("--max_grad_norm", f"must be > 0 (got {max_grad_norm})", "pass a positive float or omit it")
+def _validate(train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization):
+    checks.one_of("--loss_normalization", loss_normalization, NORMALIZATIONS)
+    if max_train_steps is not None:
+        checks.at_least("--max_train_steps", max_train_steps, fix="pass a positive integer or omit it")
+    else:
+        checks.at_least("--num_train_epochs", num_train_epochs)
+    if max_grad_norm is not None:
+        checks.positive("--max_grad_norm", max_grad_norm, fix="pass a positive float or omit it")
     if len(train_dataloader) == 0:
         raise UsageError("--per_device_train_batch_size", "the train dataloader yields no batch", "add data or lower the batch size")
-
-
-def _release_dataloader(accelerator, dataloader) -> None:
-    # Stopping at max_train_steps leaves a prepared dataloader registered in Accelerate's
-    # GradientState (its end() never ran); later accumulate() calls would then see
-    # end_of_dataloader and sync on every micro-batch.
-    if hasattr(dataloader, "end") and dataloader in accelerator.gradient_state.dataloader_references:
-        dataloader.end()
-
-
-def _sync_each_batch(accelerator) -> bool:
-    return bool(accelerator.use_distributed and accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
 
 
 def train_loop(
@@ -153,9 +112,8 @@ def train_loop(
             all processes) or ``"mean"`` (per-micro-batch mean / K, Accelerate's guide).
         loss_fn: ``loss_fn(model, batch) -> (summed_loss, num_items)``; default
             :func:`accum_kit.loss.causal_lm_loss`.
-        callbacks: objects with any of ``on_train_begin``, ``on_micro_batch_begin``,
-            ``on_forward_end``, ``on_backward_end``, ``on_step_begin``,
-            ``on_step_end``, ``on_train_end``, each called with a :class:`LoopState`.
+        callbacks: :class:`accum_kit.LoopCallback` subclasses (or objects with
+            any of its seven hooks), each hook called with a :class:`LoopState`.
             ``on_step_begin`` runs on the boundary micro-batch before the window
             rescale (gradients still hold sum / (K x world_size)).
         progress: show a tqdm bar over optimizer steps on the main process.
@@ -166,12 +124,13 @@ def train_loop(
 
     Raises:
         UsageError: invalid argument (the message names the flag).
+        TypeError: a callback defines no hook or a misspelled one.
         RuntimeError: the dataloader ended inside a window, which happens when
             it was not passed through ``accelerator.prepare``.
     """
-    _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization)
+    _validate(train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization)
     loss_fn = loss_fn or causal_lm_loss
-    hooks = _Callbacks([profiler, *callbacks])  # profiler first: it must see a step before others react to it
+    hooks = CallbackList([profiler, *callbacks])  # profiler first: it must see a step before others react to it
     norm = WindowNormalizer(accelerator, loss_normalization)
     per_epoch = optimizer_steps_per_epoch(len(train_dataloader), accelerator.gradient_accumulation_steps)
     total = max_train_steps or num_train_epochs * per_epoch
@@ -179,7 +138,7 @@ def train_loop(
     state, result = LoopState(), LoopResult()
     bar = tqdm(total=total, desc="optimizer steps", disable=not (progress and accelerator.is_main_process))
     model.train()
-    accelerator.step = 0  # Accelerate's micro-batch counter: an earlier loop may have stopped mid-window
+    restart_window_counter(accelerator)  # an earlier loop may have stopped mid-window
     hooks("on_train_begin", state)
     last = time.perf_counter()
     try:
@@ -189,7 +148,7 @@ def train_loop(
             for batch in train_dataloader:
                 with accelerator.accumulate(model):
                     state.boundary = accelerator.sync_gradients
-                    state.sync = state.boundary or _sync_each_batch(accelerator)
+                    state.sync = state.boundary or sync_each_batch(accelerator)
                     hooks("on_micro_batch_begin", state)
                     summed_loss, num_items = loss_fn(model, batch)
                     hooks("on_forward_end", state)
@@ -222,7 +181,7 @@ def train_loop(
             if state.step >= total:
                 break
     finally:  # also on an exception (e.g. a notebook interrupt): leave Accelerate's state clean
-        _release_dataloader(accelerator, train_dataloader)
+        release_dataloader(accelerator, train_dataloader)
         bar.close()
     result.micro_batches = state.micro_step
     hooks("on_train_end", state)

@@ -11,15 +11,17 @@ between a backward call and the gradient the optimizer sees:
 ``accelerator.backward`` divides the loss by K (``gradient_accumulation_steps``)
 and DDP averages the gradients over the W processes. So backward of the plain
 ``S_{r,i}`` leaves ``sum S / (K W)`` after the boundary all-reduce, and one
-multiplication of the gradients by ``K W / N`` makes it exact ("rescale after",
-shared/DESIGN.md). ``N`` is summed over processes with one all-reduce of a
+multiplication of the gradients by ``K W / N`` makes it exact ("rescale after"
+the boundary all-reduce; docs/design.md compares it with look-ahead). ``N`` is summed over processes with one all-reduce of a
 3-element tensor (loss sum, tokens, micro-batches) per window, after the gradient all-reduce, so it needs no
 look-ahead and nothing blocks earlier micro-batches. A last partial window of
 an epoch simply has a smaller ``N``: it is never divided by K.
 
 References: the mean-of-means problem and its fix are described in the
 transformers blog post "Fixing Gradient Accumulation" (Oct 2024, Trainer's
-``num_items_in_batch``) and torchtune PR 1875.
+``num_items_in_batch``) and torchtune PR 1875; scaling the gradients once
+after the backward passes instead of the losses before them is torchtune
+PR 1917 (its ``scale_grads_``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,27 @@ IGNORE_INDEX = -100
 NORMALIZATIONS = ("tokens", "mean")
 
 LossFn = Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], "tuple[torch.Tensor, torch.Tensor | int]"]
+
+
+def scale_grads_(parameters, scale: float) -> None:
+    """Multiply every existing ``.grad`` by ``scale`` in place.
+
+    One ``torch._foreach_mul_`` per (device, dtype) group of gradients, as
+    torchtune's ``scale_grads_`` does, instead of a Python loop of ``mul_``:
+    on GPU that is one fused kernel launch per group. ``scale`` is a Python
+    float, passed to the kernel as an argument, so no tensor has to be copied
+    to the gradients' device.
+
+    Args:
+        parameters: iterable of tensors; those whose ``.grad`` is None are skipped.
+        scale: the factor (dimensionless).
+    """
+    groups: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in groups.values():
+        torch._foreach_mul_(grads, scale)
 
 
 def causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,9 +161,7 @@ class WindowNormalizer:
         if self.mode == "tokens":
             # grads hold sum(S) / (K W) after backward's /K and DDP's mean: make them sum(S) / N.
             scale = acc.gradient_accumulation_steps * acc.num_processes / max(tokens, 1.0)
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            scale_grads_(model.parameters(), scale)
             window_loss = loss_sum / max(tokens, 1.0)
         else:
             window_loss = loss_sum / max(micro, 1.0)

@@ -22,7 +22,7 @@ Three questions answered before a run, without a GPU:
    (``GradientAccumulationPlugin(sync_with_dataloader=True)``, the default), so
    a last partial window of ``r = M mod K`` micro-batches still makes an
    optimizer step: steps per epoch = ``ceil(M / K)``
-   (:func:`accum_kit.loop.optimizer_steps_per_epoch`).
+   (:func:`optimizer_steps_per_epoch`).
 
 2. **Learning-rate scaling** (:func:`scale_learning_rate`) from a base learning
    rate tuned at a base batch size, ``k = batch / base_batch``:
@@ -60,9 +60,13 @@ from dataclasses import asdict, dataclass
 
 from .cli import ArgumentParser, parse_args
 from .errors import UsageError
-from .loop import optimizer_steps_per_epoch
 
 LR_RULES = ("none", "linear", "sqrt")
+
+
+def optimizer_steps_per_epoch(micro_batches_per_process: int, gradient_accumulation_steps: int) -> int:
+    """Optimizer steps in one epoch: a last partial window still makes a step (``ceil(M / K)``)."""
+    return math.ceil(micro_batches_per_process / gradient_accumulation_steps)
 
 #: Warmup is suggested when the learning-rate multiplier exceeds this.
 WARMUP_MULTIPLIER_THRESHOLD = 4.0

@@ -9,28 +9,31 @@ accelerator -> data + model -> :func:`accum_kit.train_loop` -> summary files.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 
 import torch
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
-from .config import TrainConfig, parse_train_args
+from .callbacks import LoopCallback
+from .config import TrainConfig
 from .data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
-from .errors import AccumKitError, UsageError
+from .errors import UsageError
 from .evaluation import evaluate_loss
 from .launch import build_accelerator, resolve_accumulation_steps
-from .loop import optimizer_steps_per_epoch, train_loop
+from .loop import train_loop
 from .models import build_model, count_parameters, load_model
+from .planning import optimizer_steps_per_epoch
 from .outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
 from .profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
 
 logger = get_logger("accum_kit.train")  # logs on the main process only
-DEFAULT_ACCUMULATION_STEPS = 4
+
+ARGUMENTS = TrainConfig
+DESCRIPTION = "Train a causal LM with exact, no_sync gradient accumulation."
 
 
-class LogEvery:
+class LogEvery(LoopCallback):
     """Callback: logs loss, learning rate and tokens/s every ``every`` optimizer steps (main process)."""
 
     def __init__(self, accelerator, lr_scheduler, every: int):
@@ -108,7 +111,7 @@ def run(cfg: TrainConfig) -> dict:
     check_output_dir(cfg.output_dir)
     if cfg.trace_dir:
         check_output_dir(cfg.trace_dir, flag="--trace_dir")
-    k = resolve_accumulation_steps(cfg.gradient_accumulation_steps, default=DEFAULT_ACCUMULATION_STEPS)
+    k = resolve_accumulation_steps(cfg.gradient_accumulation_steps)
     accelerator = build_accelerator(k, sync_each_batch=cfg.sync_each_batch)
     _quiet_other_processes(accelerator)
     set_seed(cfg.seed)
@@ -247,16 +250,8 @@ def _quiet_other_processes(accelerator) -> None:
         transformers.utils.logging.set_verbosity_error()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit code (2 for bad input)."""
+def run_command(cfg: TrainConfig) -> int:
+    """``accum-kit train``: run the job; 0 on success (bad input raises, and the CLI exits 2)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
-    try:
-        run(parse_train_args(argv))
-    except AccumKitError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    run(cfg)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,7 @@ see examples/custom_loop.py.
 
 import sys
 
-from accum_kit.train import main
+from accum_kit.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("train"))

@@ -75,9 +75,9 @@ def inproc(work, monkeypatch):
 
 
 def run_main(capsys, argv):
-    from accum_kit.train import main
+    from accum_kit.cli import run
 
-    code = main([str(a) for a in argv])
+    code = run("train", [str(a) for a in argv])
     out = capsys.readouterr()
     return code, out.out, out.err
 

@@ -1,0 +1,72 @@
+"""Every place accum-kit reaches into Accelerate's internals, in one file.
+
+Accelerate has no public API for these few things, so the toolkit touches
+its attributes directly. Keeping them here means an Accelerate upgrade can
+break only this module: read it first after upgrading. Each function says
+what it touches, why, and the version it was checked against (accelerate
+1.15.0, the version in the project's lock of measurements).
+"""
+
+from __future__ import annotations
+
+
+def sync_each_batch(accelerator) -> bool:
+    """Whether ``accumulate()`` all-reduces on every micro-batch right now.
+
+    Touches ``accelerator.gradient_state.plugin_kwargs["sync_each_batch"]``:
+    the live copy of ``GradientAccumulationPlugin.sync_each_batch`` that
+    ``Accelerator.accumulate`` reads on every call (accelerate 1.15). Only
+    meaningful with several processes; one process never syncs.
+    """
+    return bool(accelerator.use_distributed and accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
+
+
+def set_sync_each_batch(accelerator, value: bool) -> None:
+    """Switch ``sync_each_batch`` between windows (for A/B timing of no_sync).
+
+    Accelerate reads the flag from ``gradient_state.plugin_kwargs`` on each
+    ``accumulate()`` call and offers no setter, so writing the dict is the
+    only way to flip it without building a new Accelerator (accelerate 1.15).
+    Flip it only between windows: mid-window it changes which micro-batches sync.
+    """
+    accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = bool(value)
+
+
+def restart_window_counter(accelerator) -> None:
+    """Reset Accelerate's micro-batch counter so the next micro-batch opens a window.
+
+    ``accumulate()`` syncs when ``accelerator.step % num_steps == 0`` and
+    ``step`` is never reset by Accelerate itself (accelerate 1.15). A loop that
+    stopped mid-window (``max_train_steps``, an exception) would otherwise
+    shift every window of the next loop that uses the same Accelerator.
+    """
+    accelerator.step = 0
+
+
+def release_dataloader(accelerator, dataloader) -> None:
+    """Unregister a prepared dataloader that was left before its end.
+
+    A prepared ``DataLoaderShard`` registers itself in
+    ``gradient_state.dataloader_references`` when iteration starts and
+    removes itself in ``end()`` when it is exhausted. Breaking out early
+    (``max_train_steps``) leaves it registered, and later ``accumulate()``
+    calls then see ``end_of_dataloader`` and sync every micro-batch
+    (accelerate 1.15). Calling ``end()`` here restores the state.
+    """
+    if hasattr(dataloader, "end") and dataloader in accelerator.gradient_state.dataloader_references:
+        dataloader.end()
+
+
+def forget_prepared(accelerator, objects) -> None:
+    """Remove ``objects`` from the lists ``accelerator.prepare`` appended them to.
+
+    ``prepare`` keeps every model, optimizer and dataloader in
+    ``accelerator._models`` / ``_optimizers`` / ``_dataloaders`` (used by
+    ``save_state`` and ``free_memory``); there is no public way to drop a
+    temporary one without dropping the caller's too (accelerate 1.15). Used by
+    ``verify``, which prepares a throw-away copy inside a caller's Accelerator.
+    """
+    for attr in ("_models", "_optimizers", "_dataloaders"):
+        lst = getattr(accelerator, attr, None)
+        if isinstance(lst, list):
+            lst[:] = [o for o in lst if not any(o is x for x in objects)]
