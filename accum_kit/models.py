@@ -19,7 +19,7 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(n_layer=2, n_embd=64, n_head=2),
     # ~3M parameters: the README demo, learns visibly within minutes on 2 CPU cores.
     "mini": dict(n_layer=4, n_embd=256, n_head=4),
-    # ~29M parameters: the size used for the timing figures in shared/DESIGN.md.
+    # ~29M parameters: the size of the step-time figures in the README and docs/design.md.
     "small": dict(n_layer=9, n_embd=512, n_head=8),
     # ~25M parameters, little compute per micro-batch: `accum-kit bench`'s communication-heavy case.
     "comm_heavy": dict(n_layer=2, n_embd=1024, n_head=16),

@@ -3,8 +3,14 @@
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml examples/custom_loop.py
 
 Builds every piece by hand, in the order of Accelerate's gradient accumulation
-guide, then hands them to accum_kit.train_loop.
+guide, then hands them to ``accum_kit.train_loop``: forward and backward of
+every micro-batch inside ``accelerator.accumulate`` (no all-reduce until the
+window's last micro-batch), the exact token-count rescale, then clipping,
+optimizer and scheduler steps. The scripts in ``examples/by_feature/`` are
+this one plus a short diff marked ``# New Code #``.
 """
+
+import argparse
 
 import torch
 from torch.utils.data import DataLoader
@@ -15,23 +21,48 @@ from accum_kit.data import build_collator, build_tokenizer, load_raw_datasets, t
 from accum_kit.evaluation import evaluate_loss
 from accum_kit.models import build_model
 
-STEPS, K = 30, 4
 
-accelerator = build_accelerator(gradient_accumulation_steps=K)  # cpu=True when needed, process-count check
-tokenizer = build_tokenizer()  # bytes: no files needed
-with accelerator.main_process_first():
-    data = tokenize_datasets(load_raw_datasets()[0], tokenizer, block_size=128)
-collate = build_collator(tokenizer)
-train_dl = DataLoader(data["train"], batch_size=4, shuffle=True, collate_fn=collate)
-eval_dl = DataLoader(data["validation"].select(range(64)), batch_size=8, collate_fn=collate)
-model = build_model("tiny", len(tokenizer), n_positions=128, seed=0)
-optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-# A prepared scheduler steps once per process per optimizer step: scale its lengths.
-scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=STEPS * accelerator.num_processes)
-model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--train_file", default=None, help="local .txt/.json/.csv file; default: the Python stdlib sources")
+    p.add_argument("--model_preset", default="tiny", help="accum_kit.models.PRESETS key")
+    p.add_argument("--per_device_train_batch_size", type=int, default=4, help="examples per micro-batch per process")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=4, help="micro-batches per optimizer step (K)")
+    p.add_argument("--block_size", type=int, default=128, help="tokens per example")
+    p.add_argument("--max_train_steps", type=int, default=30, help="optimizer steps")
+    p.add_argument("--learning_rate", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
 
-before, _ = evaluate_loss(accelerator, model, eval_dl)
-result = train_loop(accelerator, model, optimizer, train_dl, lr_scheduler=scheduler, max_train_steps=STEPS, max_grad_norm=1.0)
-after, _ = evaluate_loss(accelerator, model, eval_dl)
-accelerator.print(f"eval loss {before:.3f} -> {after:.3f}; median {result.median_step_seconds:.3f} s/step, "
-                  f"{result.tokens_per_second:.0f} tokens/s on {accelerator.num_processes} processes")
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    accelerator = build_accelerator(args.gradient_accumulation_steps)  # cpu=True when needed, process-count check
+    tokenizer = build_tokenizer()  # bytes: no files needed
+    with accelerator.main_process_first():
+        raw, _ = load_raw_datasets(train_file=args.train_file)
+        data = tokenize_datasets(raw, tokenizer, block_size=args.block_size)
+    collate = build_collator(tokenizer)
+    train_dl = DataLoader(data["train"], batch_size=args.per_device_train_batch_size, shuffle=True, collate_fn=collate)
+    eval_dl = DataLoader(data["validation"].select(range(min(64, len(data["validation"])))), batch_size=8,
+                         collate_fn=collate)
+    model = build_model(args.model_preset, len(tokenizer), n_positions=args.block_size, seed=args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    # A prepared scheduler steps once per process per optimizer step: scale its lengths.
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0,
+                              num_training_steps=args.max_train_steps * accelerator.num_processes)
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+
+    before, _ = evaluate_loss(accelerator, model, eval_dl)
+    result = train_loop(accelerator, model, optimizer, train_dl, lr_scheduler=scheduler,
+                        max_train_steps=args.max_train_steps, max_grad_norm=1.0)
+    after, _ = evaluate_loss(accelerator, model, eval_dl)
+    accelerator.print(f"eval loss {before:.3f} -> {after:.3f}; median {result.median_step_seconds:.3f} s/step, "
+                      f"{result.tokens_per_second:.0f} tokens/s on {accelerator.num_processes} processes")
+    return {"world_size": accelerator.num_processes, "eval_loss_before": before, "eval_loss_after": after,
+            "train_loss": result.train_loss}
+
+
+if __name__ == "__main__":
+    main()
