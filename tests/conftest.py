@@ -1,0 +1,59 @@
+"""Shared fixtures. ``example_results``: every example of the ladder, run once on 2 gloo processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import job_helpers as jh  # noqa: E402
+
+EXAMPLES_TIMEOUT_S = 420
+
+
+def example_specs(corpus: Path) -> list[dict]:
+    """Each example with the flags the tests give it: its own small defaults, plus a small local corpus."""
+    ex = jh.REPO / "examples"
+    corpus_flags = ["--train_file", str(corpus)]
+    return [
+        {"name": "custom_loop", "path": str(ex / "custom_loop.py"), "argv": [*corpus_flags, "--max_train_steps", "8"]},
+    ]
+
+
+@pytest.fixture(scope="session")
+def example_results(tmp_path_factory):
+    """``{name: [rank 0 result, rank 1 result]}`` from one launch of tests/examples_worker.py.
+
+    An example that raised shows up as ``{"error": traceback}`` for that rank.
+    """
+    work = tmp_path_factory.mktemp("examples")
+    corpus = jh.write_corpus(work / "corpus.txt")
+    specs = example_specs(corpus)
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps({"examples": specs}))
+    out = work / "out"
+    out.mkdir()
+    cmd = jh.accelerate_launch_cmd(str(jh.REPO / "tests" / "examples_worker.py"), str(spec_path), str(out))
+    env = jh.clean_env(HF_DATASETS_CACHE=str(work / "hf_cache"))
+    res = jh.run(cmd, env, work / "logs", "examples", timeout=EXAMPLES_TIMEOUT_S)
+    results = {}
+    for s in specs:
+        per_rank = []
+        for rank in range(2):
+            ok, err = out / f"{s['name']}.rank{rank}.json", out / f"{s['name']}.rank{rank}.error"
+            if ok.exists():
+                per_rank.append(json.loads(ok.read_text()))
+            else:
+                per_rank.append({"error": err.read_text() if err.exists() else f"no result\n{res.describe()}"})
+        results[s["name"]] = per_rank
+    return results
+
+
+def ok(results: list[dict]) -> list[dict]:
+    """Fail with the example's traceback if any rank raised."""
+    for r in results:
+        assert "error" not in r, r["error"]
+    return results

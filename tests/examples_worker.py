@@ -1,0 +1,43 @@
+"""Worker for the example tests (not a test module): runs every example in ONE launch.
+
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml tests/examples_worker.py SPEC.json OUT_DIR
+
+SPEC.json is ``{"examples": [{"name": ..., "path": ..., "argv": [...]}, ...]}``.
+Each example script defines ``main(argv) -> dict``; it is loaded from its file
+and called with ``argv``, and what it returns is saved as
+``OUT_DIR/<name>.rank<R>.json`` (or ``<name>.rank<R>.error`` with the
+traceback). Accelerate's singletons are reset between examples; the gloo
+process group stays up, so the import and start-up cost is paid once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+import job_helpers as jh  # the worker runs as a script from tests/
+
+
+def main(spec_path: str, out_dir: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(out_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    failed = False
+    for ex in spec["examples"]:
+        jh.reset_accelerate_state()
+        try:
+            module = runpy.run_path(ex["path"], run_name="accum_kit_example")
+            result = module["main"](ex["argv"])
+            (out / f"{ex['name']}.rank{rank}.json").write_text(json.dumps(result, default=str))
+        except BaseException:  # noqa: BLE001 - recorded for the test, then the next example runs
+            failed = True
+            (out / f"{ex['name']}.rank{rank}.error").write_text(traceback.format_exc())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
