@@ -20,6 +20,7 @@ def example_specs(corpus: Path) -> list[dict]:
     corpus_flags = ["--train_file", str(corpus)]
     return [
         {"name": "custom_loop", "path": str(ex / "custom_loop.py"), "argv": [*corpus_flags, "--max_train_steps", "8"]},
+        {"name": "mean_vs_tokens", "path": str(ex / "by_feature" / "mean_vs_tokens.py"), "argv": corpus_flags},
     ]
 
 

@@ -15,3 +15,22 @@ def test_custom_loop_trains_on_two_processes(example_results):
     assert len(r0["train_loss"]) == 8
     assert r0["train_loss"] == r1["train_loss"]  # the window loss is all-reduced: every rank logs the same
     assert r0["eval_loss_after"] < r0["eval_loss_before"] - 0.1, r0
+
+
+def test_mean_vs_tokens_logs_the_exact_token_mean_and_shows_the_bias(example_results):
+    r0, r1 = ok(example_results["mean_vs_tokens"])
+    assert r0["world_size"] == 2 and r0["train_loss"] == r1["train_loss"]
+    steps = len(r0["train_loss"])
+    assert steps == 8
+    # Recompute both averages from the raw per-micro-batch (step, S, n) records of both ranks.
+    records = [rec for per_rank in r0["micro_batches"] for rec in per_rank]
+    assert len(records) == 2 * 8 * 4  # 2 processes x 8 steps x K=4 micro-batches
+    for step in range(steps):
+        window = [(s, n) for k, s, n in records if k == step]
+        exact = sum(s for s, _ in window) / sum(n for _, n in window)
+        mom = sum(s / n for s, n in window) / len(window)
+        assert abs(r0["train_loss"][step] - exact) <= 1e-6 * exact  # the loop logs (and optimises) the token mean
+        assert abs(r0["mean_of_means"][step] - mom) <= 1e-9 * mom
+    # Variable lengths make the two differ: the bias the example exists to show.
+    gaps = [abs(a - b) for a, b in zip(r0["token_mean"], r0["mean_of_means"])]
+    assert max(gaps) > 1e-3, gaps
