@@ -28,7 +28,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .errors import AccumKitError
+from ..errors import AccumKitError
 
 
 class LaunchError(AccumKitError, RuntimeError):
@@ -45,7 +45,7 @@ def _free_port(host: str) -> int:
 def _worker(function, args, rank: int, world: int, host: str, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
-    from .compat import reset_accelerate_state
+    from ..compat import reset_accelerate_state
 
     reset_accelerate_state()  # the kernel may hold a single-process Accelerator from an earlier cell
     path = Path(out_dir) / f"rank{rank}.pkl"
