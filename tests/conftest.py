@@ -20,6 +20,8 @@ def example_specs(corpus: Path) -> list[dict]:
     corpus_flags = ["--train_file", str(corpus)]
     return [
         {"name": "custom_loop", "path": str(ex / "custom_loop.py"), "argv": [*corpus_flags, "--max_train_steps", "8"]},
+        {"name": "verify_exactness", "path": str(ex / "by_feature" / "verify_exactness.py"),
+         "argv": [*corpus_flags, "--max_train_steps", "8"]},
     ]
 
 

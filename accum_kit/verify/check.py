@@ -145,9 +145,14 @@ def verify_accumulation(
 
     Call it on every process (it runs collectives); every process gets the
     same report. See :mod:`accum_kit.verify` for what is compared and how.
-    Call it before preparing your own training objects: it deep-copies
-    ``model``, and the throw-away objects it prepares inside ``accelerator``
-    are unregistered again afterwards (your own stay registered).
+    Pass ``model`` unprepared (call this before ``accelerator.prepare`` of
+    your training objects, or pass ``accelerator.unwrap_model(model)``): it is
+    deep-copied, and the copies prepared inside ``accelerator`` are
+    unregistered again afterwards (your own stay registered). It ends on a
+    window boundary: its last window closes at the end of its dataloader,
+    which resets Accelerate's micro-batch counter. torch's global (CPU)
+    random state is restored, so a script's training after it runs as it
+    would without it.
 
     Args:
         accelerator: an Accelerator built with ``gradient_accumulation_steps=K``;
@@ -159,7 +164,7 @@ def verify_accumulation(
         seed: seeds the examples and the preset model's initialisation.
         model_name_or_path: a local causal LM (``save_pretrained`` directory)
             instead of the ``tiny`` preset.
-        model: a causal LM module (unprepared) to verify instead (deep-copied, not modified).
+        model: an unprepared causal LM module to verify instead (deep-copied, not modified).
         partial_window: add a partial last window of ``ceil(K / 2)`` micro-batches.
         loss_normalization: which row decides ``passed``: ``"tokens"`` or
             ``"mean"`` (the ``mean-of-means`` row).
@@ -194,7 +199,11 @@ def verify_accumulation(
         seed=seed, model=spec, partial_window=partial_window, loss_normalization=loss_normalization,
         rtol=rtol, atol=atol, dataparallel=dataparallel, device=str(accelerator.device),
         distributed_type=str(accelerator.distributed_type).split(".")[-1])
-    captured = _capture(accelerator, base, settings)
+    # Leave the caller's random state as it was: every DataLoader iteration draws a seed from torch's global
+    # generator (torch.utils.data.DataLoader), which would shift e.g. the shuffling of a training DataLoader
+    # the caller prepares afterwards. Nothing verify computes depends on it (no dropout, seeded examples).
+    with torch.random.fork_rng(devices=[]):
+        captured = _capture(accelerator, base, settings)
 
     payload = None
     if main:
