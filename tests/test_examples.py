@@ -34,3 +34,21 @@ def test_mean_vs_tokens_logs_the_exact_token_mean_and_shows_the_bias(example_res
     # Variable lengths make the two differ: the bias the example exists to show.
     gaps = [abs(a - b) for a, b in zip(r0["token_mean"], r0["mean_of_means"])]
     assert max(gaps) > 1e-3, gaps
+def test_verify_exactness_on_the_users_model(example_results):
+    r0, r1 = ok(example_results["verify_exactness"])
+    v0, v1 = r0["verify"], r1["verify"]
+    assert v0["world_size"] == r0["world_size"] == r1["world_size"] == 2
+    assert v0 == v1  # one report, broadcast to every rank
+    rows = {r["name"]: r for r in v0["rows"]}
+    assert rows["tokens"]["passed"] is True and v0["passed"] is True
+    assert rows["tokens"]["rel_error"] < v0["rtol"] and rows["tokens"]["tolerance_used"] <= 1
+    # per-micro-batch means over variable-length sequences miss the big-batch gradient by far more than rtol
+    assert rows["mean-of-means"]["passed"] is False
+    assert rows["mean-of-means"]["rel_error"] > 100 * v0["rtol"], rows["mean-of-means"]
+    # DDP averages gradients over processes (PyTorch DDP notes): a sum loss yields 1/world_size of the sum gradient
+    assert abs(v0["ddp_sum_ratio"] - 1 / 2) < 1e-3, v0["ddp_sum_ratio"]
+    # the training part still trains, and the verification before it did not disturb it
+    assert r0["eval_loss_after"] < r0["eval_loss_before"] - 0.1, r0
+    assert r0["train_loss"] == r1["train_loss"]
+    base = ok(example_results["custom_loop"])[0]
+    assert r0["train_loss"] == base["train_loss"], "verify changed the training that follows it"
