@@ -157,43 +157,46 @@ def main(argv=None) -> dict:
     from .models import build_model
 
     args = parse_args(argv)
-    checks.at_least("--per_device_train_batch_size", args.per_device_train_batch_size)
+    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_train_steps"):
+        checks.at_least(f"--{flag}", getattr(args, flag))
     checks.at_least("--block_size", args.block_size, minimum=2)
     created = _init_process_group()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")  # gloo; a GPU user would use nccl and cuda:LOCAL_RANK
-    tokenizer = build_tokenizer()
-    if rank != 0:
-        dist.barrier()  # rank 0 tokenises first and fills the datasets cache; the others read it
-    raw, _ = load_raw_datasets(train_file=args.train_file)
-    train = tokenize_datasets(raw, tokenizer, block_size=args.block_size)["train"]
-    if rank == 0:
-        dist.barrier()
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(train, batch_size=args.per_device_train_batch_size, sampler=sampler, drop_last=True,
-                        collate_fn=build_collator(tokenizer))
-    if len(loader) == 0:
-        raise UsageError("--per_device_train_batch_size", "the train dataloader yields no batch",
-                         "add data or lower the batch size")
-    model = build_model(args.model_preset, len(tokenizer), n_positions=args.block_size, seed=args.seed).to(device)
-    recorder = _Recorder(model) if args.return_checks else None
-    ddp = DDP(model)  # broadcasts rank 0's weights; every rank built the same ones from the seed anyway
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.learning_rate)
-    batches = _forever(loader, sampler)
-    if recorder is not None:
-        batches = recorder.attach(ddp, optimizer, batches, args.gradient_accumulation_steps)
-    losses = train_raw_ddp(ddp, optimizer, batches, args.gradient_accumulation_steps, args.max_train_steps, device,
-                           callbacks=[recorder] if recorder is not None else ())
-    if rank == 0:
-        print(f"final train loss {losses[-1]:.4f} (first {losses[0]:.4f}) after {len(losses)} steps "
-              f"of {args.gradient_accumulation_steps} micro-batches on {world} processes", flush=True)
-    result = {"world_size": world, "train_loss": losses,
-              "micro_batches": args.gradient_accumulation_steps * args.max_train_steps}
-    if recorder is not None:
-        result["checks"] = recorder.result()
-    if created:
-        dist.destroy_process_group()
-    return result
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = torch.device("cpu")  # gloo; a GPU user would use nccl and cuda:LOCAL_RANK
+        tokenizer = build_tokenizer()
+        if rank != 0:
+            dist.barrier()  # rank 0 tokenises first and fills the datasets cache; the others read it
+        raw, _ = load_raw_datasets(train_file=args.train_file)
+        train = tokenize_datasets(raw, tokenizer, block_size=args.block_size)["train"]
+        if rank == 0:
+            dist.barrier()
+        sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+        loader = DataLoader(train, batch_size=args.per_device_train_batch_size, sampler=sampler, drop_last=True,
+                            collate_fn=build_collator(tokenizer))
+        if len(loader) == 0:
+            raise UsageError("--per_device_train_batch_size", "the train dataloader yields no batch",
+                             "add data or lower the batch size")
+        model = build_model(args.model_preset, len(tokenizer), n_positions=args.block_size, seed=args.seed).to(device)
+        recorder = _Recorder(model) if args.return_checks else None
+        ddp = DDP(model)  # broadcasts rank 0's weights; every rank built the same ones from the seed anyway
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.learning_rate)
+        batches = _forever(loader, sampler)
+        if recorder is not None:
+            batches = recorder.attach(ddp, optimizer, batches, args.gradient_accumulation_steps)
+        losses = train_raw_ddp(ddp, optimizer, batches, args.gradient_accumulation_steps, args.max_train_steps,
+                               device, callbacks=[recorder] if recorder is not None else ())
+        if rank == 0:
+            print(f"final train loss {losses[-1]:.4f} (first {losses[0]:.4f}) after {len(losses)} steps "
+                  f"of {args.gradient_accumulation_steps} micro-batches on {world} process(es)", flush=True)
+        result = {"world_size": world, "train_loss": losses,
+                  "micro_batches": args.gradient_accumulation_steps * args.max_train_steps}
+        if recorder is not None:
+            result["checks"] = recorder.result()
+        return result
+    finally:
+        if created:  # a group that was there before (e.g. Accelerate's) belongs to its creator
+            dist.destroy_process_group()
 
 
 class _Recorder(LoopCallback):
