@@ -66,3 +66,48 @@ def test_raw_ddp_loop_equals_one_process_big_batch(example_results):
         assert c1["first_step_grads"][name] == [norm0, sum0], name  # both ranks step with the same gradient
         assert math.isclose(norm0, p.grad.norm().item(), rel_tol=1e-4, abs_tol=1e-6 * scale), name
         assert math.isclose(sum0, p.grad.sum().item(), rel_tol=1e-4, abs_tol=1e-5 * scale), name
+
+
+def test_profile_comm_counts_every_gradient_once_per_sync(example_results):
+    """The comm profile's counts against numbers worked out here, not by the profiler.
+
+    Windows in no_sync mode all-reduce once (on their last micro-batch); the
+    A/B windows run with sync_each_batch all-reduce on each of their K
+    micro-batches. Every sync sends every fp32 gradient once, so bytes =
+    syncs x 4 x (parameter count of a freshly built model of the same preset).
+    """
+    import torch.distributed as dist
+
+    from accum_kit.data import build_tokenizer
+    from accum_kit.models import build_model
+    from conftest import PROFILE_COMM_STEPS
+
+    r0, r1 = ok(example_results["profile_comm"])
+    K, steps, n_ab = 4, PROFILE_COMM_STEPS, 2  # the example's default K, the spec's --max_train_steps and --ab_steps
+    assert (r0["K"], r0["steps"], r0["ab_steps_each"]) == (K, steps, n_ab)
+    assert r0["train_loss"] == r1["train_loss"]
+    assert r0["eval_loss_after"] < r0["eval_loss_before"] - 0.1, r0
+    model = build_model("tiny", len(build_tokenizer()), n_positions=128)  # the example's preset and --block_size
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+    # DDP puts up to 1 MiB of gradients in its first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES) and
+    # 25 MiB in the others: one bucket per sync for a model this small.
+    assert grad_bytes < dist._DEFAULT_FIRST_BUCKET_BYTES
+    buckets = 1
+    no_sync_windows = steps - n_ab
+    expected = {
+        "syncs": no_sync_windows,  # one per optimizer step
+        "micro_batches": no_sync_windows * K,
+        "skipped_syncs": no_sync_windows * (K - 1),
+        "allreduce_calls": no_sync_windows * buckets,
+        "allreduce_bytes": no_sync_windows * grad_bytes,
+        "allreduce_calls_per_sync": buckets,
+    }
+    expected_ab = {"syncs": n_ab * K, "micro_batches": n_ab * K, "skipped_syncs": 0,
+                   "allreduce_calls": n_ab * K * buckets, "allreduce_bytes": n_ab * K * grad_bytes,
+                   "allreduce_calls_per_sync": buckets}
+    assert {k: r0[k] for k in expected} == expected
+    assert r0["skipped_syncs"] == r0["micro_batches"] - r0["syncs"]
+    assert r0["ab_sync_each_batch"] == expected_ab
+    for proc in r0["comm"]["per_process"]:  # every process counted the same
+        assert {k: proc[k] for k in expected} == expected, proc
+    assert r0["comm"]["seconds_per_step_sync_each_batch"] > 0 and r0["comm"]["seconds_per_step_no_sync"] > 0
