@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import job_helpers as jh  # noqa: E402
 
 EXAMPLES_TIMEOUT_S = 420
+RAW_DDP_STEPS = 6  # raw_ddp_loop's --max_train_steps in the shared launch
 
 
 def example_specs(corpus: Path) -> list[dict]:
@@ -20,6 +21,8 @@ def example_specs(corpus: Path) -> list[dict]:
     corpus_flags = ["--train_file", str(corpus)]
     return [
         {"name": "custom_loop", "path": str(ex / "custom_loop.py"), "argv": [*corpus_flags, "--max_train_steps", "8"]},
+        {"name": "raw_ddp_loop", "path": str(ex / "raw_ddp_loop.py"),
+         "argv": [*corpus_flags, "--max_train_steps", str(RAW_DDP_STEPS), "--return_checks"]},
     ]
 
 
