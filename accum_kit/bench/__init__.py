@@ -99,8 +99,9 @@ ideal, and the share of time spent in communication).
 from __future__ import annotations
 
 from .config import COMM_HOOKS, MODES, BenchConfig
+from .sweep import run
 
-__all__ = ["ARGUMENTS", "COMM_HOOKS", "DESCRIPTION", "MODES", "BenchConfig", "run_command"]
+__all__ = ["ARGUMENTS", "COMM_HOOKS", "DESCRIPTION", "MODES", "BenchConfig", "run", "run_command"]
 
 ARGUMENTS = BenchConfig
 DESCRIPTION = (
@@ -111,7 +112,5 @@ DESCRIPTION = (
 
 def run_command(cfg: BenchConfig) -> int:
     """``accum-kit bench``: run the sweep and write its files; 0 on success (bad input raises, the CLI exits 2)."""
-    from .sweep import run  # torch and the models load only when a sweep runs, not for --help or bad flags
-
     run(cfg)
     return 0

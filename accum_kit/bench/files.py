@@ -34,7 +34,7 @@ def plot_png(result: dict) -> bytes:
     """PNG bytes: per preset, step time against K per mode with the ideal (top), communication share (bottom)."""
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # here, not at import: choosing a backend is global, a notebook may use another
     import matplotlib.pyplot as plt
 
     presets = list(result["presets"])

@@ -8,6 +8,8 @@ path is written but was only run on CPU).
 
 from __future__ import annotations
 
+import torch
+
 
 def _proc_status_kb(key: str) -> int | None:
     """The ``key:`` line of ``/proc/self/status`` in kB, or None where there is none."""
@@ -32,9 +34,7 @@ class PeakMemory:
     """
 
     def __init__(self, device):
-        import torch
-
-        self.torch, self.device = torch, device
+        self.device = device
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.method = "torch.cuda.max_memory_allocated after reset_peak_memory_stats"
@@ -56,9 +56,9 @@ class PeakMemory:
     def reset(self) -> None:
         """Start a new peak from the current usage."""
         if self.cuda:
-            self.torch.cuda.synchronize(self.device)
-            self.torch.cuda.reset_peak_memory_stats(self.device)
-            self.start_mb = self.torch.cuda.memory_allocated(self.device) / 2**20
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_mb = torch.cuda.memory_allocated(self.device) / 2**20
         elif self.method:
             self._clear_refs()
             self.start_mb = _proc_status_kb("VmRSS") / 1024
@@ -66,8 +66,8 @@ class PeakMemory:
     def peak(self) -> tuple[float | None, float | None]:
         """(peak MB since :meth:`reset`, that peak minus the usage at reset, MB)."""
         if self.cuda:
-            self.torch.cuda.synchronize(self.device)
-            peak = self.torch.cuda.max_memory_allocated(self.device) / 2**20
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**20
         elif self.method:
             peak = _proc_status_kb("VmHWM") / 1024
         else:

@@ -19,16 +19,24 @@ from dataclasses import asdict, fields
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import DistributedDataParallelKwargs
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 
 from ..compat import set_sync_each_batch
 from ..errors import UsageError
-from ..models import PRESETS
+from ..launch import build_accelerator, launcher_world_size
+from ..loop import train_loop
+from ..models import PRESETS, build_model, count_parameters
 from ..outputs import library_versions
+from ..profiler import CommProfiler
+from ..raw_ddp import train_raw_ddp
 from ..stats import median
 from .config import BenchConfig
 from .data import TokenRows, raw_batch_indices, synthetic_tokens
-from .memory import PeakMemory
 from .files import write_outputs
+from .memory import PeakMemory
 from .records import TagWindows, run_record
 from .report import evaluate_bars, summarize_preset
 from .tables import format_bars, format_preset_table, format_profile
@@ -40,8 +48,6 @@ def run_toolkit(accelerator, model, optimizer, dataloader, K: int, steps: int, c
     ``train_loop`` restarts Accelerate's window counter itself, so every run's
     windows start at the dataloader's first batch.
     """
-    from ..loop import train_loop
-
     accelerator.gradient_accumulation_steps = K
     profiler, *others = callbacks
     result = train_loop(accelerator, model, optimizer, dataloader, max_train_steps=steps, progress=False,
@@ -107,13 +113,6 @@ def command(cfg: BenchConfig, world: int) -> str:
 
 def bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict, list[dict]]:
     """All runs of one preset: build, prepare, then repeats x K x modes (rotated); returns (info, runs)."""
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader
-
-    from ..models import build_model, count_parameters
-    from ..profiler import CommProfiler
-    from ..raw_ddp import train_raw_ddp
-
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     model = build_model(preset, cfg.vocab_size, cfg.block_size, seed=cfg.seed)
     want_raw = "raw_ddp" in cfg.modes
@@ -216,11 +215,6 @@ def run(cfg: BenchConfig) -> dict:
         UsageError: fewer than 2 processes, before any output is written.
         ProcessCountError: launched and visible process counts differ.
     """
-    from accelerate.utils import DistributedDataParallelKwargs
-    from tqdm.auto import tqdm
-
-    from ..launch import build_accelerator, launcher_world_size
-
     if launcher_world_size() < 2:
         raise UsageError("--num_processes", f"the bench compares DDP modes and needs >= 2 processes (launched: {launcher_world_size()})",
                          "run it under accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench")
