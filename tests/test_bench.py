@@ -116,6 +116,21 @@ def test_cli_lists_and_dispatches_bench(capsys):
     assert "bench" in capsys.readouterr().out
 
 
+def test_report_side_imports_nothing_from_the_sweep():
+    """One-way dependency: config <- sweep -> records; report, tables and files never import the sweep side."""
+    import ast
+    from pathlib import Path
+
+    import accum_kit.bench
+
+    pkg = Path(accum_kit.bench.__file__).parent
+    for name in ("report.py", "tables.py", "files.py"):
+        tree = ast.parse((pkg / name).read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        assert not imported & {"sweep", "records", "memory", "data", "torch", "accum_kit.bench.sweep"}, (name, imported)
+
+
 def test_ideal_speedup_formula():
     from accum_kit.bench.report import ideal_speedup
 

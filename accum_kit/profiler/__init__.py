@@ -18,6 +18,8 @@ micro-batch, tagged sync or no-sync. The parts, each usable on its own:
 
 from __future__ import annotations
 
+import torch
+
 from .. import checks
 from ..callbacks import LoopCallback
 from ..compat import sync_each_batch
@@ -80,8 +82,6 @@ class CommProfiler(LoopCallback):
 
     def __init__(self, accelerator, model, *, hook=None, hook_state=None, trace_dir=None, trace_steps=2,
                  trace_wait=1, synchronize=None):
-        import torch
-
         self.accelerator, self.model = accelerator, model
         self.world_size = accelerator.num_processes
         self.distributed = isinstance(model, torch.nn.parallel.DistributedDataParallel)

@@ -47,19 +47,26 @@ class StepTrace(LoopCallback):
         self._context = self._profiler = self._range = None
 
     def start(self) -> None:
-        """Start the profiler (its schedule begins waiting)."""
+        """Start the profiler (its schedule begins waiting); a second call while running does nothing."""
         import torch
         from accelerate.utils import ProfileKwargs
 
+        if self._context is not None:
+            return
         activities = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
         handler = ProfileKwargs(activities=activities,
                                 schedule_option=dict(wait=self.wait, warmup=1, active=self.steps, repeat=1))
         self._context = self.accelerator.profile(handler)
         self._profiler = self._context.__enter__()
 
+    def on_train_begin(self, state):
+        self.start()
+
     def on_micro_batch_begin(self, state):
         import torch
 
+        if self._profiler is None:
+            return
         self._range = torch.profiler.record_function(f"micro_batch_{state.micro_step}/{'sync' if state.sync else 'no_sync'}")
         self._range.__enter__()
 
@@ -67,7 +74,11 @@ class StepTrace(LoopCallback):
         self.close_range()
 
     def on_step_end(self, state):
-        self._profiler.step()  # one schedule step per optimizer step
+        if self._profiler is not None:
+            self._profiler.step()  # one schedule step per optimizer step
+
+    def on_train_end(self, state):
+        self.stop()
 
     def close_range(self) -> None:
         """Close the current micro-batch range, if one is open."""
@@ -80,16 +91,17 @@ class StepTrace(LoopCallback):
         if self._context is None:
             return
         self.close_range()
-        self._context.__exit__(None, None, None)
+        context, profiler = self._context, self._profiler
+        self._context = self._profiler = None  # stopped once, whatever happens below
+        context.__exit__(None, None, None)
         os.makedirs(self.trace_dir, exist_ok=True)
         path = os.path.join(self.trace_dir, f"trace_rank{self.accelerator.process_index}.json")
         tmp = path + ".tmp"  # one file per rank: the name cannot collide
         try:
-            self._profiler.export_chrome_trace(tmp)
+            profiler.export_chrome_trace(tmp)
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
         self.path = path
-        self._context = self._profiler = None
