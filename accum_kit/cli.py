@@ -35,24 +35,6 @@ class ArgumentError(Exception):
     """A flag argparse could not parse (unknown, missing, wrong type)."""
 
 
-# Legacy argparse helpers, still used by sub-commands not yet moved to ARGUMENTS dataclasses.
-import argparse as _argparse
-
-
-class ArgumentParser(_argparse.ArgumentParser):
-    def error(self, message):
-        raise ArgumentError(message)
-
-
-def parse_args(parser, argv):
-    try:
-        return parser.parse_args(argv)
-    except ArgumentError as exc:
-        parser.print_usage(sys.stderr)
-        print(f"error: {exc}", file=sys.stderr)
-        return None
-
-
 def build_parser(arguments: type, prog: str, description: str):
     """An ``HfArgumentParser`` for the dataclass ``arguments`` that raises :class:`ArgumentError` instead of exiting."""
     from transformers import HfArgumentParser
@@ -82,8 +64,6 @@ def run(name: str, argv: list[str] | None = None) -> int:
     """Run sub-command ``name`` with ``argv``; returns its exit code (2 for bad flags or values)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     module = importlib.import_module(COMMANDS[name][0])
-    if not hasattr(module, "ARGUMENTS"):  # legacy sub-command
-        return module.main(argv)
     prog = f"accum-kit {name}"
     tail = []
     if "--" in argv:  # everything after -- is a command line to pass on (accum-kit nodes)
