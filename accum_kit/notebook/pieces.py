@@ -48,6 +48,50 @@ def lm_dataloaders(accelerator, *, block_size: int = 128, per_device_train_batch
     return tokenizer, train_dl, eval_dl
 
 
+def ab_compare(accelerator, model, optimizer, train_dataloader, *, windows: int = 3, warmup_steps: int = 1,
+               **loop_kwargs):
+    """Train the same run with windows alternating between ``sync_each_batch`` and ``no_sync``; time both.
+
+    After ``warmup_steps`` optimizer steps, ``2 x windows`` windows alternate
+    (:class:`accum_kit.profiler.ABSwitch`), so machine drift hits both modes
+    alike; the update is the same either way, only the moment of the
+    all-reduce changes. Collective: call it on every process.
+
+    Args:
+        accelerator, model, optimizer, train_dataloader: prepared objects, as for :func:`accum_kit.train_loop`.
+        windows: optimizer steps measured in each mode.
+        warmup_steps: steps run first and not measured.
+        **loop_kwargs: more :func:`accum_kit.train_loop` arguments (``lr_scheduler``, ``max_grad_norm``, ...).
+
+    Returns:
+        ``(table, result, comm)``: a DataFrame with one row per mode (``mode``,
+        ``s/step`` median seconds per optimizer step, ``all-reduces/step``
+        gradient-bucket all-reduces per step on this process, ``speedup`` =
+        sync_each_batch s/step over this mode's), the :class:`accum_kit.LoopResult`,
+        and the profiler's ``comm`` summary of the no_sync windows with the A/B figures.
+    """
+    import pandas as pd
+
+    from ..loop import train_loop
+    from ..profiler import ABSwitch, CommProfiler
+
+    prof = CommProfiler(accelerator, model)
+    ab = ABSwitch(accelerator, windows, prof, warmup_steps=warmup_steps)
+    result = train_loop(accelerator, model, optimizer, train_dataloader, max_train_steps=warmup_steps + 2 * windows,
+                        profiler=prof, callbacks=[ab], progress=False, **loop_kwargs)
+    ab_figures = ab.summary()
+    comm = {**prof.summary(), **ab_figures}
+    seconds = {"sync_each_batch": ab_figures["seconds_per_step_sync_each_batch"],
+               "no_sync": ab_figures["seconds_per_step_no_sync"]}
+    rows = []
+    for mode in ("sync_each_batch", "no_sync"):
+        rec = prof.records(mode=mode)
+        rows.append({"mode": mode, "s/step": seconds[mode],
+                     "all-reduces/step": len(rec.calls) / max(len(rec.steps), 1),
+                     "speedup": seconds["sync_each_batch"] / seconds[mode]})
+    return pd.DataFrame(rows), result, comm
+
+
 def loss_frame(result):
     """A :class:`accum_kit.LoopResult` as a DataFrame: one row per optimizer step.
 
