@@ -4,9 +4,9 @@
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml \
         tests/ckpt_worker.py SPEC.json OUT_DIR                                 # two processes
 
-SPEC.json: ``{"model_config": {...}, "examples": [...], "pad_id": int, "scenarios": [
-{"name", "K", "B", "epochs", "max_train_steps", "optimizer": "adamw"|"sgd", "lr", "shuffle",
-"generator": bool, "resume_from": [step, ...]}]}``.
+SPEC.json: ``{"pad_id": int, "scenarios": [{"name", "model_config": {...GPT2Config kwargs}, "examples": [...],
+"K", "B", "epochs", "max_train_steps", "optimizer": "adamw"|"sgd", "lr", "scheduler": "cosine"|"constant",
+"max_grad_norm", "shuffle", "generator": bool, "resume_from": [step, ...]}]}``.
 
 Per scenario, an uninterrupted ``train_loop`` with a ``Checkpointer`` saving every
 step, then, for every step in ``resume_from``, a fresh Accelerator, model,
@@ -44,23 +44,23 @@ def run(spec, sc, ckpt_dir: Path, resume_from=None) -> dict:
     jh.reset_accelerate_state()
     acc = accum_kit.build_accelerator(sc["K"])
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(**spec["model_config"]))
+    model = GPT2LMHeadModel(GPT2Config(**sc["model_config"]))
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if sc["optimizer"] == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=sc["lr"])
     else:
         opt = torch.optim.SGD(model.parameters(), lr=sc["lr"])
     gen = torch.Generator().manual_seed(7) if sc["generator"] else None
-    dl = DataLoader(spec["examples"], batch_size=sc["B"], shuffle=sc["shuffle"], generator=gen,
+    dl = DataLoader(sc["examples"], batch_size=sc["B"], shuffle=sc["shuffle"], generator=gen,
                     collate_fn=jh.pad_collate(spec["pad_id"]))
     model, opt, dl = acc.prepare(model, opt, dl)
     steps = sc["max_train_steps"] or sc["epochs"] * accum_kit.optimizer_steps_per_epoch(len(dl), sc["K"])
-    sched = acc.prepare(get_scheduler("cosine", opt, num_warmup_steps=2 * acc.num_processes,
+    sched = acc.prepare(get_scheduler(sc["scheduler"], opt, num_warmup_steps=2 * acc.num_processes,
                                       num_training_steps=steps * acc.num_processes))
     rec = Steps(acc.unwrap_model(model))
     ckpt = Checkpointer(acc, ckpt_dir, checkpointing_steps=1, signals=()) if resume_from is None else None
     result = accum_kit.train_loop(acc, model, opt, dl, lr_scheduler=sched, num_train_epochs=sc["epochs"],
-                                  max_train_steps=sc["max_train_steps"], max_grad_norm=1.0, callbacks=[rec],
+                                  max_train_steps=sc["max_train_steps"], max_grad_norm=sc["max_grad_norm"], callbacks=[rec],
                                   checkpointer=ckpt, resume_from=resume_from, progress=False)
     acc.wait_for_everyone()
     return {"train_loss": result.train_loss, "steps": rec.steps, "final": rec.steps[-1] if rec.steps else None,
