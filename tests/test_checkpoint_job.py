@@ -11,7 +11,7 @@ independent ones at the same time:
   ``accelerate launch`` process after step 12; then ``final`` resumes it from
   ``latest`` (mid-epoch) and must end where ``uninterrupted`` ended.
 
-Plus one plain process that gets SIGTERM (the worker's own exit code; its
+Plus one plain process that gets SIGUSR1 (the worker's own exit code; its
 checkpoint serves the 1-process cases), and in-process runs for every bad input. Data: 200 packed blocks of a
 small real corpus, 2 per micro-batch, K=3: 50 micro-batches per process and
 epoch, windows of 3 and a last partial window of 2, 17 optimizer steps.
@@ -84,7 +84,7 @@ def jobs(work):
     term = _launch(work, "sigterm", *chain_flags)
 
     _wait_for(work / "logs" / "lone.stderr", "step 3:", lone[1])
-    os.kill(lone[1].pid, signal.SIGTERM)  # a plain process: its own exit code is visible
+    os.kill(lone[1].pid, signal.SIGUSR1)  # SLURM's warning signal, to a plain process: its exit code is visible
     _wait_for(work / "logs" / "sigterm.stderr", "step 12:", term[1])
     t0 = time.monotonic()
     os.kill(term[1].pid, signal.SIGTERM)  # the accelerate launch process only: torchrun forwards it
@@ -146,10 +146,10 @@ def test_sigterm_to_accelerate_launch_saves_at_a_boundary_and_exits(jobs, work):
     assert jobs["sigterm_exit_seconds"] < 30  # before torchrun's SIGKILL
 
 
-def test_a_lone_worker_exits_with_the_preemption_code(jobs):
+def test_a_lone_worker_exits_with_the_preemption_code_on_sigusr1(jobs):
     res = jobs["lone"]
     assert res.returncode == PREEMPTED_EXIT_CODE, res.describe()
-    assert "preempted by SIGTERM" in res.stderr
+    assert "preempted by SIGUSR1" in res.stderr
 
 
 def test_resumed_chain_equals_uninterrupted_run(jobs, work):
