@@ -29,7 +29,17 @@ def example_specs(corpus: Path) -> list[dict]:
          "argv": [*corpus_flags, "--max_train_steps", str(RAW_DDP_STEPS), "--return_checks"]},
         {"name": "profile_comm", "path": str(ex / "by_feature" / "profile_comm.py"),
          "argv": [*corpus_flags, "--max_train_steps", str(PROFILE_COMM_STEPS), "--ab_steps", "2"]},
+        *checkpointing_specs(ex, corpus_flags, corpus.parent / "checkpointing"),
     ]
+
+
+def checkpointing_specs(ex: Path, corpus_flags: list, output_dir: Path) -> list[dict]:
+    """by_feature/checkpointing.py twice: 8 steps saving every 3, then resumed from step_3 (a fresh Accelerator)."""
+    argv = [*corpus_flags, "--max_train_steps", "8", "--checkpointing_steps", "3", "--output_dir", str(output_dir)]
+    path = str(ex / "by_feature" / "checkpointing.py")
+    return [{"name": "checkpointing", "path": path, "argv": argv},
+            {"name": "checkpointing_resumed", "path": path,
+             "argv": [*argv, "--resume_from_checkpoint", str(output_dir / "step_3")]}]
 
 
 @pytest.fixture(scope="session")

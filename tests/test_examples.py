@@ -146,3 +146,15 @@ def test_profile_comm_counts_every_gradient_once_per_sync(example_results):
     for proc in r0["comm"]["per_process"]:  # every process counted the same
         assert {k: proc[k] for k in expected} == expected, proc
     assert r0["comm"]["seconds_per_step_sync_each_batch"] > 0 and r0["comm"]["seconds_per_step_no_sync"] > 0
+
+
+def test_checkpointing_resume_replays_the_uninterrupted_run(example_results):
+    full, resumed = ok(example_results["checkpointing"]), ok(example_results["checkpointing_resumed"])
+    assert [c.rsplit("/", 1)[-1] for c in full[0]["checkpoints"]] == ["step_3", "step_6"]
+    assert full[0]["resumed_from_step"] is None and resumed[0]["resumed_from_step"] == 3
+    for f, r in zip(full, resumed):  # every rank
+        assert len(r["train_loss"]) == 8
+        assert r["train_loss"] == f["train_loss"]  # steps 1-3 restored, 4-8 recomputed: bitwise equal
+        assert r["final_parameters_sha256"] == f["final_parameters_sha256"]
+    assert full[0]["final_parameters_sha256"] == full[1]["final_parameters_sha256"]  # DDP replicas agree
+    assert full[0]["eval_loss_after"] < full[0]["eval_loss_before"] - 0.1
