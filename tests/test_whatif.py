@@ -101,6 +101,13 @@ def test_formulas_by_hand(profile):
         "nvlink": 450.0, "infiniband": 50.0, "ethernet": 12.5, "measured": None}
 
 
+def test_measured_busbw_gives_back_the_profile(tmp_path):
+    # busbw = 4e6 B / 0.02 s (median per sync) x 2 x 1/2 = 0.2 GB/s, whatever the block's busbw_GBps
+    # (the mean over syncs) says: at the profiled n the model's exposed time is the measured 0.015 s.
+    r = make_whatif(write_summary(tmp_path, {**COMM, "busbw_GBps": 0.15}))
+    assert r.busbw_GBps == pytest.approx(0.2) and r.exposed_comm_seconds == pytest.approx(0.015)
+
+
 def test_solved_k_is_the_smallest_meeting_the_share(profile):
     # e = 0.015, c = 0.03, o = 0.01, s = 0.1: K >= (0.015 x 0.9 / 0.1 - 0.01) / 0.03 = 4.17 -> 5;
     # share(5) = 0.015 / 0.175 = 8.6 % <= 10 %, share(4) = 0.015 / 0.145 = 10.3 % > 10 %.
@@ -179,7 +186,7 @@ def test_compare_bench_by_hand(capsys, tmp_path, profile):
              "per_k": [{"preset": "small", "K": 2, "speedup": 1.1}]}
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench))
-    c = make_whatif(profile, compare_bench=str(path)).comparison
+    c = make_plan(1, from_profile=profile, compare_bench=str(path)).whatif.comparison
     assert c["preset"] == "small" and c["notes"] == []
     (row,) = c["rows"]
     assert row["no_sync_predicted_s"] == pytest.approx(0.085)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tabulate import tabulate
 
@@ -20,6 +20,7 @@ from .whatif import (
     load_profile,
     make_whatif,
 )
+from .whatif_bench import compare_with_bench, format_comparison
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,11 @@ def make_plan(
         whatif = make_whatif(from_profile, num_processes=num_processes, num_machines=num_machines,
                              interconnect=interconnect, busbw_GBps=busbw_GBps,
                              accumulation_steps=accumulation_steps, max_comm_share=max_comm_share,
-                             per_device_train_batch_size=B, show_K=K, compare_bench=compare_bench)
+                             per_device_train_batch_size=B, show_K=K)
+        if compare_bench is not None:
+            p = whatif.profile
+            whatif = replace(whatif, comparison=compare_with_bench(
+                compare_bench, p, p.compute_seconds, whatif.exposed_comm_seconds, p.other_seconds, num_processes))
     return PlanReport(batch, solution, rates, whatif)
 
 
@@ -231,4 +236,6 @@ def format_plan(report: PlanReport) -> str:
         lines += _learning_rate_lines(report.learning_rates)
     if report.whatif is not None:
         lines += format_whatif(report.whatif)
+        if report.whatif.comparison is not None:
+            lines += format_comparison(report.whatif.comparison)
     return "\n".join(lines)

@@ -15,7 +15,11 @@ Input: the ``comm`` block of a ``train_summary.json`` written by
   neither micro-batch compute nor exposed communication (optimizer step,
   zeroing, batch fetching), at least ``optimizer_seconds``; K_p is the
   profiled run's K (``micro_batches`` / ``optimizer_steps``);
-- the measured bus bandwidth ``busbw_GBps`` (used with ``--interconnect measured``).
+- the measured bus bandwidth ``bytes / seconds_per_sync x 2 (n_p - 1) / n_p``
+  (used with ``--interconnect measured``). The comm block's own ``busbw_GBps``
+  divides by the mean time per sync; the median used here is the one its
+  overlap fraction refers to, so that at the profiled n the model gives back
+  the measured exposed time.
 
 Model, for n processes, bus bandwidth ``busbw`` (bytes/s) and K micro-batches per
 optimizer step:
@@ -65,13 +69,13 @@ INTERCONNECTS = {
     "infiniband": (50.0, "InfiniBand NDR: 400 Gb/s = 50 GB/s per port each way, one port per GPU "
                          "(https://www.nvidia.com/en-us/networking/infiniband/connectx-7/)"),
     "ethernet": (12.5, "100 Gigabit Ethernet (IEEE 802.3): 100 Gb/s = 12.5 GB/s per port each way"),
-    "measured": (None, "the profile's own busbw_GBps (algbw x 2 (n - 1) / n, nccl-tests' definition)"),
+    "measured": (None, "the profile's: bytes per sync / seconds_per_sync x 2 (n - 1) / n, nccl-tests' definition"),
 }
 DEFAULT_ACCUMULATION_STEPS = (1, 2, 4, 8, 16, 32)
 DEFAULT_MAX_COMM_SHARE = 0.1
 #: The keys of the comm block (:func:`accum_kit.profiler.report.local_summary`) the model reads.
 COMM_KEYS = ("world_size", "optimizer_steps", "micro_batches", "allreduce_calls", "allreduce_bytes", "syncs",
-             "seconds_per_sync", "busbw_GBps", "overlap_fraction", "exposed_comm_seconds", "forward_seconds",
+             "seconds_per_sync", "overlap_fraction", "exposed_comm_seconds", "forward_seconds",
              "backward_seconds_no_sync", "optimizer_seconds", "seconds_per_step")
 PROFILE_FIX = "pass the train_summary.json of `accum-kit train --profile_comm` on 2 or more processes"
 
@@ -90,7 +94,7 @@ class MeasuredProfile:
     compute_seconds: float  # c
     bytes_per_sync: float
     seconds_per_sync: float
-    busbw_GBps: float
+    busbw_GBps: float  # bytes_per_sync / seconds_per_sync x 2 (n - 1) / n, GB/s
     overlap_fraction: float
     exposed_comm_seconds: float
     optimizer_seconds: float
@@ -137,7 +141,7 @@ def load_profile(path: str) -> MeasuredProfile:
                          "profile with --gradient_accumulation_steps 2 or more and without --sync_each_batch")
     fwd, bwd = _number(comm, "forward_seconds", path), _number(comm, "backward_seconds_no_sync", path)
     steps = _number(comm, "optimizer_steps", path)
-    k_p = round(_number(comm, "micro_batches", path) / steps) if steps else int(summary.get("gradient_accumulation_steps", 0))
+    k_p = round(_number(comm, "micro_batches", path) / steps) if steps else 0
     if k_p < 1:
         raise UsageError("--from_profile", f"{path} records no optimizer step", PROFILE_FIX)
     c = fwd + bwd
@@ -145,12 +149,16 @@ def load_profile(path: str) -> MeasuredProfile:
         raise UsageError("--from_profile", f"{path}: compute per micro-batch is {c} s", PROFILE_FIX)
     exposed, opt = _number(comm, "exposed_comm_seconds", path), _number(comm, "optimizer_seconds", path)
     step = _number(comm, "seconds_per_step", path)
+    bytes_per_sync = _number(comm, "allreduce_bytes", path) / _number(comm, "syncs", path)
+    per_sync = _number(comm, "seconds_per_sync", path)
+    if per_sync <= 0:
+        raise UsageError("--from_profile", f"{path}: the all-reduce took {per_sync} s per sync", PROFILE_FIX)
     return MeasuredProfile(
         path=str(path), world_size=n, gradient_accumulation_steps=k_p,
         per_device_train_batch_size=summary.get("per_device_train_batch_size"), model=summary.get("model"),
         forward_seconds=fwd, backward_no_sync_seconds=bwd, compute_seconds=c,
-        bytes_per_sync=_number(comm, "allreduce_bytes", path) / _number(comm, "syncs", path),
-        seconds_per_sync=_number(comm, "seconds_per_sync", path), busbw_GBps=_number(comm, "busbw_GBps", path),
+        bytes_per_sync=bytes_per_sync,
+        seconds_per_sync=per_sync, busbw_GBps=bytes_per_sync / per_sync * 2 * (n - 1) / n / GB,
         overlap_fraction=_number(comm, "overlap_fraction", path), exposed_comm_seconds=exposed,
         optimizer_seconds=opt, step_seconds=step,
         # Medians of different things need not add up: never below the optimizer step itself.
@@ -187,9 +195,10 @@ def predict(K: int, c: float, exposed: float, other: float, examples_per_micro_b
     """
     ns = K * c + exposed + other
     se = K * (c + exposed) + other
+    rate = examples_per_micro_batch * K / ns if examples_per_micro_batch else None
     return WhatIfRow(K=K, no_sync_step_seconds=ns, sync_each_batch_step_seconds=se, speedup=se / ns,
                      comm_share_no_sync=exposed / ns, comm_share_sync_each_batch=K * exposed / se,
-                     examples_per_second_no_sync=(examples_per_micro_batch * K / ns) if examples_per_micro_batch else None)
+                     examples_per_second_no_sync=rate)
 
 
 def solve_k_for_comm_share(c: float, exposed: float, other: float, max_comm_share: float) -> int:
@@ -199,7 +208,8 @@ def solve_k_for_comm_share(c: float, exposed: float, other: float, max_comm_shar
     share itself so that rounding never returns a K one off.
     """
     share = lambda k: exposed / (k * c + exposed + other)  # noqa: E731
-    k = max(1, math.ceil((exposed * (1 - max_comm_share) / max_comm_share - other) / c))
+    bound = (exposed * (1 - max_comm_share) / max_comm_share - other) / c
+    k = max(1, math.ceil(bound))
     while share(k) > max_comm_share:
         k += 1
     while k > 1 and share(k - 1) <= max_comm_share:
@@ -288,7 +298,8 @@ def _arithmetic(p: MeasuredProfile, n: int, busbw: float, t_ar: float, e: float,
         "no_sync": f"no_sync = K c + e + o = {K} x {_g(c)} + {_g(e)} + {_g(o)} = {_g(row.no_sync_step_seconds)} s",
         "sync_each_batch": f"sync_each_batch = K (c + e) + o = {K} x ({_g(c)} + {_g(e)}) + {_g(o)} = "
                            f"{_g(row.sync_each_batch_step_seconds)} s",
-        "speedup": f"speedup = {_g(row.sync_each_batch_step_seconds)} / {_g(row.no_sync_step_seconds)} = {_g(row.speedup)}",
+        "speedup": f"speedup = {_g(row.sync_each_batch_step_seconds)} / {_g(row.no_sync_step_seconds)} = "
+                   f"{_g(row.speedup)}",
         "comm_share": f"comm share (no_sync) = e / step = {_g(e)} / {_g(row.no_sync_step_seconds)} = "
                       f"{row.comm_share_no_sync:.1%}",
         "k_for_max_comm_share": f"K >= (e (1 - s)/s - o) / c = ({_g(e)} x {_g(1 - s)}/{_g(s)} - {_g(o)}) / {_g(c)} "
@@ -299,8 +310,7 @@ def _arithmetic(p: MeasuredProfile, n: int, busbw: float, t_ar: float, e: float,
 def make_whatif(from_profile: str, *, num_processes: int | None = None, num_machines: int | None = None,
                 interconnect: str | None = None, busbw_GBps: float | None = None,
                 accumulation_steps=DEFAULT_ACCUMULATION_STEPS, max_comm_share: float = DEFAULT_MAX_COMM_SHARE,
-                per_device_train_batch_size: int | None = None, show_K: int | None = None,
-                compare_bench: str | None = None) -> WhatIfReport:
+                per_device_train_batch_size: int | None = None, show_K: int | None = None) -> WhatIfReport:
     """The what-if report, from keywords named like the flags of ``accum-kit plan``.
 
     Args:
@@ -313,13 +323,15 @@ def make_whatif(from_profile: str, *, num_processes: int | None = None, num_mach
         max_comm_share: target communication share of a no_sync step, in (0, 1).
         per_device_train_batch_size: B, for the throughput column and a note if it differs from the profile's.
         show_K: the K whose arithmetic is spelled out (None: the largest listed K <= 8).
-        compare_bench: a ``bench.json`` to compare against (see :mod:`accum_kit.planning.whatif_bench`).
+
+    ``comparison`` stays None: :func:`accum_kit.planning.whatif_bench.compare_with_bench`
+    fills it (``--compare_bench``).
 
     Raises:
         UsageError: naming the flag (see :func:`check_whatif_flags` and :func:`load_profile`).
     """
     check_whatif_flags(from_profile, num_machines, num_processes, interconnect, busbw_GBps, accumulation_steps,
-                       max_comm_share, compare_bench)
+                       max_comm_share, None)
     p = load_profile(from_profile)
     n, machines = num_processes or p.world_size, num_machines or 1
     name = interconnect or "measured"
@@ -352,15 +364,10 @@ def make_whatif(from_profile: str, *, num_processes: int | None = None, num_mach
                      f"{per_device_train_batch_size}: profile at the micro-batch you plan for")
     if name != "measured" or busbw_GBps is not None:
         notes.append("c, o and the overlap are the profiled machine's; only the all-reduce time is rescaled")
-    comparison = None
-    if compare_bench is not None:
-        from .whatif_bench import compare_with_bench
-
-        comparison = compare_with_bench(compare_bench, p, c, e, o, n)
     return WhatIfReport(profile=p, num_machines=machines, num_processes=n, interconnect=name, busbw_GBps=busbw,
                         busbw_source=source, allreduce_seconds=t_ar, exposed_comm_seconds=e,
                         max_comm_share=max_comm_share, k_for_max_comm_share=k_star, rows=rows,
-                        arithmetic=arithmetic, notes=tuple(notes), comparison=comparison)
+                        arithmetic=arithmetic, notes=tuple(notes))
 
 
 def format_whatif(r: WhatIfReport) -> list[str]:
@@ -393,8 +400,4 @@ def format_whatif(r: WhatIfReport) -> list[str]:
     lines += [f"  note: {n}" for n in r.notes]
     lines.append("  left out: stragglers, hierarchical all-reduce (NCCL trees, intra/inter-node levels), "
                  "compression hooks, per-bucket latency, overlap changing with bandwidth")
-    if r.comparison is not None:
-        from .whatif_bench import format_comparison
-
-        lines += format_comparison(r.comparison)
     return lines
