@@ -178,7 +178,10 @@ def test_plan_text_and_json(capsys, profile):
 def test_compare_bench_by_hand(capsys, tmp_path, profile):
     # Measured: K = 2 no_sync 0.09 s (predicted 2 x 0.03 + 0.015 + 0.01 = 0.085 s: -5.6 %),
     # sync_each_batch 0.1 s (predicted 2 x 0.045 + 0.01 = 0.1 s: 0 %), speedup 1.1 (predicted 0.1 / 0.085).
-    bench = {"presets": {"small": {}, "comm_heavy": {}}, "config": {"per_device_train_batch_size": 1,
+    # The bench's own inputs c = 0.04, a = 0.01, o = 0.005 + 0.005 give the noise floor:
+    # no_sync 2 x 0.04 + 0.01 + 0.01 = 0.1 (+11.1 %), sync_each_batch 2 x 0.05 + 0.01 = 0.11 (+10 %).
+    own = {"c_seconds": 0.04, "a_seconds": 0.01, "profile": {"no_sync": {"optimizer_s": 0.005, "other_s": 0.005}}}
+    bench = {"presets": {"small": own, "comm_heavy": {}}, "config": {"per_device_train_batch_size": 1,
              "comm_hook": "none"}, "machine": {"world_size": 2},
              "rows": [{"preset": "small", "K": 2, "mode": "no_sync", "step_s_median": 0.09},
                       {"preset": "small", "K": 2, "mode": "sync_each_batch", "step_s_median": 0.1},
@@ -194,8 +197,12 @@ def test_compare_bench_by_hand(capsys, tmp_path, profile):
     assert row["sync_each_batch_relative_error"] == pytest.approx(0.0, abs=1e-12)
     assert row["speedup_relative_error"] == pytest.approx((0.1 / 0.085 - 1.1) / 1.1)
     assert c["max_abs_relative_error"] == pytest.approx(0.005 / 0.09)
+    assert c["speedup_max_abs_relative_error"] == pytest.approx(abs(0.1 / 0.085 - 1.1) / 1.1)
+    assert c["same_run_max_abs_relative_error"] == pytest.approx(0.01 / 0.09)
+    assert c["same_run_median_abs_relative_error"] == pytest.approx((0.01 / 0.09 + 0.1) / 2)
+    assert c["compute_ratio_profile_over_bench"] == pytest.approx(0.75)
     code, out, _ = plan(capsys, "--from_profile", profile, "--compare_bench", str(path))
-    assert code == 0 and "Predicted vs measured" in out and "-6%" in out
+    assert code == 0 and "Predicted vs measured" in out and "-6%" in out and "noise floor" in out
 
 
 @pytest.mark.parametrize("argv,flag,words", [

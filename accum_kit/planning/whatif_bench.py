@@ -66,7 +66,11 @@ def compare_with_bench(path: str, profile: MeasuredProfile, c: float, exposed: f
     Returns keys ``bench``, ``preset``, ``rows`` (per K: predicted, measured
     and relative error of each mode's step time and of the speedup),
     ``max_abs_relative_error``, ``median_abs_relative_error`` (over both
-    modes' step times) and ``notes`` (settings that differ from the profile's).
+    modes' step times), the same two over speedups (``speedup_...``), ``bench_inputs`` (the bench's own c, exposed time and
+    o, see :func:`_bench_inputs`), ``same_run_max_abs_relative_error`` and
+    ``same_run_median_abs_relative_error`` (the same formulas fed by those:
+    the noise floor), ``compute_ratio_profile_over_bench`` (c drift) and
+    ``notes`` (settings that differ from the profile's).
 
     Raises:
         UsageError (``--compare_bench``): a missing or unreadable file, no rows, or no matching preset.
@@ -76,7 +80,8 @@ def compare_with_bench(path: str, profile: MeasuredProfile, c: float, exposed: f
     cfg, machine = bench.get("config", {}), bench.get("machine", {})
     measured = {(r["K"], r["mode"]): r.get("step_s_median") for r in bench["rows"] if r.get("preset") == preset}
     speedups = {d["K"]: d.get("speedup") for d in bench.get("per_k", []) if d.get("preset") == preset}
-    rows, errors = [], []
+    rows, errors, floor, speedup_errors = [], [], [], []
+    own = _bench_inputs(bench["presets"][preset])
     for K in sorted({k for k, _ in measured}):
         row = predict(K, c, exposed, other)
         out = {"K": K}
@@ -86,8 +91,16 @@ def compare_with_bench(path: str, profile: MeasuredProfile, c: float, exposed: f
             out.update({f"{mode}_predicted_s": pred, f"{mode}_measured_s": meas, f"{mode}_relative_error": err})
             if err is not None:
                 errors.append(abs(err))
+        if own is not None:  # the same formulas fed by the bench's own medians
+            same = predict(K, *own)
+            for mode, pred in zip(MODES, (same.no_sync_step_seconds, same.sync_each_batch_step_seconds)):
+                err = _relative(pred, measured.get((K, mode)))
+                if err is not None:
+                    floor.append(abs(err))
         out.update(speedup_predicted=row.speedup, speedup_measured=speedups.get(K),
                    speedup_relative_error=_relative(row.speedup, speedups.get(K)))
+        if out["speedup_relative_error"] is not None:
+            speedup_errors.append(abs(out["speedup_relative_error"]))
         rows.append(out)
     notes = []
     if machine.get("world_size") not in (None, num_processes):
@@ -101,7 +114,27 @@ def compare_with_bench(path: str, profile: MeasuredProfile, c: float, exposed: f
         notes.append(f"the bench used the {cfg['comm_hook']} compression hook, which the model leaves out")
     return {"bench": str(path), "preset": preset, "rows": rows,
             "max_abs_relative_error": max(errors) if errors else None,
-            "median_abs_relative_error": median(errors), "notes": notes}
+            "median_abs_relative_error": median(errors),
+            "speedup_max_abs_relative_error": max(speedup_errors) if speedup_errors else None,
+            "speedup_median_abs_relative_error": median(speedup_errors),
+            "bench_inputs": dict(zip(("c_seconds", "exposed_seconds", "other_seconds"), own)) if own else None,
+            "compute_ratio_profile_over_bench": c / own[0] if own and own[0] else None,
+            "same_run_max_abs_relative_error": max(floor) if floor else None,
+            "same_run_median_abs_relative_error": median(floor), "notes": notes}
+
+
+def _bench_inputs(info: dict) -> tuple[float, float, float] | None:
+    """The bench's own c, exposed a and per-step o (optimizer + other of its no_sync runs), seconds.
+
+    Fed into the same formulas they give the noise floor: how well the model
+    fits the run its inputs come from, so that the rest of the error is the
+    drift between the profile and the bench (load on a shared machine).
+    """
+    prof = (info.get("profile") or {}).get("no_sync") or {}
+    c, a, opt, other = info.get("c_seconds"), info.get("a_seconds"), prof.get("optimizer_s"), prof.get("other_s")
+    if None in (c, a, opt, other):
+        return None
+    return c, a, opt + other
 
 
 def _s(x) -> str:
@@ -127,6 +160,16 @@ def format_comparison(comparison: dict) -> list[str]:
              "\n".join(f"  {line}" for line in tabulate(table, headers=headers, tablefmt="simple",
                                                          disable_numparse=True).splitlines()),
              f"  |error| over step times: median {_pct(comparison['median_abs_relative_error']).lstrip('+')}, "
-             f"max {_pct(comparison['max_abs_relative_error']).lstrip('+')}"]
+             f"max {_pct(comparison['max_abs_relative_error']).lstrip('+')}; over speedups: median "
+             f"{_pct(comparison['speedup_median_abs_relative_error']).lstrip('+')}, max "
+             f"{_pct(comparison['speedup_max_abs_relative_error']).lstrip('+')}"]
+    own = comparison.get("bench_inputs")
+    if own:
+        lines.append(
+            f"  same formulas fed by the bench's own c = {_s(own['c_seconds'])} s, e = {_s(own['exposed_seconds'])} s, "
+            f"o = {_s(own['other_seconds'])} s: |error| median "
+            f"{_pct(comparison['same_run_median_abs_relative_error']).lstrip('+')}, max "
+            f"{_pct(comparison['same_run_max_abs_relative_error']).lstrip('+')} (the noise floor); profile c / bench c = "
+            f"{_s(comparison['compute_ratio_profile_over_bench'])}")
     lines += [f"  note: {n}" for n in comparison["notes"]]
     return lines
