@@ -15,7 +15,13 @@ Three questions answered before a run, without a GPU (and without importing torc
    largest per-device batch ``B <= max`` and smallest ``K`` with
    ``B K P == target``.
 
-:func:`make_plan` answers all three from keywords named like the flags and
+4. **What if** (:mod:`.whatif`, ``--from_profile``): step time with and
+   without no_sync, speedup and communication share per K on a target
+   process count and bus bandwidth, from a ``train --profile_comm``
+   measurement, and the K that keeps communication under a share;
+   :mod:`.whatif_bench` compares it with a ``bench.json`` (``--compare_bench``).
+
+:func:`make_plan` answers all four from keywords named like the flags and
 :func:`format_plan` prints them (:mod:`.report`); every result is a dataclass,
 and ``--json`` prints the same fields. The command line contract
 (``ARGUMENTS``, ``DESCRIPTION``, ``run_command``) is in :mod:`.command`.

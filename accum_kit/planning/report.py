@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tabulate import tabulate
 
@@ -11,16 +11,27 @@ from ..settings import resolve_accumulation_steps
 from .batch import BatchPlan, plan_batch
 from .lr import LR_RULES, WARMUP_EPOCHS, WARMUP_MULTIPLIER_THRESHOLD, WARMUP_SOURCE, LearningRateScaling, scale_learning_rate
 from .solve import AccumulationSolution, solve_accumulation_steps
+from .whatif import (
+    DEFAULT_ACCUMULATION_STEPS,
+    DEFAULT_MAX_COMM_SHARE,
+    WhatIfReport,
+    check_whatif_flags,
+    format_whatif,
+    load_profile,
+    make_whatif,
+)
+from .whatif_bench import compare_with_bench, format_comparison
 
 
 @dataclass(frozen=True)
 class PlanReport:
     """Everything ``accum-kit plan`` prints: ``solution`` only with a target,
-    ``learning_rates`` only with a base learning rate."""
+    ``learning_rates`` only with a base learning rate, ``whatif`` only with a profile."""
 
     batch: BatchPlan
     solution: AccumulationSolution | None = None
     learning_rates: tuple[LearningRateScaling, ...] = ()
+    whatif: WhatIfReport | None = None
 
     def to_dict(self) -> dict:
         """The report as plain JSON-ready dicts (what ``--json`` prints)."""
@@ -28,6 +39,7 @@ class PlanReport:
             "batch": asdict(self.batch),
             "solution": asdict(self.solution) if self.solution else None,
             "learning_rates": [asdict(s) for s in self.learning_rates],
+            "whatif": self.whatif.to_dict() if self.whatif else None,
         }
 
 
@@ -65,7 +77,7 @@ def check_target_flags(target_batch_size: int | None, gradient_accumulation_step
 def make_plan(
     per_device_train_batch_size: int,
     gradient_accumulation_steps: int | None = None,
-    num_processes: int = 1,
+    num_processes: int | None = None,
     num_examples: int | None = None,
     *,
     drop_last: bool = False,
@@ -73,6 +85,13 @@ def make_plan(
     base_learning_rate: float | None = None,
     base_batch_size: int | None = None,
     lr_scaling: str | None = None,
+    from_profile: str | None = None,
+    num_machines: int | None = None,
+    interconnect: str | None = None,
+    busbw_GBps: float | None = None,
+    accumulation_steps=DEFAULT_ACCUMULATION_STEPS,
+    max_comm_share: float = DEFAULT_MAX_COMM_SHARE,
+    compare_bench: str | None = None,
 ) -> PlanReport:
     """All of ``accum-kit plan`` from keyword arguments named like its flags.
 
@@ -81,12 +100,19 @@ def make_plan(
     Without it, K = ``gradient_accumulation_steps``, else
     ``$ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, else 4 (the rule of
     :func:`accum_kit.settings.resolve_accumulation_steps`, the same as ``train``).
-    ``lr_scaling=None`` reports all three rules.
+    ``lr_scaling=None`` reports all three rules. ``num_processes=None`` is 1,
+    or with ``from_profile`` the profile's world size. ``from_profile`` adds
+    the what-if section (:func:`accum_kit.planning.whatif.make_whatif`, which
+    documents the other what-if keywords), its arithmetic shown for this K.
 
     Raises:
         UsageError: bad or inconsistent values; the message names the flag.
     """
     check_target_flags(target_batch_size, gradient_accumulation_steps)
+    check_whatif_flags(from_profile, num_machines, num_processes, interconnect, busbw_GBps, accumulation_steps,
+                       max_comm_share, compare_bench)
+    if num_processes is None:
+        num_processes = load_profile(from_profile).world_size if from_profile is not None else 1
     if target_batch_size is not None:
         solution = solve_accumulation_steps(target_batch_size, per_device_train_batch_size, num_processes)
         B, K = solution.per_device_train_batch_size, solution.gradient_accumulation_steps
@@ -104,7 +130,17 @@ def make_plan(
                                 steps_per_epoch=batch.optimizer_steps_per_epoch)
             for rule in rules
         )
-    return PlanReport(batch, solution, rates)
+    whatif = None
+    if from_profile is not None:
+        whatif = make_whatif(from_profile, num_processes=num_processes, num_machines=num_machines,
+                             interconnect=interconnect, busbw_GBps=busbw_GBps,
+                             accumulation_steps=accumulation_steps, max_comm_share=max_comm_share,
+                             per_device_train_batch_size=B, show_K=K)
+        if compare_bench is not None:
+            p = whatif.profile
+            whatif = replace(whatif, comparison=compare_with_bench(
+                compare_bench, p, p.compute_seconds, whatif.exposed_comm_seconds, p.other_seconds, num_processes))
+    return PlanReport(batch, solution, rates, whatif)
 
 
 def _g(x: float) -> str:
@@ -192,9 +228,14 @@ def _learning_rate_lines(rates: tuple[LearningRateScaling, ...]) -> list[str]:
 
 def format_plan(report: PlanReport) -> str:
     """The text ``accum-kit plan`` prints: the solution (with a target), the batch
-    plan as a two-column table, and the learning-rate rules as a table (with a base rate)."""
+    plan as a two-column table, the learning-rate rules as a table (with a base rate) and
+    the what-if predictions (with a profile)."""
     lines = _solution_lines(report.solution) if report.solution is not None else []
     lines += _batch_lines(report.batch)
     if report.learning_rates:
         lines += _learning_rate_lines(report.learning_rates)
+    if report.whatif is not None:
+        lines += format_whatif(report.whatif)
+        if report.whatif.comparison is not None:
+            lines += format_comparison(report.whatif.comparison)
     return "\n".join(lines)
