@@ -35,6 +35,7 @@ class LoopState:
     sync: bool = False  # DDP all-reduces gradients in this micro-batch's backward
     loss: float = float("nan")  # loss of the last finished window, nats
     window_tokens: int = 0  # target tokens of the last finished window, all processes
+    grad_norm: object = None  # global gradient norm before clipping (a tensor), when the loop clips
 
 
 class LoopCallback:

@@ -13,6 +13,7 @@ from .data import check_data_flags
 from .errors import UsageError
 from .loss import NORMALIZATIONS
 from .models import PRESETS
+from .tracking import TRACKERS
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
@@ -47,6 +48,8 @@ class TrainConfig:
     profile_ab_steps: int = field(default=0, metadata={"help": "Measure the no_sync saving: alternate N windows with and N without no_sync (after 1 warm-up step); implies --profile_comm."})
     profile_overhead_steps: int = field(default=0, metadata={"help": "Measure the profiler's own cost: after the A/B windows, alternate N windows with it recording and N without; implies --profile_comm."})
     trace_dir: str | None = field(default=None, metadata={"help": "Write a torch.profiler Chrome trace per process here (Perfetto); implies --profile_comm."})
+    with_tracking: bool = field(default=False, metadata={"help": "Log per-step figures to experiment trackers (Accelerate's log_with) under --output_dir."})
+    report_to: str = field(default="all", metadata={"help": f"Tracker for --with_tracking: one of {list(TRACKERS)} ('all': every installed one; tensorboard is the tested one)."})
     logging_steps: int = field(default=10, metadata={"help": "Log loss, learning rate and tokens/s every N optimizer steps."})
     seed: int = field(default=42, metadata={"help": "Random seed (model init, shuffling)."})
     output_dir: str = field(default="runs/train", metadata={"help": "Where the model, train_summary.json and checkpoints are written."})
@@ -74,6 +77,7 @@ class TrainConfig:
         checks.positive("--learning_rate", self.learning_rate, fix="pass e.g. 2e-3")
         checks.one_of("--loss_normalization", self.loss_normalization, NORMALIZATIONS)
         checks.one_of("--lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
+        checks.one_of("--report_to", self.report_to, TRACKERS)
         if self.model_name_or_path is None:
             checks.one_of("--model_preset", self.model_preset, sorted(PRESETS))
         if self.train_file is not None and self.dataset_name is not None:

@@ -186,8 +186,8 @@ def train_loop(
                     if accelerator.sync_gradients:
                         hooks("on_step_begin", state)
                         state.loss, state.window_tokens = norm.finish(model)  # exact rescale before clipping
-                        if max_grad_norm is not None:
-                            accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                        if max_grad_norm is not None:  # returns the norm before clipping (kept as a tensor: no sync)
+                            state.grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
                         optimizer.step()
                         if lr_scheduler is not None:
                             lr_scheduler.step()

@@ -30,6 +30,7 @@ from .models import build_model, count_parameters, load_model
 from .planning import optimizer_steps_per_epoch
 from .outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
 from .profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
+from .tracking import TrackerLogger, check_trackers, quiet_other_processes
 
 logger = get_logger("accum_kit.train")  # logs on the main process only
 
@@ -117,9 +118,12 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.trace_dir:
         check_output_dir(cfg.trace_dir, flag="--trace_dir")
     k = resolve_accumulation_steps(cfg.gradient_accumulation_steps)
+    if cfg.with_tracking:
+        check_trackers(cfg.report_to, cfg.output_dir)
+    tracking = dict(log_with=cfg.report_to, project_dir=cfg.output_dir) if cfg.with_tracking else {}
     accelerator = build_accelerator(k, sync_each_batch=cfg.sync_each_batch, kwargs_handlers=[
-        InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))])
-    _quiet_other_processes(accelerator)
+        InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))], **tracking)
+    quiet_other_processes(accelerator)
     resume = _resume_path(cfg)
     if resume is not None:  # before any work: the data position must mean the same examples
         check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
@@ -149,20 +153,33 @@ def run(cfg: TrainConfig) -> dict:
         num_training_steps=steps * accelerator.num_processes,
     ))
     n_params = count_parameters(model)
+    effective_batch = cfg.per_device_train_batch_size * k * accelerator.num_processes
     logger.info("%d processes (%s), K=%d, effective batch %d examples, %d optimizer steps, %.2fM parameters, data %s",
                 accelerator.num_processes, accelerator.distributed_type, k,
-                cfg.per_device_train_batch_size * k * accelerator.num_processes, steps, n_params / 1e6, source)
+                effective_batch, steps, n_params / 1e6, source)
 
     profiler, switches = _profiling(cfg, accelerator, model, steps)
 
+    callbacks = [LogEvery(accelerator, lr_scheduler, cfg.logging_steps), *switches]
+    if cfg.with_tracking:  # hyperparameters as the tracker's config; figures per step via TrackerLogger
+        accelerator.init_trackers("accum_kit", config={
+            "gradient_accumulation_steps": k, "world_size": accelerator.num_processes,
+            "per_device_train_batch_size": cfg.per_device_train_batch_size, "effective_batch_size": effective_batch,
+            "loss_normalization": cfg.loss_normalization,
+        "mixed_precision": accelerator.mixed_precision,
+        "tracking": cfg.report_to if cfg.with_tracking else None, "learning_rate": cfg.learning_rate,
+            "mixed_precision": accelerator.mixed_precision, "model": cfg.model_name_or_path or cfg.model_preset,
+            "block_size": cfg.block_size, "seed": cfg.seed})
+        callbacks.append(TrackerLogger(accelerator, optimizer, profiler))
     eval_before, ppl_before = evaluate_loss(accelerator, model, eval_dl)
     logger.info("eval loss before training: %.4f (perplexity %.2f)", eval_before, ppl_before)
+    accelerator.log({"eval/loss": eval_before, "eval/perplexity": ppl_before}, step=0)
     checkpointer = Checkpointer(accelerator, cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit)
     try:
         result = train_loop(
             accelerator, model, optimizer, train_dl, lr_scheduler=lr_scheduler, max_train_steps=steps,
             max_grad_norm=cfg.max_grad_norm, loss_normalization=cfg.loss_normalization,
-            callbacks=[LogEvery(accelerator, lr_scheduler, cfg.logging_steps), *switches], profiler=profiler,
+            callbacks=callbacks, profiler=profiler,
             checkpointer=checkpointer, resume_from=resume,
         )
     except Preempted:
@@ -170,14 +187,17 @@ def run(cfg: TrainConfig) -> dict:
         raise
     eval_after, ppl_after = evaluate_loss(accelerator, model, eval_dl)
     logger.info("eval loss after training: %.4f (perplexity %.2f)", eval_after, ppl_after)
+    accelerator.log({"eval/loss": eval_after, "eval/perplexity": ppl_after}, step=result.optimizer_steps)
     comm = _comm_block(profiler, switches, optimizer_steps_per_epoch(len(train_dl), k), accelerator)
+    if comm is not None and "speedup" in comm:
+        accelerator.log({"comm/ab_speedup": comm["speedup"]}, step=result.optimizer_steps)
 
     summary = {
         "world_size": accelerator.num_processes,
         "distributed_type": str(accelerator.distributed_type),
         "gradient_accumulation_steps": k,
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
-        "effective_batch_size": cfg.per_device_train_batch_size * k * accelerator.num_processes,
+        "effective_batch_size": effective_batch,
         "optimizer_steps": result.optimizer_steps,
         "resumed_from_step": result.resumed_from_step,
         "resumed_from": str(resume) if resume is not None else None,
@@ -200,6 +220,8 @@ def run(cfg: TrainConfig) -> dict:
         "model": cfg.model_name_or_path or f"preset:{cfg.model_preset}",
         "model_parameters": n_params,
         "loss_normalization": cfg.loss_normalization,
+        "mixed_precision": accelerator.mixed_precision,
+        "tracking": cfg.report_to if cfg.with_tracking else None,
         "sync_each_batch": cfg.sync_each_batch,
         "learning_rate": cfg.learning_rate,
         "seed": cfg.seed,
@@ -276,17 +298,6 @@ def _comm_block(profiler, switches, steps_per_epoch: int, accelerator) -> dict |
         comm["trace_file"] = profiler.trace_path
     accelerator.print(format_table(comm))
     return comm
-
-
-def _quiet_other_processes(accelerator) -> None:
-    # One set of progress bars and warnings per job, as run_clm_no_trainer does.
-    if not accelerator.is_local_main_process:
-        import datasets
-        import transformers
-
-        datasets.utils.logging.set_verbosity_error()
-        datasets.disable_progress_bars()
-        transformers.utils.logging.set_verbosity_error()
 
 
 def run_command(cfg: TrainConfig) -> int:

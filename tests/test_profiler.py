@@ -100,7 +100,7 @@ def launch(tmp_path_factory):
             "--max_train_steps", str(JOB_STEPS), "--profile_ab_steps", str(JOB_AB), "--trace_dir", str(trace_dir),
             "--profile_overhead_steps", str(JOB_OVERHEAD),
             "--output_dir", str(job_out), "--max_train_samples", "64", "--max_eval_samples", "8",
-            "--num_warmup_steps", "0", "--logging_steps", "10"]
+            "--num_warmup_steps", "0", "--logging_steps", "10", "--with_tracking", "--report_to", "tensorboard"]
     spec = {"model_config": MODEL_CONFIG, "seed": SEED, "lr": LR, "pad_id": PAD_ID, "bucket_cap_mb": BUCKET_CAP_MB,
             "examples": make_examples(), "scenarios": SCENARIOS, "train_job": {"argv": argv}}
     spec_path = root / "spec.json"
@@ -516,3 +516,22 @@ def test_train_job_summary_has_comm_block(runs):
     assert comm["speedup"] == pytest.approx(comm["seconds_per_step_sync_each_batch"] / comm["seconds_per_step_no_sync"])
     assert Path(comm["trace_file"]).name == "trace_rank0.json"
     assert len(comm["per_process"]) == WORLD
+
+
+def test_train_job_logs_comm_per_step_to_tensorboard(runs):
+    from test_train_job import tensorboard_scalars
+
+    launch = runs["_launch"]
+    summary = json.loads((launch["job_out"] / "train_summary.json").read_text())
+    comm, tb = summary["comm"], tensorboard_scalars(launch["job_out"] / "accum_kit")
+    per_sync = comm["allreduce_bytes"] / comm["syncs"]  # every gradient byte once per synchronised backward
+    modes = ab_expected_modes(JOB_STEPS, JOB_AB)
+    ab_end = 1 + 2 * JOB_AB
+    off = {ab_end + 2 * j + 1 for j in range(JOB_OVERHEAD)}  # OverheadSwitch's profiler-off windows
+    for i in range(JOB_STEPS):
+        step = i + 1
+        syncs = 0 if i in off else (JOB_K if modes[i] == "sync_each_batch" else 1)
+        assert tb["comm/allreduce_bytes"][step] == pytest.approx(syncs * per_sync), (step, modes[i])
+        assert (tb["comm/allreduce_calls"][step] > 0) == (syncs > 0)
+        assert tb["comm/exposed_seconds"][step] >= 0
+    assert tb["comm/ab_speedup"] == pytest.approx({JOB_STEPS: comm["speedup"]}, rel=1e-6)

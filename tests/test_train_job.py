@@ -142,7 +142,8 @@ def ddp_run(work, corpus):
         "-m", "accum_kit", "train",
         *job_flags(out, "--max_train_steps", STEPS, "--per_device_train_batch_size", B,
                    "--gradient_accumulation_steps", K, "--max_train_samples", MAX_TRAIN,
-                   "--max_eval_samples", MAX_EVAL, train_file=corpus),
+                   "--max_eval_samples", MAX_EVAL, "--with_tracking", "--report_to", "tensorboard",
+                   train_file=corpus),
         num_processes=WORLD,
     )
     res = jh.run(cmd, jh.clean_env(HF_DATASETS_CACHE=str(work / "hf_datasets_cache")), work, "ddp", timeout=300)
@@ -174,6 +175,39 @@ def test_ddp_job_summary(ddp_run):
     assert s["dataset"] == f"file:{out.parent / 'stdlib_corpus.txt'}"
     assert s["eval_examples"] == MAX_EVAL
     assert math.isfinite(s["eval_loss_before"]) and s["eval_loss_after"] < s["eval_loss_before"] - 0.3
+
+
+def tensorboard_scalars(log_dir) -> dict:
+    """{tag: {step: value}} read back with tensorboard's own event reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = [p.parent for p in log_dir.rglob("events.out.tfevents.*")]
+    assert runs, f"no event file under {log_dir}"
+    out = {}
+    for run in set(runs):
+        acc = EventAccumulator(str(run))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def test_ddp_job_tensorboard_matches_the_summary(ddp_run):
+    _, out = ddp_run
+    s = load_summary(out)
+    tb = tensorboard_scalars(out / "accum_kit")
+    # every optimizer step, from the main process only, equal (float32 event storage) to train_summary.json
+    assert sorted(tb["train/loss"]) == list(range(1, STEPS + 1))
+    for step, loss in enumerate(s["train_loss"], start=1):
+        assert tb["train/loss"][step] == pytest.approx(loss, rel=1e-6)
+    assert tb["eval/loss"] == pytest.approx({0: s["eval_loss_before"], STEPS: s["eval_loss_after"]}, rel=1e-6)
+    # 12 full blocks of 63 targets per window over both processes (a lone process would log half)
+    assert set(tb["train/window_tokens"].values()) == {12 * (BLOCK - 1)}
+    lrs = [tb["train/learning_rate"][k] for k in sorted(tb["train/learning_rate"])]
+    assert lrs[0] == pytest.approx(3e-3, rel=1e-6) and lrs[-1] < lrs[0]  # cosine decay, no warm-up
+    assert all(v > 0 for v in tb["train/grad_norm"].values()) and len(tb["train/grad_norm"]) == STEPS
+    assert all(v > 0 for v in tb["train/tokens_per_second"].values())
+    assert s["tracking"] == "tensorboard" and s["mixed_precision"] == "no"
 
 
 def test_ddp_job_saved_model_and_tokenizer(ddp_run, corpus):

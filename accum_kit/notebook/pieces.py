@@ -33,7 +33,9 @@ def lm_dataloaders(accelerator, *, block_size: int = 128, per_device_train_batch
     from torch.utils.data import DataLoader
 
     from ..data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
+    from ..tracking import quiet_other_processes
 
+    quiet_other_processes(accelerator)  # one set of datasets progress bars
     tokenizer = build_tokenizer()
     with accelerator.main_process_first():
         raw, _ = load_raw_datasets(train_file=train_file)

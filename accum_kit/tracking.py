@@ -1,0 +1,109 @@
+"""What a run reports while it trains: experiment trackers through Accelerate, and quiet non-main processes.
+
+:class:`TrackerLogger` is a loop callback that sends the per-step figures to
+``accelerator.log``, so whatever trackers the Accelerator was built with
+(``log_with="tensorboard"``, ``"wandb"``, ...; see Accelerate's "Experiment
+trackers" guide) receive them; Accelerate logs on the main process only. It
+works the same from the train job (``--with_tracking``), a script or a
+notebook.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from .callbacks import LoopCallback
+from .errors import UsageError
+from .stats import median
+
+#: ``--report_to`` values: "all" (every tracker library installed) or one of Accelerate's tracker names.
+TRACKERS = ("all", "tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio")  # accelerate 1.15's LoggerType
+
+
+def check_trackers(report_to: str, logging_dir: str) -> None:
+    """Fail before training when ``--report_to`` names no installed tracker library.
+
+    Raises:
+        UsageError: unknown name, or nothing installed for it (Accelerate
+            would otherwise drop the request silently).
+    """
+    from accelerate.tracking import filter_trackers
+
+    if report_to not in TRACKERS:
+        raise UsageError("--report_to", f"unknown tracker {report_to!r}", f"use one of {list(TRACKERS)}")
+    if not filter_trackers(report_to, logging_dir):
+        raise UsageError("--report_to", f"no installed tracker library for {report_to!r}",
+                         "pip install tensorboard (or wandb, comet_ml, ...), or drop --with_tracking")
+
+
+class TrackerLogger(LoopCallback):
+    """Loop callback: per optimizer step, ``accelerator.log`` of the window's figures.
+
+    Logged at step N (the number of optimizer steps done):
+
+    - ``train/loss``: the window's loss, nats (token mean over all processes in ``tokens`` mode);
+    - ``train/learning_rate``: the first parameter group's learning rate used by that step;
+    - ``train/grad_norm``: the global gradient L2 norm before clipping (only
+      when the loop clips, which computes it anyway);
+    - ``train/tokens_per_second``: target tokens of the window over all
+      processes / wall seconds since the previous step;
+    - ``train/window_tokens``: target tokens of the window, all processes.
+
+    With a :class:`accum_kit.profiler.CommProfiler` (``profiler=``), also
+    ``comm/allreduce_calls``, ``comm/allreduce_bytes`` (gradient buckets
+    all-reduced by this process in that step) and ``comm/exposed_seconds`` (the
+    step's synchronised backward passes minus the median no-sync backward so
+    far: all-reduce time not hidden behind compute).
+
+    Args:
+        accelerator: built with ``log_with=...``; call ``init_trackers`` first.
+        optimizer: the (prepared) optimizer, for the learning rate.
+        profiler: optional CommProfiler of the same run.
+    """
+
+    def __init__(self, accelerator, optimizer, profiler=None):
+        self.accelerator, self.optimizer, self.profiler = accelerator, optimizer, profiler
+        self._t = None
+        self._lr = None
+
+    def on_train_begin(self, state):
+        self._t = time.perf_counter()
+
+    def on_step_begin(self, state):
+        self._lr = self.optimizer.param_groups[0]["lr"]  # before the scheduler moves it
+
+    def on_step_end(self, state):
+        now = time.perf_counter()
+        seconds, self._t = now - self._t, now
+        values = {"train/loss": state.loss, "train/learning_rate": self._lr,
+                  "train/tokens_per_second": state.window_tokens / seconds if seconds > 0 else math.nan,
+                  "train/window_tokens": state.window_tokens}
+        if state.grad_norm is not None:
+            values["train/grad_norm"] = float(state.grad_norm)
+        if self.profiler is not None:
+            values.update(self._comm(state.step - 1))
+        self.accelerator.log(values, step=state.step)
+
+    def _comm(self, step: int) -> dict:
+        rec = self.profiler.records()
+        calls = [c for c in rec.calls if c.step == step]
+        no_sync = median(m.backward_seconds for m in rec.micro_batches if not m.sync)
+        synced = [m.backward_seconds for m in rec.micro_batches if m.step == step and m.sync]
+        exposed = sum(max(b - no_sync, 0.0) for b in synced) if (no_sync is not None and calls) else 0.0
+        return {"comm/allreduce_calls": len(calls), "comm/allreduce_bytes": sum(c.bytes for c in calls),
+                "comm/exposed_seconds": exposed}
+
+
+def quiet_other_processes(accelerator) -> None:
+    """One set of progress bars and warnings per job: silence datasets and transformers off the local main process.
+
+    As transformers' ``run_clm_no_trainer.py`` does.
+    """
+    if not accelerator.is_local_main_process:
+        import datasets
+        import transformers
+
+        datasets.utils.logging.set_verbosity_error()
+        datasets.disable_progress_bars()
+        transformers.utils.logging.set_verbosity_error()
