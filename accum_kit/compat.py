@@ -70,3 +70,28 @@ def forget_prepared(accelerator, objects) -> None:
         lst = getattr(accelerator, attr, None)
         if isinstance(lst, list):
             lst[:] = [o for o in lst if not any(o is x for x in objects)]
+
+
+def shuffle_generators(dataloader) -> list:
+    """The ``torch.Generator`` objects that decide the order of a (prepared) dataloader, without duplicates.
+
+    Follows the ``batch_sampler`` chain (Accelerate's ``SkipBatchSampler`` and
+    ``BatchSamplerShard`` each wrap the user's ``BatchSampler`` in an attribute
+    of that name, accelerate 1.15) down to the sampler and takes its
+    ``generator``, plus the DataLoader's own ``generator`` (from which PyTorch
+    draws each iterator's base seed). On several processes ``prepare`` gives a
+    ``RandomSampler`` without one a generator and keeps it synchronised from
+    rank 0 at the start of every epoch; its state is not part of
+    ``save_state`` for map-style datasets, so a checkpoint must store it.
+    Returns an empty list when nothing is seeded by a generator (the sampler
+    then draws from the global torch RNG).
+    """
+    found = []
+    obj = getattr(dataloader, "batch_sampler", None)
+    while obj is not None and not hasattr(obj, "sampler") and hasattr(obj, "batch_sampler"):
+        obj = obj.batch_sampler
+    for owner in (getattr(obj, "sampler", None), dataloader):
+        gen = getattr(owner, "generator", None)
+        if gen is not None and not any(gen is g for g in found):
+            found.append(gen)
+    return found

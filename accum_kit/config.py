@@ -49,7 +49,11 @@ class TrainConfig:
     trace_dir: str | None = field(default=None, metadata={"help": "Write a torch.profiler Chrome trace per process here (Perfetto); implies --profile_comm."})
     logging_steps: int = field(default=10, metadata={"help": "Log loss, learning rate and tokens/s every N optimizer steps."})
     seed: int = field(default=42, metadata={"help": "Random seed (model init, shuffling)."})
-    output_dir: str = field(default="runs/train", metadata={"help": "Where the model and train_summary.json are written."})
+    output_dir: str = field(default="runs/train", metadata={"help": "Where the model, train_summary.json and checkpoints are written."})
+    checkpointing_steps: str | None = field(default=None, metadata={"help": "Save a checkpoint every N optimizer steps (step_<N>), or 'epoch' after each epoch (epoch_<E>); always at a window boundary."})
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "Continue from a checkpoint folder, or 'latest' (the newest complete one in --output_dir)."})
+    checkpoints_total_limit: int | None = field(default=None, metadata={"help": "Keep at most N checkpoints; the oldest is deleted after the new one is complete."})
+    ddp_timeout: int = field(default=1800, metadata={"help": "Seconds a collective may wait for the other processes before the job fails (torch.distributed timeout)."})
 
     def __post_init__(self):
         """Normalise 'off' values and check ranges; raises UsageError naming the flag."""
@@ -75,3 +79,11 @@ class TrainConfig:
         if self.train_file is not None and self.dataset_name is not None:
             raise UsageError("--train_file", "given together with --dataset_name", "pass only one data source")
         check_data_flags(self.train_file, self.validation_split_percentage)
+        if self.checkpointing_steps is not None and self.checkpointing_steps != "epoch":
+            if not self.checkpointing_steps.isdigit() or int(self.checkpointing_steps) < 1:
+                raise UsageError("--checkpointing_steps", f"must be a positive integer or 'epoch' (got {self.checkpointing_steps!r})",
+                                 "pass e.g. 100 or epoch")
+            self.checkpointing_steps = int(self.checkpointing_steps)
+        for flag in ("checkpoints_total_limit", "ddp_timeout"):
+            if getattr(self, flag) is not None:
+                checks.at_least(f"--{flag}", getattr(self, flag))

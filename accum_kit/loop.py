@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from . import checks
 from .callbacks import CallbackList, LoopState
+from .checkpoint import DataCursor, load_checkpoint
 from .compat import release_dataloader, restart_window_counter, sync_each_batch
 from .errors import UsageError
 from .loss import NORMALIZATIONS, LossFn, WindowNormalizer, causal_lm_loss
@@ -36,6 +37,8 @@ class LoopResult:
             the previous step; the first includes start-up).
         step_tokens: target tokens of each window, summed over processes.
         micro_batches: micro-batches run by this process.
+        resumed_from_step: optimizer steps restored from a checkpoint (None:
+            not resumed); the lists above then hold the restored steps first.
     """
 
     train_loss: list = field(default_factory=list)
@@ -43,6 +46,12 @@ class LoopResult:
     step_tokens: list = field(default_factory=list)
     micro_batches: int = 0
     epochs: int = 0
+    resumed_from_step: int | None = None
+
+    def restore(self, saved: dict) -> None:
+        """Take over the history of a checkpoint's loop state (see :mod:`accum_kit.checkpoint`)."""
+        self.train_loss, self.step_tokens = list(saved["train_loss"]), list(saved["step_tokens"])
+        self.step_seconds, self.resumed_from_step = list(saved["step_seconds"]), saved["optimizer_steps"]
 
     def record(self, loss: float, tokens: int, since: float) -> float:
         """Append one optimizer step that started at ``since`` (perf_counter seconds); return now."""
@@ -94,6 +103,8 @@ def train_loop(
     callbacks=(),
     progress: bool = True,
     profiler=None,
+    checkpointer=None,
+    resume_from=None,
 ) -> LoopResult:
     """Train with gradient accumulation that skips DDP syncs and is exact.
 
@@ -118,34 +129,51 @@ def train_loop(
             rescale (gradients still hold sum / (K x world_size)).
         progress: show a tqdm bar over optimizer steps on the main process.
         profiler: a :class:`accum_kit.profiler.CommProfiler` (or any callback).
+        checkpointer: a :class:`accum_kit.checkpoint.Checkpointer`: saves
+            ``step_<N>`` / ``epoch_<E>`` at window boundaries and stops on SIGTERM.
+        resume_from: a complete checkpoint folder (see
+            :func:`accum_kit.checkpoint.latest_checkpoint`): the model,
+            optimizer, scheduler and RNG states are loaded, the history is
+            restored, and training continues at the saved data position, so
+            losses and parameters equal those of an uninterrupted run. Prepare
+            the same objects in the same order as the saved run.
 
     Returns:
         :class:`LoopResult` with per-step losses, times and token counts.
 
     Raises:
-        UsageError: invalid argument (the message names the flag).
+        UsageError: invalid argument (the message names the flag), or a
+            checkpoint saved with another K, world size or batch size.
+        accum_kit.checkpoint.Preempted: a signal stopped the run after saving.
         TypeError: a callback defines no hook or a misspelled one.
         RuntimeError: the dataloader ended inside a window, which happens when
             it was not passed through ``accelerator.prepare``.
     """
     _validate(train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization)
     loss_fn = loss_fn or causal_lm_loss
-    hooks = CallbackList([profiler, *callbacks])  # profiler first: it must see a step before others react to it
+    # profiler first: it must see a step before others react to it; the checkpointer last: it saves what they did
+    hooks = CallbackList([profiler, *callbacks, checkpointer])
     norm = WindowNormalizer(accelerator, loss_normalization)
     per_epoch = optimizer_steps_per_epoch(len(train_dataloader), accelerator.gradient_accumulation_steps)
     total = max_train_steps or num_train_epochs * per_epoch
-    epochs = itertools.count() if max_train_steps else range(num_train_epochs)
-    state, result = LoopState(), LoopResult()
-    bar = tqdm(total=total, desc="optimizer steps", disable=not (progress and accelerator.is_main_process))
+    state, result, cursor = LoopState(), LoopResult(), DataCursor(train_dataloader)
+    if resume_from is not None:
+        saved = load_checkpoint(accelerator, resume_from, cursor)  # load_state, then the data position
+        result.restore(saved)
+        state.step, state.micro_step = saved["optimizer_steps"], saved["micro_batches"]
+    if checkpointer is not None:
+        checkpointer.attach(cursor, result)
+    epochs = itertools.count(cursor.epoch) if max_train_steps else range(cursor.epoch, num_train_epochs)
+    epochs = epochs if state.step < total else ()  # resumed from the last step: nothing left
+    bar = tqdm(total=total, initial=state.step, desc="optimizer steps",
+               disable=not (progress and accelerator.is_main_process))
     model.train()
-    restart_window_counter(accelerator)  # an earlier loop may have stopped mid-window
+    restart_window_counter(accelerator)  # an earlier loop may have stopped mid-window; load_state restores it too
     hooks("on_train_begin", state)
     last = time.perf_counter()
     try:
         for state.epoch in epochs:
-            if hasattr(train_dataloader, "set_epoch"):
-                train_dataloader.set_epoch(state.epoch)  # reshuffle per epoch, as in Accelerate's examples
-            for batch in train_dataloader:
+            for batch in cursor.batches(state.epoch):  # set_epoch (reshuffle), and skipping on resume
                 with accelerator.accumulate(model):
                     state.boundary = accelerator.sync_gradients
                     state.sync = state.boundary or sync_each_batch(accelerator)
@@ -166,7 +194,7 @@ def train_loop(
                         optimizer.zero_grad()
                         state.step += 1
                         last = result.record(state.loss, state.window_tokens, since=last)
-                        hooks("on_step_end", state)
+                        hooks("on_step_end", state)  # the checkpointer saves here: .grad is empty
                         bar.update(1)
                         bar.set_postfix(loss=f"{state.loss:.4f}")
                 if state.step >= total:
@@ -181,7 +209,9 @@ def train_loop(
             if state.step >= total:
                 break
     finally:  # also on an exception (e.g. a notebook interrupt): leave Accelerate's state clean
-        release_dataloader(accelerator, train_dataloader)
+        release_dataloader(accelerator, cursor.active)
+        if checkpointer is not None:
+            checkpointer.close()
         bar.close()
     result.micro_batches = state.micro_step
     hooks("on_train_end", state)

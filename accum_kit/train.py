@@ -9,13 +9,17 @@ accelerator -> data + model -> :func:`accum_kit.train_loop` -> summary files.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from datetime import timedelta
 
 import torch
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
 from .callbacks import LoopCallback
+from .checkpoint import (PREEMPTED_EXIT_CODE, Checkpointer, Preempted, check_resumable, check_writable,
+                         latest_checkpoint, resolve_checkpoint)
 from .config import TrainConfig
 from .data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
 from .errors import UsageError
@@ -105,15 +109,21 @@ def run(cfg: TrainConfig) -> dict:
         UsageError: bad input, detected before any output is written.
         ProcessCountError: the launcher and the Accelerator disagree on the process count.
     """
-    from accelerate.utils import set_seed
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
     from transformers import get_scheduler
 
     check_output_dir(cfg.output_dir)
+    check_writable(cfg.output_dir)
     if cfg.trace_dir:
         check_output_dir(cfg.trace_dir, flag="--trace_dir")
     k = resolve_accumulation_steps(cfg.gradient_accumulation_steps)
-    accelerator = build_accelerator(k, sync_each_batch=cfg.sync_each_batch)
+    accelerator = build_accelerator(k, sync_each_batch=cfg.sync_each_batch, kwargs_handlers=[
+        InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))])
     _quiet_other_processes(accelerator)
+    resume = _resume_path(cfg)
+    if resume is not None:  # before any work: the data position must mean the same examples
+        check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
+                        per_device_batch_size=cfg.per_device_train_batch_size)
     set_seed(cfg.seed)
     tokenizer = build_tokenizer(cfg.model_name_or_path)
     train_ds, eval_ds, source = _datasets(cfg, tokenizer, accelerator, k)
@@ -147,11 +157,17 @@ def run(cfg: TrainConfig) -> dict:
 
     eval_before, ppl_before = evaluate_loss(accelerator, model, eval_dl)
     logger.info("eval loss before training: %.4f (perplexity %.2f)", eval_before, ppl_before)
-    result = train_loop(
-        accelerator, model, optimizer, train_dl, lr_scheduler=lr_scheduler, max_train_steps=steps,
-        max_grad_norm=cfg.max_grad_norm, loss_normalization=cfg.loss_normalization,
-        callbacks=[LogEvery(accelerator, lr_scheduler, cfg.logging_steps), *switches], profiler=profiler,
-    )
+    checkpointer = Checkpointer(accelerator, cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit)
+    try:
+        result = train_loop(
+            accelerator, model, optimizer, train_dl, lr_scheduler=lr_scheduler, max_train_steps=steps,
+            max_grad_norm=cfg.max_grad_norm, loss_normalization=cfg.loss_normalization,
+            callbacks=[LogEvery(accelerator, lr_scheduler, cfg.logging_steps), *switches], profiler=profiler,
+            checkpointer=checkpointer, resume_from=resume,
+        )
+    except Preempted:
+        accelerator.end_training()
+        raise
     eval_after, ppl_after = evaluate_loss(accelerator, model, eval_dl)
     logger.info("eval loss after training: %.4f (perplexity %.2f)", eval_after, ppl_after)
     comm = _comm_block(profiler, switches, optimizer_steps_per_epoch(len(train_dl), k), accelerator)
@@ -163,6 +179,9 @@ def run(cfg: TrainConfig) -> dict:
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "effective_batch_size": cfg.per_device_train_batch_size * k * accelerator.num_processes,
         "optimizer_steps": result.optimizer_steps,
+        "resumed_from_step": result.resumed_from_step,
+        "resumed_from": str(resume) if resume is not None else None,
+        "checkpoints": [p.name for p in checkpointer.saved],
         "micro_batches_per_process": result.micro_batches,
         "train_loss": result.train_loss,
         "eval_loss_before": eval_before,
@@ -198,6 +217,26 @@ def run(cfg: TrainConfig) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
+
+
+def _resume_path(cfg: TrainConfig):
+    """The checkpoint to resume from: --resume_from_checkpoint, or ``latest`` after an elastic restart.
+
+    torchrun sets ``TORCHELASTIC_RESTART_COUNT`` > 0 in workers it restarted
+    (``--max_restarts``); they then continue from the newest complete
+    checkpoint in --output_dir, if there is one, without a flag.
+    """
+    if cfg.resume_from_checkpoint is not None:
+        return resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
+    found = latest_checkpoint(cfg.output_dir)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts > 0 and found is not None:
+        logger.warning("elastic restart %d: resuming from %s", restarts, found)
+        return found
+    if found is not None:
+        logger.warning("--output_dir already holds checkpoints up to %s from an earlier run; this run starts afresh "
+                       "and replaces those it saves under the same names", found.name)
+    return None
 
 
 def _profiling(cfg: TrainConfig, accelerator, model, steps: int):
@@ -253,5 +292,11 @@ def _quiet_other_processes(accelerator) -> None:
 def run_command(cfg: TrainConfig) -> int:
     """``accum-kit train``: run the job; 0 on success (bad input raises, and the CLI exits 2)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
-    run(cfg)
+    try:
+        run(cfg)
+    except Preempted as stop:
+        logging.getLogger("accum_kit.train").warning(
+            "preempted by %s: checkpoint %s (optimizer step %d) is complete; exiting with code %d. Continue with "
+            "--resume_from_checkpoint latest", stop.signal_name, stop.path, stop.step, PREEMPTED_EXIT_CODE)
+        return PREEMPTED_EXIT_CODE
     return 0

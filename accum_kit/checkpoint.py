@@ -1,0 +1,427 @@
+"""Exact checkpoint and resume at window boundaries, atomic checkpoint folders, and preemption.
+
+A checkpoint is written only right after an optimizer step, when ``zero_grad``
+has emptied the gradients: Accelerate's ``save_state`` does not save ``.grad``,
+so a checkpoint inside a window would lose the window's first micro-batches
+and the resumed window would under-weight them. (transformers' Trainer also
+checkpoints only at optimizer steps and drops a partial window on resume:
+https://github.com/huggingface/transformers/issues/22143.)
+
+Folder ``<output_dir>/step_<N>`` (N optimizer steps done) or ``epoch_<E>``
+(epoch E, 0-based, done), the names of transformers'
+``examples/pytorch/language-modeling/run_clm_no_trainer.py``, holding:
+
+- what ``accelerator.save_state`` writes: model, optimizer, scheduler,
+  GradScaler, and per process the RNG states and Accelerate's micro-batch counter;
+- ``loop_state.json`` (main process): optimizer steps, the data position
+  (epoch and micro-batches done in it, per process), the per-step loss, token
+  and seconds history, and K, world size, per-device batch and batches per
+  epoch, which a resume must match;
+- ``data_rng_<rank>.pt`` (every process): the global torch RNG and the
+  shuffling generators as they were when the current epoch began, so that
+  the resumed epoch draws the same order before the consumed batches are skipped;
+- ``checkpoint_complete``: the marker, written last.
+
+Atomicity: everything is written into ``.<name>.incomplete`` in the same
+folder, and after a barrier the main process adds the marker and renames the
+folder (one ``rename``). A crash mid-save leaves the previous checkpoints and
+``latest`` as they were. ``latest`` is the complete checkpoint with the most
+optimizer steps. This protects against a crashed or killed process, not
+against a power loss (no ``fsync`` of the large files, as in Accelerate).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from accelerate.logging import get_logger
+
+from .callbacks import LoopCallback
+from .compat import shuffle_generators
+from .errors import UsageError
+from .outputs import atomic_write_json
+
+logger = get_logger("accum_kit.checkpoint")
+
+LOOP_STATE = "loop_state.json"
+COMPLETE = "checkpoint_complete"
+NAME = re.compile(r"^(step|epoch)_(\d+)$")
+FORMAT = 1
+
+#: Exit code of a job stopped by a preemption signal after saving (EX_TEMPFAIL of sysexits.h: "try again later").
+PREEMPTED_EXIT_CODE = 75
+
+#: Test hook: with this environment variable set to a checkpoint name, every process exits (code 3)
+#: after that checkpoint's files are written and before it is marked complete and renamed.
+CRASH_HOOK = "ACCUM_KIT_TEST_CRASH_BEFORE_RENAME"
+
+
+class Preempted(Exception):
+    """Raised by :func:`accum_kit.train_loop` on every process after a signal, once ``step_<N>`` is saved.
+
+    Attributes:
+        step: optimizer steps done (and saved). path: the checkpoint folder.
+        signal_name: e.g. ``"SIGTERM"``.
+    """
+
+    def __init__(self, step: int, path: Path, signal_name: str):
+        self.step, self.path, self.signal_name = step, path, signal_name
+        super().__init__(f"stopped by {signal_name} after optimizer step {step}; saved {path}")
+
+
+# --------------------------------------------------------------------------- the data position
+
+
+def _rng_snapshot(dataloader) -> dict:
+    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in shuffle_generators(dataloader)]}
+
+
+def _rng_restore(dataloader, snap: dict) -> None:
+    torch.set_rng_state(snap["torch"])
+    gens = shuffle_generators(dataloader)
+    if len(gens) != len(snap["generators"]):
+        raise UsageError("--resume_from_checkpoint", f"the checkpoint holds {len(snap['generators'])} shuffling "
+                         f"generator(s) but this dataloader has {len(gens)}", "build the dataloader as the saved run did")
+    for g, s in zip(gens, snap["generators"]):
+        g.set_state(s)
+
+
+class DataCursor:
+    """The loop's way through the data: epoch, micro-batches done in it, and a mid-epoch resume.
+
+    :meth:`batches` calls ``set_epoch`` (reshuffle, as in Accelerate's
+    examples), snapshots the RNG that decides the epoch's order, and yields
+    the epoch's batches. After :meth:`resume_at` the first epoch restores the
+    saved snapshot and skips the consumed batches with Accelerate's
+    ``skip_first_batches``; before its first batch the global torch RNG is
+    set back to the state saved with the checkpoint (dropout then continues
+    where the saved run was), since iterating may draw from it.
+
+    Args:
+        dataloader: the prepared train dataloader.
+    """
+
+    def __init__(self, dataloader):
+        self.dataloader = dataloader
+        self.batches_per_epoch = len(dataloader)
+        self.epoch, self.position = 0, 0  # position: micro-batches of ``epoch`` done on this process
+        self.epoch_rng: dict | None = None
+        self._resume: tuple | None = None
+        self._active = None
+
+    @property
+    def epoch_done(self) -> bool:
+        return self.position >= self.batches_per_epoch
+
+    def resume_at(self, epoch: int, position: int, epoch_rng: dict, rng_now: torch.Tensor) -> None:
+        """Make the next :meth:`batches` call continue epoch ``epoch`` after ``position`` batches."""
+        self.epoch, self.position, self._resume = epoch, position, (position, epoch_rng, rng_now)
+
+    def batches(self, epoch: int):
+        """Yield the batches of ``epoch`` that are still to run."""
+        dl = self.dataloader
+        if hasattr(dl, "set_epoch"):
+            dl.set_epoch(epoch)
+        resume, self._resume = self._resume, None
+        self.epoch, self.position = epoch, 0
+        if resume:
+            _rng_restore(dl, resume[1])
+            if resume[0]:
+                from accelerate import skip_first_batches
+
+                dl, self.position = skip_first_batches(dl, resume[0]), resume[0]
+        self.epoch_rng = _rng_snapshot(self.dataloader)
+        self._active = dl
+        for i, batch in enumerate(dl):
+            if i == 0 and resume and resume[0]:
+                torch.set_rng_state(resume[2])  # undo what starting the iterator drew from the global RNG
+            self.position += 1
+            yield batch
+
+    @property
+    def active(self):
+        """The dataloader being iterated (a skipping copy during a resumed epoch)."""
+        return self._active if self._active is not None else self.dataloader
+
+
+# --------------------------------------------------------------------------- finding checkpoints
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    return (Path(path) / COMPLETE).is_file() and (Path(path) / LOOP_STATE).is_file()
+
+
+def read_loop_state(path: str | os.PathLike) -> dict:
+    return json.loads((Path(path) / LOOP_STATE).read_text())
+
+
+def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete ``step_<N>`` / ``epoch_<E>`` folders in ``output_dir``, oldest first (by optimizer steps, then mtime)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and NAME.match(p.name) and is_complete(p)]
+    return sorted(found, key=lambda p: (read_loop_state(p)["optimizer_steps"], (p / COMPLETE).stat().st_mtime))
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in ``output_dir`` (most optimizer steps), or None."""
+    found = complete_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(value: str, output_dir: str | os.PathLike) -> Path:
+    """``--resume_from_checkpoint`` value (a folder or ``latest``) -> a complete checkpoint folder.
+
+    Raises:
+        UsageError: ``latest`` with no complete checkpoint in ``output_dir``; a
+            missing folder; a folder without the completion marker.
+    """
+    flag = "--resume_from_checkpoint"
+    if value == "latest":
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise UsageError(flag, f"'latest' found no complete checkpoint in --output_dir {output_dir}",
+                             "train without --resume_from_checkpoint to start afresh, or pass a checkpoint folder")
+        return found
+    path = Path(value)
+    if not path.is_dir():
+        raise UsageError(flag, f"{value} is not a checkpoint folder (it does not exist)",
+                         "pass a step_<N> or epoch_<E> folder, or 'latest'")
+    if not is_complete(path):
+        raise UsageError(flag, f"{value} is incomplete (no {COMPLETE} marker: its save was interrupted)",
+                         "pass an earlier checkpoint, or 'latest' (the newest complete one)")
+    return path
+
+
+def check_resumable(path, *, gradient_accumulation_steps: int, world_size: int, per_device_batch_size: int | None,
+                    batches_per_epoch: int | None = None) -> dict:
+    """The checkpoint's loop state, after checking that this run would read the same examples.
+
+    Raises:
+        UsageError: K, world size, per-device batch size or batches per epoch
+            differ from the checkpoint's (the saved data position would point at
+            other examples); the message names the flag to change.
+    """
+    saved = read_loop_state(path)
+    checks = [
+        ("--gradient_accumulation_steps", "gradient_accumulation_steps", gradient_accumulation_steps),
+        ("--per_device_train_batch_size", "per_device_batch_size", per_device_batch_size),
+        ("--num_processes", "world_size", world_size),
+        ("--train_file", "batches_per_epoch", batches_per_epoch),
+    ]
+    for flag, key, now in checks:
+        if now is not None and saved.get(key) is not None and saved[key] != now:
+            what = key.replace("_", " ")
+            fix = (f"resume with {flag} {saved[key]}" if key != "batches_per_epoch"
+                   else "resume with the same data flags (--train_file/--dataset_name, --max_train_samples, --block_size)")
+            if key == "world_size":
+                fix = f"launch {saved[key]} processes (accelerate launch --num_processes {saved[key]})"
+            raise UsageError(flag, f"{path} was saved with {what} {saved[key]} but this run has {now}, so its data "
+                                   "position would no longer mean the same examples", fix)
+    return saved
+
+
+def check_writable(output_dir: str | os.PathLike, flag: str = "--output_dir") -> None:
+    """Fail unless a file can really be created in ``output_dir`` (or its nearest existing parent).
+
+    ``os.access`` says yes to root everywhere; creating (and deleting) a
+    temporary file does not, e.g. under ``/sys``. Leaves nothing behind.
+
+    Raises:
+        UsageError: the folder, or its nearest existing parent, does not accept files.
+    """
+    path = Path(output_dir).absolute()
+    parent = next(p for p in (path, *path.parents) if p.exists())
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".accum_kit_probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(flag, f"cannot write in {parent} ({exc.strerror})", "pass a writable location") from None
+
+
+# --------------------------------------------------------------------------- saving and loading
+
+
+def _encode_history(result) -> dict:
+    return {"train_loss": result.train_loss, "step_tokens": result.step_tokens, "step_seconds": result.step_seconds}
+
+
+def loop_state(accelerator, cursor: DataCursor, result, micro_batches: int) -> dict:
+    """The loop's own state at a window boundary (JSON-ready); a finished epoch becomes (next epoch, 0)."""
+    epoch, position = (cursor.epoch + 1, 0) if cursor.epoch_done else (cursor.epoch, cursor.position)
+    dl = cursor.dataloader
+    total = getattr(dl, "total_batch_size", None)
+    batch = total // accelerator.num_processes if total else getattr(dl, "batch_size", None)
+    return {"format": FORMAT, "optimizer_steps": result.optimizer_steps, "epoch": epoch,
+            "batches_done_in_epoch": position, "micro_batches": micro_batches,
+            "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+            "world_size": accelerator.num_processes, "per_device_batch_size": batch,
+            "batches_per_epoch": cursor.batches_per_epoch, **_encode_history(result)}
+
+
+def save_checkpoint(accelerator, output_dir, name: str, state: dict, data_rng: dict,
+                    total_limit: int | None = None) -> Path:
+    """Write checkpoint ``output_dir/name`` atomically; collective (call on every process).
+
+    Args:
+        state: :func:`loop_state` (written by the main process).
+        data_rng: this process's RNG snapshot from the start of the data position's epoch.
+        total_limit: keep at most this many complete checkpoints; the oldest
+            are deleted only after the new one is complete.
+
+    Returns:
+        The final folder. Seconds and bytes are logged on the main process.
+    """
+    t0 = time.perf_counter()
+    root = Path(output_dir)
+    final, tmp = root / name, root / f".{name}.incomplete"
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # the leftover of an earlier crash
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)  # model, optimizer, scheduler by the main process; RNG files by each
+    torch.save(data_rng, tmp / f"data_rng_{accelerator.process_index}.pt")
+    if accelerator.is_main_process:
+        atomic_write_json(tmp / LOOP_STATE, state)
+    if os.environ.get(CRASH_HOOK) == name:
+        os._exit(3)
+    accelerator.wait_for_everyone()  # every process's files are on disk
+    if accelerator.is_main_process:
+        (tmp / COMPLETE).write_text(json.dumps({"optimizer_steps": state["optimizer_steps"]}) + "\n")
+        if final.exists():  # same name from an earlier run: swap, then delete the old one
+            old = root / f".{name}.replaced"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, final)
+        if total_limit:
+            for stale in complete_checkpoints(root)[:-total_limit]:
+                if stale != final:
+                    shutil.rmtree(stale)
+        size = sum(f.stat().st_size for f in final.iterdir())
+        logger.info("saved checkpoint %s (%.1f MB, %.2f s)", final, size / 1e6, time.perf_counter() - t0)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path, cursor: DataCursor) -> dict:
+    """``load_state`` from a checkpoint and point ``cursor`` at its data position; return its loop state.
+
+    Call on every process, after ``accelerator.prepare`` of the same objects in
+    the same order as in the saved run. Checks compatibility first
+    (:func:`check_resumable`).
+    """
+    t0 = time.perf_counter()
+    dl = cursor.dataloader
+    total = getattr(dl, "total_batch_size", None)
+    saved = check_resumable(path, gradient_accumulation_steps=accelerator.gradient_accumulation_steps,
+                            world_size=accelerator.num_processes,
+                            per_device_batch_size=total // accelerator.num_processes if total else None,
+                            batches_per_epoch=cursor.batches_per_epoch)
+    accelerator.load_state(str(path))
+    rng_now = torch.get_rng_state()
+    epoch_rng = torch.load(Path(path) / f"data_rng_{accelerator.process_index}.pt", weights_only=True)
+    cursor.resume_at(saved["epoch"], saved["batches_done_in_epoch"], epoch_rng, rng_now)
+    logger.info("resumed from %s: %d optimizer steps done, epoch %d, %d micro-batches into it (%.2f s)",
+                path, saved["optimizer_steps"], saved["epoch"], saved["batches_done_in_epoch"],
+                time.perf_counter() - t0)
+    return saved
+
+
+# --------------------------------------------------------------------------- the callback
+
+
+class Checkpointer(LoopCallback):
+    """Saves checkpoints at window boundaries and turns a preemption signal into a saved stop.
+
+    Pass it as ``train_loop(..., checkpointer=Checkpointer(...))``.
+
+    Args:
+        accelerator: the Accelerator of the loop.
+        output_dir: folder of the ``step_<N>`` / ``epoch_<E>`` checkpoints.
+        checkpointing_steps: an int N (every N optimizer steps), ``"epoch"``
+            (after every epoch), or None (only on a signal).
+        total_limit: keep at most this many complete checkpoints (oldest deleted after the newest is complete).
+        signals: signals that mean "save and stop" (default SIGTERM, which
+            torchrun forwards to every worker, and SIGUSR1, which SLURM sends
+            before the time limit with ``--signal``). The handler only sets a
+            flag; at the next window boundary every process learns whether any
+            process got one (one 1-element all-reduce per optimizer step), all
+            save ``step_<N>``, and :class:`Preempted` is raised. Pass ``()`` to
+            leave signals alone.
+    """
+
+    def __init__(self, accelerator, output_dir, checkpointing_steps: int | str | None = None,
+                 total_limit: int | None = None, signals=(signal.SIGTERM, signal.SIGUSR1)):
+        if checkpointing_steps not in (None, "epoch") and not (isinstance(checkpointing_steps, int) and checkpointing_steps >= 1):
+            raise UsageError("--checkpointing_steps", f"must be a positive integer or 'epoch' (got {checkpointing_steps!r})",
+                             "pass e.g. 100 or epoch")
+        self.accelerator, self.output_dir = accelerator, Path(output_dir)
+        self.every, self.total_limit, self.signals = checkpointing_steps, total_limit, tuple(signals)
+        self.saved: list[Path] = []
+        self._cursor = self._result = None
+        self._received = 0
+        self._previous: dict = {}
+
+    def attach(self, cursor: DataCursor, result) -> None:
+        """Called by ``train_loop``: where the data stands and the history so far."""
+        self._cursor, self._result = cursor, result
+
+    def _on_signal(self, signum, frame):  # only sets a flag: the loop acts at the next window boundary
+        self._received = signum
+
+    def on_train_begin(self, state):
+        if self._cursor is None:
+            raise TypeError("pass the Checkpointer as train_loop(..., checkpointer=...), not in callbacks")
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def close(self) -> None:
+        """Restore the signal handlers that were there before (train_loop calls it on the way out)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _stop_requested(self) -> bool:
+        if not self.signals:
+            return False
+        flag = torch.tensor([1.0 if self._received else 0.0], device=self.accelerator.device)
+        return self.accelerator.reduce(flag, reduction="sum").item() > 0
+
+    def save(self, name: str, micro_batches: int) -> Path:
+        """Save checkpoint ``name`` now (collective; at a window boundary only)."""
+        state = loop_state(self.accelerator, self._cursor, self._result, micro_batches)
+        rng = self._cursor.epoch_rng if not self._cursor.epoch_done else _rng_snapshot(self._cursor.dataloader)
+        path = save_checkpoint(self.accelerator, self.output_dir, name, state, rng, self.total_limit)
+        self.saved.append(path)
+        return path
+
+    def on_step_end(self, state):
+        stop = self._stop_requested()
+        names = []
+        if isinstance(self.every, int) and state.step % self.every == 0:
+            names.append(f"step_{state.step}")
+        if self.every == "epoch" and self._cursor.epoch_done:
+            names.append(f"epoch_{self._cursor.epoch}")
+        if stop and not names:
+            names.append(f"step_{state.step}")
+        for name in names:
+            self.save(name, state.micro_step)
+        if stop:
+            sig = signal.Signals(self._received).name if self._received else "a signal on another process"
+            logger.warning("%s: saved %s at optimizer step %d; stopping (resume with --resume_from_checkpoint latest)",
+                           sig, self.saved[-1], state.step)
+            raise Preempted(state.step, self.saved[-1], sig)

@@ -1,0 +1,112 @@
+"""Exact resume through the loop API: train_loop(..., checkpointer=..., resume_from=...).
+
+One launch of tests/ckpt_worker.py on 2 gloo processes and one plain process,
+concurrently. Every scenario trains once without interruption, saving a
+checkpoint after every optimizer step, then resumes from some of them in a
+fresh Accelerator with freshly built objects. Expected values: the
+uninterrupted run (bitwise), and for SGD without shuffling the independent
+single-process oracle of tests/test_exactness.py (one big batch per window).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import job_helpers as jh
+import test_exactness as ex
+
+WORKER = jh.REPO / "tests" / "ckpt_worker.py"
+TIMEOUT_S = 300
+DROPOUT = dict(ex.MODEL_CONFIG, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+
+
+def _sc(name, *, K=3, epochs=2, max_train_steps=None, resume_from=(), **kw):
+    base = {"name": name, "model_config": DROPOUT, "examples": ex.make_examples(44), "K": K, "B": 2,
+            "epochs": epochs, "max_train_steps": max_train_steps, "optimizer": "adamw", "lr": 1e-2,
+            "scheduler": "cosine", "max_grad_norm": 1.0, "shuffle": True, "generator": False,
+            "resume_from": list(resume_from)}
+    return {**base, **kw}
+
+
+# 44 examples, B=2: 11 micro-batches per process on 2 processes (K=3: windows 3,3,3,2 -> 4 steps per epoch),
+# 22 on one (windows of 3 x 7 and 1 -> 8 steps per epoch). Shuffling on, dropout 0.1, AdamW, cosine schedule.
+SCENARIOS = {
+    2: [
+        # mid-epoch (2), epoch boundary (4: the partial window closed epoch 0), mid-epoch of the 2nd epoch (6)
+        _sc("epochs_dropout", resume_from=(2, 4, 6)),
+        # --max_train_steps that stops inside epoch 1; the DataLoader has its own generator
+        _sc("max_steps_generator", max_train_steps=6, generator=True, resume_from=(5,)),
+        # the oracle scenario: test_exactness's data and model, SGD, no shuffling, no clipping
+        _sc("oracle_sgd", model_config=ex.MODEL_CONFIG, examples=ex.EXAMPLES, optimizer="sgd", lr=ex.LR,
+            scheduler="constant", max_grad_norm=None, shuffle=False, resume_from=(1, 2)),
+    ],
+    # one process: the RandomSampler has no generator and seeds each epoch from the global torch RNG
+    1: [_sc("one_process", resume_from=(4, 8))],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt_loop")
+    started = {}
+    for world, scenarios in SCENARIOS.items():
+        spec = root / f"spec{world}.json"
+        spec.write_text(json.dumps({"pad_id": ex.PAD_ID, "scenarios": scenarios}))
+        out = root / f"w{world}"
+        cmd = ([sys.executable, str(WORKER), str(spec), str(out)] if world == 1
+               else jh.accelerate_launch_cmd(str(WORKER), str(spec), str(out)))
+        started[world] = (jh.start(cmd, jh.clean_env(), root, f"w{world}"), out)
+    loaded = {}
+    for world, (handle, out) in started.items():
+        res = jh.finish(handle, TIMEOUT_S)
+        assert res.returncode == 0, res.describe()
+        loaded[world] = {sc["name"]: {p.stem: torch.load(p, weights_only=False)
+                                      for p in (out / sc["name"]).glob("*.pt")} for sc in SCENARIOS[world]}
+    return loaded
+
+
+def _cases():
+    return [(w, sc["name"], step) for w, scs in SCENARIOS.items() for sc in scs for step in sc["resume_from"]]
+
+
+@pytest.mark.parametrize("world,name,step", _cases())
+def test_resumed_run_equals_uninterrupted_bitwise(runs, world, name, step):
+    full, resumed = runs[world][name]["full"], runs[world][name][f"resumed_{step}"]
+    assert resumed["resumed_from_step"] == step
+    assert resumed["train_loss"] == full["train_loss"], "per-step losses (restored + new) differ"
+    assert resumed["step_tokens"] == full["step_tokens"]
+    assert resumed["micro_batches"] == full["micro_batches"]
+    assert len(resumed["steps"]) == len(full["steps"]) - step
+    for k, want in enumerate(full["steps"][step:]):  # parameters after every step run after the resume
+        for key in want:
+            assert torch.equal(resumed["steps"][k][key], want[key]), f"{key} after step {step + k + 1}"
+
+
+def test_scenarios_cover_partial_windows_and_both_resume_points(runs):
+    full = runs[2]["epochs_dropout"]["full"]
+    assert len(full["train_loss"]) == 8 and full["micro_batches"] == 22  # 2 epochs x (3 + 3 + 3 + 2)
+    assert len(runs[2]["max_steps_generator"]["full"]["train_loss"]) == 6  # stops inside epoch 1
+
+
+def test_resume_without_restoring_the_shuffle_would_differ(runs):
+    """Sensitivity: the two epochs draw different orders, so replaying epoch 0's order in epoch 1 would be wrong."""
+    full = runs[2]["epochs_dropout"]["full"]
+    assert full["step_tokens"][:4] != full["step_tokens"][4:], "both epochs saw the same order"
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_resumed_sgd_run_matches_single_process_oracle(runs, step):
+    """The resumed run's parameters after each step == one big batch per window on one process."""
+    sc = next(s for s in SCENARIOS[2] if s["name"] == "oracle_sgd")
+    full, resumed = runs[2]["oracle_sgd"]["full"], runs[2]["oracle_sgd"][f"resumed_{step}"]
+    windows = ex.run_windows(2, {"K": sc["K"], "epochs": sc["epochs"], "max_train_steps": None})
+    params, losses = ex.oracle_run(full["init"], windows, "tokens", sc["K"], 2)
+    assert len(windows) == 4 and len(windows[1]) < sc["K"] * 2  # 2 epochs of windows 3, 2 (partial)
+    ex.assert_params_match(resumed["steps"], params[step:], f"resumed from step {step}")
+    assert resumed["train_loss"] == pytest.approx([l["tokens"] for l in losses], rel=ex.LOSS_RTOL)
