@@ -1,7 +1,7 @@
 """Faults on real ``accelerate launch`` jobs: a stalled worker, a killed worker, an elastic restart.
 
-Three 2-process launches of tests/fault_worker.py start together (one import
-cost) and real signals hit real worker processes:
+Five 2-process launches start together (the import time overlaps) and real
+signals hit real worker processes. Three run tests/fault_worker.py:
 
 - ``stall``: ``--ddp_timeout``-style timeout of 5 s; once both ranks have
   trained 2 steps, rank 1 gets SIGSTOP. Rank 0 must fail within the timeout
@@ -14,6 +14,12 @@ cost) and real signals hit real worker processes:
   accelerate 1.15 rejects the key); rank 1 of attempt 0 kills itself
   (``os._exit(9)``), attempt 1 must form a group and finish with rc 0. Its
   final parameters are compared with plain-PyTorch SGD on the same samples.
+
+And the train job itself (``accelerate launch -m accum_kit train``), two launches
+at the same time: an uninterrupted reference, and the same flags with
+``--max_restarts 1`` whose rank 1 gets SIGKILL as soon as a complete checkpoint
+exists; the restarted workers must resume from ``latest`` without a flag and end
+with the reference's losses and parameters.
 
 Plus in-process checks of the timeout plumbing and of the message parser.
 """
@@ -55,41 +61,104 @@ def _stderr_text(root, name):
     return (root / f"{name}.stderr").read_text(errors="replace")
 
 
+def _job_flags(out):
+    return ["--model_preset", "tiny", "--block_size", "64", "--max_train_samples", "200",
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "3", "--max_train_steps", "30",
+            "--checkpointing_steps", "3", "--num_warmup_steps", "2", "--logging_steps", "1",
+            "--max_eval_samples", "16", "--output_dir", str(out)]
+
+
+def _worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the worker with ``RANK=rank`` among the launcher's descendants (torchrun's children)."""
+    import psutil
+
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    for child in children:
+        try:
+            if child.environ().get("RANK") == str(rank):
+                return child.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
+    """Start all five launches at once, fire each signal when its job is ready, time what follows."""
+    from accum_kit.checkpoint import latest_checkpoint
+
     root = tmp_path_factory.mktemp("faults")
-    env = jh.clean_env()
-    started = {
-        "stall": jh.start(_cmd("run", str(root / "stall"), str(TIMEOUT_S)), env, root, "stall"),
-        "kill": jh.start(_cmd("run", str(root / "kill")), env, root, "kill"),
-        "restart": jh.start(_cmd("restart", str(root / "restart"), launch_flags=("--max_restarts", "1")), env, root, "restart"),
+    env = jh.clean_env(HF_DATASETS_CACHE=str(root / "hf"))
+    corpus = jh.write_corpus(root / "corpus.txt")
+
+    def job(name, *launch_flags):
+        return jh.accelerate_launch_cmd(*launch_flags, "-m", "accum_kit", "train", "--train_file", str(corpus),
+                                        *_job_flags(root / name))
+
+    cmds = {
+        "stall": _cmd("run", str(root / "stall"), str(TIMEOUT_S)),
+        "kill": _cmd("run", str(root / "kill")),
+        "restart": _cmd("restart", str(root / "restart"), launch_flags=("--max_restarts", "1")),
+        "reference": job("reference"),
+        "restarted_job": job("restarted_job", "--max_restarts", "1"),
     }
-    facts = {}
+    started = {name: jh.start(cmd, env, root, name) for name, cmd in cmds.items()}
+    proc = {name: s[1] for name, s in started.items()}
+
+    def pid_file_ready(name):
+        f = root / name / "rank1.pid"
+        return int(f.read_text()) if f.exists() and f.read_text() else None
+
+    pending = {  # name: (signal, when ready -> the pid to signal, or None)
+        "stall": (signal.SIGSTOP, lambda: pid_file_ready("stall")),
+        "kill": (signal.SIGKILL, lambda: pid_file_ready("kill")),
+        "restarted_job": (signal.SIGKILL,
+                          lambda: latest_checkpoint(root / "restarted_job") and _worker_pid(proc["restarted_job"].pid, 1)),
+    }
+    facts = {name: {} for name in pending}
     try:
-        for name, signum in (("stall", signal.SIGSTOP), ("kill", signal.SIGKILL)):
-            pid_file = root / name / "rank1.pid"
-            proc = started[name][1]
-            ready = _wait_for(lambda: pid_file.exists() and pid_file.read_text() or proc.poll() is not None,
-                              READY_WITHIN_S)
-            assert ready and proc.poll() is None, f"{name}: rank 1 never reached step 2\n" + _stderr_text(root, name)[-3000:]
-            pid = int(pid_file.read_text())
-            os.kill(pid, signum)
-            facts[name] = {"pid": pid, "signalled_at": time.monotonic()}
-        # Rank 0 of the stalled job: when does its error line appear?
-        line = _wait_for(lambda: re.search(r"^error: rank 0: .*$", _stderr_text(root, "stall"), re.M), TIMEOUT_S + 60)
-        facts["stall"]["detected_after"] = time.monotonic() - facts["stall"]["signalled_at"] if line else None
+        deadline = time.monotonic() + READY_WITHIN_S + 120
+        stall = facts.setdefault("stall", {})
+
+        def waiting():
+            running = [n for n, f in facts.items() if "signalled_at" in f and "ended_after" not in f]
+            return pending or running or ("signalled_at" in stall and "detected_after" not in stall)
+
+        while time.monotonic() < deadline and waiting():
+            for name in list(pending):
+                signum, ready = pending[name]
+                if proc[name].poll() is not None:
+                    facts[name].update(error=f"ended (rc {proc[name].returncode}) before its signal")
+                    del pending[name]
+                elif pid := ready():
+                    os.kill(pid, signum)
+                    facts[name].update(pid=pid, signalled_at=time.monotonic())
+                    if name == "restarted_job":
+                        facts[name]["checkpoint_then"] = latest_checkpoint(root / name).name
+                    del pending[name]
+            for name, fact in facts.items():  # when each signalled launch ends, to 20 ms
+                if "signalled_at" in fact and "ended_after" not in fact and proc[name].poll() is not None:
+                    fact["ended_after"] = time.monotonic() - fact["signalled_at"]
+            if "signalled_at" in stall and "detected_after" not in stall:
+                if re.search(r"^error: rank 0: .*$", _stderr_text(root, "stall"), re.M):
+                    stall["detected_after"] = time.monotonic() - stall["signalled_at"]
+            time.sleep(0.02)
     finally:
-        done = {name: jh.finish(s, timeout=240) for name, s in started.items()}
-    for name in ("stall", "kill"):
-        if name in facts:
-            facts[name]["ended_after"] = (done[name].seconds + started[name][4]) - facts[name]["signalled_at"]
+        done = {name: jh.finish(s, timeout=300) for name, s in started.items()}
+    for fact in facts.values():
+        fact.pop("signalled_at", None)
+    print(f"\nfault timings (s after the signal): {json.dumps(facts)}")
     return root, done, facts
 
 
 def test_stalled_worker_makes_the_others_fail_within_the_timeout(faults):
     root, done, facts = faults
     res, fact = done["stall"], facts["stall"]
-    assert fact["detected_after"] is not None, f"rank 0 never reported a failed collective\n{res.describe()}"
+    assert "pid" in fact, fact
+    assert fact.get("detected_after") is not None, f"rank 0 never reported a failed collective\n{res.describe()}"
     # Not before the timeout (it is the timeout that fired), and not much after it.
     assert TIMEOUT_S - 0.5 <= fact["detected_after"] <= TIMEOUT_S + 20, fact
     line = re.search(r"^error: rank 0: .*$", res.stderr, re.M).group(0)
@@ -99,7 +168,7 @@ def test_stalled_worker_makes_the_others_fail_within_the_timeout(faults):
     assert "called at " in line, line
     # No silent hang: the launch ended by itself, non-zero (torchrun kills the stopped worker 30 s later).
     assert res.returncode not in (0, -9), res.describe()
-    assert fact["ended_after"] < TIMEOUT_S + 60, fact
+    assert fact.get("ended_after", float("inf")) < TIMEOUT_S + 60, fact
     assert "rank      : 0 (local_rank: 0)" in res.stderr  # the launcher's report: rank 0 failed first
     assert not (root / "stall" / "rank0.json").exists()  # the job did not carry on as if nothing happened
 
@@ -107,8 +176,9 @@ def test_stalled_worker_makes_the_others_fail_within_the_timeout(faults):
 def test_killed_worker_ends_the_job_and_names_the_rank(faults):
     root, done, facts = faults
     res, fact = done["kill"], facts["kill"]
+    assert "pid" in fact, fact
     assert res.returncode not in (0, -9), res.describe()
-    assert fact["ended_after"] < 60, fact
+    assert fact.get("ended_after", float("inf")) < 60, fact
     report = res.stderr[res.stderr.rfind("Root Cause"):]
     assert "rank      : 1 (local_rank: 1)" in report and "Signal 9 (SIGKILL)" in report, res.describe()
     assert str(fact["pid"]) in report
@@ -150,6 +220,32 @@ def test_elastic_restart_survives_a_killed_worker(faults):
     expected = _plain_sgd_params(6, global_batch=B * K * 2)
     for got, want in zip(records[0]["params"], expected):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- the train job, restarted
+
+
+def test_restarted_job_resumes_from_latest_and_equals_the_uninterrupted_run(faults):
+    from safetensors.torch import load_file
+
+    root, done, facts = faults
+    fact = facts["restarted_job"]
+    assert "pid" in fact, fact
+    for name in ("reference", "restarted_job"):
+        assert done[name].returncode == 0, done[name].describe()
+    res = done["restarted_job"]
+    assert f"local_rank: 1 (pid: {fact['pid']})" in res.stderr, res.describe()  # torchrun saw the killed worker
+    assert "elastic restart 1: resuming from" in res.stderr, res.describe()  # no flag was passed
+    ref = json.loads((root / "reference" / "train_summary.json").read_text())
+    got = json.loads((root / "restarted_job" / "train_summary.json").read_text())
+    assert got["resumed_from_step"] is not None and 3 <= got["resumed_from_step"] < 30, got["resumed_from_step"]
+    assert got["resumed_from_step"] >= int(fact["checkpoint_then"].split("_")[1])
+    assert len(got["train_loss"]) == 30
+    assert got["train_loss"] == ref["train_loss"]  # restored steps and new ones, bitwise
+    a = load_file(root / "reference" / "model.safetensors")
+    b = load_file(root / "restarted_job" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all((a[k] - b[k]).abs().max().item() <= 1e-6 for k in a)
 
 
 # --------------------------------------------------------------------------- in-process
