@@ -131,13 +131,28 @@ def test_malformed_jsonl_exits_2_naming_file_line_and_column(offline, capsys):
     ("strings.jsonl", '"one"\n"two"\n', "line 1: a str, not an object"),
     ("mixed.json", '[{"text": "a"}, 5]', "element 1 of the top-level list is a int, not an object"),
 ])
-def test_malformed_json_names_the_position(offline, name, content, where):
+@pytest.mark.parametrize("precheck", [True, False], ids=["every_process_at_start", "where_it_fails_to_load"])
+def test_malformed_json_names_the_position(offline, monkeypatch, name, content, where, precheck):
+    import accum_kit.data
+
+    if not precheck:  # a file above the start-up check's size: the error comes from the failed load
+        monkeypatch.setattr(accum_kit.data, "_PRECHECK_JSON_BYTES", 0)
     path = offline / name
     path.write_text(content)
     with pytest.raises(UsageError) as info:
         load_raw_datasets(train_file=str(path))
     assert info.value.flag == "--train_file"
     assert info.value.problem == f"{path} cannot be read as JSON: {where}"
+
+
+def test_small_json_is_checked_when_the_flags_are_parsed(tmp_path):
+    """Every process parses the flags before any collective: all of them stop with the same error."""
+    from accum_kit.config import TrainConfig
+
+    bad = tmp_path / "malformed.jsonl"
+    bad.write_text(JSONL_BAD_LINE_3)
+    with pytest.raises(UsageError, match="line 3, column 18"):
+        TrainConfig(train_file=str(bad))
 
 
 def test_json_problem_accepts_valid_files(tmp_path):
