@@ -120,25 +120,34 @@ def init_restartable_process_group(timeout: timedelta | None = None, backend: st
     Why: under torchrun every worker's ``init_process_group`` connects, as a
     client, to the TCPStore that the launcher's agent hosts at
     ``MASTER_ADDR:MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``), and
-    writes its keys (each rank's gloo listening address, the init barrier's
-    counter) under the same fixed prefix every time. The agent and its store
-    outlive the workers, so after a restart the new workers find the dead
-    attempt's keys still there: a peer's address is read before the peer has
-    overwritten it, and gloo dials a process that no longer exists (measured
-    with torch 2.13 and ``--rdzv_backend c10d``: "Gloo connectFullMesh failed
-    ... Connection refused", every restart dead at once; with the default
-    static rendezvous the restarted workers hung). The same sharing is behind
-    pytorch/pytorch#135712. Prefixing every key with
+    publishes its keys (among them each rank's gloo listening address) under
+    the same fixed prefix in every attempt. The agent and its store outlive the
+    workers, so after a restart the previous attempt's keys are still there: a
+    restarted worker that reads a peer's address before the restarted peer has
+    overwritten it gets the dead process's address, and gloo dials a port
+    nobody listens on. It is a race, so the symptom varies (measured, torch
+    2.13, 2 CPU processes, one killed in attempt 0): with ``--rdzv_backend
+    c10d`` attempt 1 died at once with "Gloo connectFullMesh failed ...
+    Connection refused"; with the default static rendezvous one restart hung
+    for over 120 s and another happened to succeed. The same store sharing is
+    behind pytorch/pytorch#135712. Prefixing every key with
     ``TORCHELASTIC_RESTART_COUNT`` gives each attempt a fresh namespace in the
-    same store; all workers of an attempt agree on the number because the
-    agent restarts its whole worker group at once and sets the count for each.
+    same store, so a read waits for the live peer's key; all workers of an
+    attempt agree on the number because the agent restarts its whole worker
+    group at once and sets the count for each (verified: 4 of 4 restarts
+    formed a group and finished, static and c10d rendezvous).
     (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` with the c10d rendezvous also
     works: a new store on a new port per round; it needs the variable in the
     launcher's environment.)
 
-    Limits: one agent per attempt number. On several nodes whose agents restart
-    together (fixed ``--nnodes N``) the counts agree; a node that joins an
-    elastic job later counts from 0 and would wait for peers until ``timeout``.
+    Launch: ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml
+    --max_restarts 1 -m accum_kit train ...`` (the default static rendezvous is
+    enough). The flag must be on the command line: accelerate 1.15 refuses a
+    ``max_restarts`` key in a config file.
+
+    Limits: each agent counts its own restarts. On several nodes whose agents
+    restart together (fixed ``--nnodes N``) the counts agree; a node that joins
+    an elastic job later counts from 0 and would wait for peers until ``timeout``.
 
     Args:
         timeout: the process group's timeout (every collective and the
