@@ -39,6 +39,7 @@ import re
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -131,19 +132,22 @@ class DataCursor:
         dl = self.dataloader
         if hasattr(dl, "set_epoch"):
             dl.set_epoch(epoch)
-        resume, self._resume = self._resume, None
-        self.epoch, self.position = epoch, 0
-        if resume:
-            _rng_restore(dl, resume[1])
-            if resume[0]:
+        skip, rng_at_save = 0, None
+        if self._resume is not None:
+            (skip, epoch_rng, rng_at_save), self._resume = self._resume, None
+            # The epoch's order is drawn when its iterator starts: from the sampler's generator, or (one
+            # process, no generator) from the global torch RNG. Put both back as they were at the epoch start.
+            _rng_restore(dl, epoch_rng)
+            if skip:
                 from accelerate import skip_first_batches
 
-                dl, self.position = skip_first_batches(dl, resume[0]), resume[0]
+                dl = skip_first_batches(dl, skip)
+        self.epoch, self.position = epoch, skip
         self.epoch_rng = _rng_snapshot(self.dataloader)
         self._active = dl
         for i, batch in enumerate(dl):
-            if i == 0 and resume and resume[0]:
-                torch.set_rng_state(resume[2])  # undo what starting the iterator drew from the global RNG
+            if i == 0 and skip:
+                torch.set_rng_state(rng_at_save)  # then continue the global RNG (dropout) where the save left it
             self.position += 1
             yield batch
 
@@ -386,6 +390,9 @@ class Checkpointer(LoopCallback):
     def on_train_begin(self, state):
         if self._cursor is None:
             raise TypeError("pass the Checkpointer as train_loop(..., checkpointer=...), not in callbacks")
+        if self.signals and threading.current_thread() is not threading.main_thread():
+            logger.warning("training runs outside the main thread: signals are not handled (Python allows it there only)")
+            return
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 

@@ -26,30 +26,13 @@ COMMANDS = {
     "train": ("accum_kit.train", "train a causal LM with exact, no_sync gradient accumulation"),
     "plan": ("accum_kit.planning", "effective batch size, steps per epoch, learning-rate scaling, K for a target batch"),
     "bench": ("accum_kit.bench", "step time, communication and memory of sync_each_batch vs no_sync vs raw DDP over K, with the ideal"),
+    "nodes": ("accum_kit.multinode", "print the accelerate launch line of every machine of a multi-node job (or this SLURM node's)"),
     "verify": ("accum_kit.verify", "check the accumulated gradient against one big batch on one process (tokens, mean-of-means, sum)"),
 }
 
 
 class ArgumentError(Exception):
     """A flag argparse could not parse (unknown, missing, wrong type)."""
-
-
-# Legacy argparse helpers, still used by sub-commands not yet moved to ARGUMENTS dataclasses.
-import argparse as _argparse
-
-
-class ArgumentParser(_argparse.ArgumentParser):
-    def error(self, message):
-        raise ArgumentError(message)
-
-
-def parse_args(parser, argv):
-    try:
-        return parser.parse_args(argv)
-    except ArgumentError as exc:
-        parser.print_usage(sys.stderr)
-        print(f"error: {exc}", file=sys.stderr)
-        return None
 
 
 def build_parser(arguments: type, prog: str, description: str):
@@ -81,11 +64,16 @@ def run(name: str, argv: list[str] | None = None) -> int:
     """Run sub-command ``name`` with ``argv``; returns its exit code (2 for bad flags or values)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     module = importlib.import_module(COMMANDS[name][0])
-    if not hasattr(module, "ARGUMENTS"):  # legacy sub-command
-        return module.main(argv)
     prog = f"accum-kit {name}"
+    tail = []
+    if "--" in argv:  # everything after -- is a command line to pass on (accum-kit nodes)
+        argv, tail = argv[: argv.index("--")], argv[argv.index("--") + 1:]
     try:
         args = parse(module.ARGUMENTS, argv, prog, module.DESCRIPTION)
+        if tail:
+            if not hasattr(args, "command"):
+                raise ArgumentError(f"unrecognized arguments: -- {' '.join(tail)}")
+            args.command = tail
         return module.run_command(args)
     except ArgumentError as exc:
         build_parser(module.ARGUMENTS, prog, module.DESCRIPTION).print_usage(sys.stderr)

@@ -95,3 +95,16 @@ def shuffle_generators(dataloader) -> list:
         if gen is not None and not any(gen is g for g in found):
             found.append(gen)
     return found
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process-wide singletons so the next ``Accelerator()`` starts afresh.
+
+    ``AcceleratorState``, ``PartialState`` and ``GradientState`` are shared
+    across every Accelerator of a process; their ``_reset_state`` methods are
+    what Accelerate's own test-suite uses between cases (accelerate 1.15).
+    Needed in a process forked from a notebook kernel that already built a
+    single-process Accelerator. The torch.distributed process group is not touched.
+    """
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

@@ -26,13 +26,10 @@ from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, get_int_from_env
 
 from . import checks
-from .errors import ProcessCountError, UsageError
-
-_ENV_STEPS = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
-
-#: K when neither ``--gradient_accumulation_steps`` nor the environment gives one.
-#: One rule for every entry point (train, verify, bench, plan, build_accelerator).
-DEFAULT_GRADIENT_ACCUMULATION_STEPS = 4
+from .errors import ProcessCountError
+# The default-K rule lives in the torch-free settings module (``accum-kit plan`` uses it too);
+# re-exported here for callers of ``accum_kit.launch.resolve_accumulation_steps``.
+from .settings import DEFAULT_GRADIENT_ACCUMULATION_STEPS, resolve_accumulation_steps  # noqa: F401
 
 
 def launcher_world_size() -> int:
@@ -48,36 +45,6 @@ def _has_gpu() -> bool:
     if accel is not None and hasattr(accel, "is_available"):
         return bool(accel.is_available())
     return torch.cuda.is_available()
-
-
-def resolve_accumulation_steps(requested: int | None, default: int = DEFAULT_GRADIENT_ACCUMULATION_STEPS) -> int:
-    """The gradient accumulation steps K to use.
-
-    Args:
-        requested: the script's ``--gradient_accumulation_steps`` value, or None
-            when the flag was not given.
-
-    Returns:
-        ``requested`` if given, else the environment variable
-        ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` (which Accelerate itself reads
-        in ``Accelerator()``; ``accelerate launch --gradient_accumulation_steps``
-        sets it only for DeepSpeed launches in accelerate 1.15), else ``default``
-        (:data:`DEFAULT_GRADIENT_ACCUMULATION_STEPS`, 4).
-
-    Raises:
-        UsageError: K below 1, or the script flag and the launcher flag disagree.
-    """
-    env = os.environ.get(_ENV_STEPS)
-    env_steps = int(env) if env not in (None, "") else None
-    if requested is not None and env_steps is not None and requested != env_steps:
-        raise UsageError(
-            "--gradient_accumulation_steps",
-            f"the script got {requested} but `accelerate launch` got {env_steps}",
-            "give it in one place only",
-        )
-    steps = requested if requested is not None else (env_steps if env_steps is not None else default)
-    checks.at_least("--gradient_accumulation_steps", steps)
-    return steps
 
 
 def check_process_count(accelerator: Accelerator, expected: int | None = None) -> None:

@@ -15,7 +15,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from tqdm.auto import tqdm
+from tqdm import tqdm  # text bar: a widget cannot be drawn from processes forked by accum_kit.notebook.launch; Jupyter redraws the text bar in place
 
 from . import checks
 from .callbacks import CallbackList, LoopState

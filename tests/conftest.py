@@ -12,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import job_helpers as jh  # noqa: E402
 
 EXAMPLES_TIMEOUT_S = 420
+RAW_DDP_STEPS = 6  # raw_ddp_loop's --max_train_steps in the shared launch
+PROFILE_COMM_STEPS = 8  # profile_comm's: 1 warm-up, 2 x 2 A/B windows, 3 more
 
 
 def example_specs(corpus: Path) -> list[dict]:
@@ -20,7 +22,24 @@ def example_specs(corpus: Path) -> list[dict]:
     corpus_flags = ["--train_file", str(corpus)]
     return [
         {"name": "custom_loop", "path": str(ex / "custom_loop.py"), "argv": [*corpus_flags, "--max_train_steps", "8"]},
+        {"name": "mean_vs_tokens", "path": str(ex / "by_feature" / "mean_vs_tokens.py"), "argv": corpus_flags},
+        {"name": "verify_exactness", "path": str(ex / "by_feature" / "verify_exactness.py"),
+         "argv": [*corpus_flags, "--max_train_steps", "8"]},
+        {"name": "raw_ddp_loop", "path": str(ex / "raw_ddp_loop.py"),
+         "argv": [*corpus_flags, "--max_train_steps", str(RAW_DDP_STEPS), "--return_checks"]},
+        {"name": "profile_comm", "path": str(ex / "by_feature" / "profile_comm.py"),
+         "argv": [*corpus_flags, "--max_train_steps", str(PROFILE_COMM_STEPS), "--ab_steps", "2"]},
+        *checkpointing_specs(ex, corpus_flags, corpus.parent / "checkpointing"),
     ]
+
+
+def checkpointing_specs(ex: Path, corpus_flags: list, output_dir: Path) -> list[dict]:
+    """by_feature/checkpointing.py twice: 8 steps saving every 3, then resumed from step_3 (a fresh Accelerator)."""
+    argv = [*corpus_flags, "--max_train_steps", "8", "--checkpointing_steps", "3", "--output_dir", str(output_dir)]
+    path = str(ex / "by_feature" / "checkpointing.py")
+    return [{"name": "checkpointing", "path": path, "argv": argv},
+            {"name": "checkpointing_resumed", "path": path,
+             "argv": [*argv, "--resume_from_checkpoint", str(output_dir / "step_3")]}]
 
 
 @pytest.fixture(scope="session")

@@ -150,10 +150,9 @@ def text_lines(path: Path) -> list[str]:
 
 def reset_accelerate_state() -> None:
     """Forget Accelerate's process-wide singletons (what accelerate's own tests do between cases)."""
-    from accelerate.state import AcceleratorState, GradientState
+    from accum_kit.compat import reset_accelerate_state
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
 
 def staging_leftovers(output_dir: Path) -> list[Path]:

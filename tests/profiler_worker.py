@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -52,10 +53,11 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import accum_kit
 from job_helpers import pad_collate  # the worker runs as a script from tests/
+from accum_kit.compat import sync_each_batch
 from accum_kit.profiler import ABSwitch, CommProfiler
 
 
-class FlagRecorder:
+class FlagRecorder(accum_kit.LoopCallback):
     """Loop callback: the loop's own boundary / sync flags per micro-batch."""
 
     def __init__(self):
@@ -142,13 +144,13 @@ def run_train(spec: dict, sc: dict, out_dir: Path) -> None:
         "train_loss": result.train_loss,
         "grad_bytes": grad_bytes,
         "loop_flags": flags.micro,
-        "calls": prof.calls,
-        "prof_micro_batches": prof.micro_batches,
-        "step_records": prof.step_records,
+        "calls": [asdict(c) for c in prof.calls],
+        "prof_micro_batches": [asdict(m) for m in prof.micro_batches],
+        "step_records": [asdict(s) for s in prof.step_records],
         "summary": summary,
         "ab_times": ab.times if ab is not None else None,
         "ab_summary": ab.summary() if ab is not None else None,
-        "sync_each_batch_after": bool(accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)),
+        "sync_each_batch_after": sync_each_batch(accelerator),
         "ddp_logging": ddp_log,
     }
     (d / f"rank{rank}.json").write_text(json.dumps(info, indent=1, default=str))

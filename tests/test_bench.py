@@ -3,7 +3,7 @@
 The sweep (``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench``
 with the tiny and mini presets, K in 1 2, 1 repeat, 1 warm-up step, 2
 measured steps) starts once per module and runs while the in-process
-bad-input cases run. Expected values come from:
+bad-input cases (``cli.run("bench", argv)``) run. Expected values come from:
 
 - the flags (row counts, schedule, steps per run);
 - the models themselves, built here: gradient bytes all-reduced per sync;
@@ -14,7 +14,7 @@ bad-input cases run. Expected values come from:
   weights: equal losses.
 
 No timing is asserted (timings belong to the bench's own printed bars).
-Cost: one launch of ~15-30 s (mostly imports), in-process ``main(argv)`` calls.
+Cost: one launch of ~15-30 s (mostly imports), in-process ``cli.run("bench", argv)`` calls.
 """
 
 from __future__ import annotations
@@ -76,33 +76,33 @@ def bench(launch):
 ])
 def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(launch, argv, flag, tmp_path, capsys):
     """(Requests the launch first, so the sweep runs while these in-process cases do.)"""
-    from accum_kit.bench import main
+    from accum_kit.cli import run
 
     out = tmp_path / "out"
-    assert main([*argv, "--output_dir", str(out)]) == 2
+    assert run("bench", [*argv, "--output_dir", str(out)]) == 2
     err = capsys.readouterr().err
     assert "error:" in err and flag in err, err
     assert not out.exists()
 
 
 def test_single_process_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
-    from accum_kit.bench import main
+    from accum_kit.cli import run
 
     for name in jh.LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
     out = tmp_path / "out"
-    assert main(["--model_presets", "tiny", "--output_dir", str(out)]) == 2
+    assert run("bench", ["--model_presets", "tiny", "--output_dir", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--num_processes" in err and "accelerate launch" in err, err
     assert not out.exists()
 
 
 def test_output_dir_that_is_a_file_is_refused(tmp_path, capsys):
-    from accum_kit.bench import main
+    from accum_kit.cli import run
 
     f = tmp_path / "file"
     f.write_text("x")
-    assert main(["--output_dir", str(f)]) == 2
+    assert run("bench", ["--output_dir", str(f)]) == 2
     assert "--output_dir" in capsys.readouterr().err
     assert f.read_text() == "x"
 
@@ -116,8 +116,23 @@ def test_cli_lists_and_dispatches_bench(capsys):
     assert "bench" in capsys.readouterr().out
 
 
+def test_report_side_imports_nothing_from_the_sweep():
+    """One-way dependency: config <- sweep -> records; report, tables and files never import the sweep side."""
+    import ast
+    from pathlib import Path
+
+    import accum_kit.bench
+
+    pkg = Path(accum_kit.bench.__file__).parent
+    for name in ("report.py", "tables.py", "files.py"):
+        tree = ast.parse((pkg / name).read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        assert not imported & {"sweep", "records", "memory", "data", "torch", "accum_kit.bench.sweep"}, (name, imported)
+
+
 def test_ideal_speedup_formula():
-    from accum_kit.bench_report import ideal_speedup
+    from accum_kit.bench.report import ideal_speedup
 
     assert ideal_speedup(1, 0.3, 0.1) == pytest.approx(1.0)
     assert ideal_speedup(8, 0.2, 0.2) == pytest.approx((1.6 + 1.6) / (1.6 + 0.2))

@@ -1,16 +1,18 @@
 """Checkpoint, resume and preemption of the train job, with real processes and real signals.
 
-Launches (2 gloo processes each, ``accelerate launch -m accum_kit train``):
+Launches (2 gloo processes each, ``accelerate launch -m accum_kit train``), the
+independent ones at the same time:
 
 - ``uninterrupted``: 2 epochs, ``--checkpointing_steps epoch``: the reference;
-- the chain, started at the same time: a run that crashes while saving
-  ``step_10`` (test hook) -> a run resumed from ``latest`` that gets SIGTERM
-  on the ``accelerate launch`` process -> a run resumed from ``latest`` that
-  finishes. It uses ``--max_train_steps`` (same number of steps as the two
-  epochs) and ``--checkpoints_total_limit 2``.
+- ``crash``: exits while saving ``step_10`` (test hook, after ``save_state``,
+  before the rename);
+- ``sigterm``: ``--max_train_steps`` (as many steps as the two epochs),
+  ``--checkpointing_steps 5 --checkpoints_total_limit 2``, SIGTERM to the
+  ``accelerate launch`` process after step 12; then ``final`` resumes it from
+  ``latest`` (mid-epoch) and must end where ``uninterrupted`` ended.
 
-Plus one plain process that gets SIGTERM (the worker's own exit code), and
-in-process runs (1 process) for every bad input. Data: 200 packed blocks of a
+Plus one plain process that gets SIGUSR1 (the worker's own exit code; its
+checkpoint serves the 1-process cases), and in-process runs for every bad input. Data: 200 packed blocks of a
 small real corpus, 2 per micro-batch, K=3: 50 micro-batches per process and
 epoch, windows of 3 and a last partial window of 2, 17 optimizer steps.
 """
@@ -70,24 +72,19 @@ def _lone(work, name, *argv):
 
 @pytest.fixture(scope="module")
 def jobs(work):
-    """Run every launch once (independent ones at the same time); return their results."""
-    chain = work / "chain"
+    """Every launch once; the independent ones at the same time (the machine may have 2 cores)."""
+    chain, crashed = work / "chain", work / "crashed"
     res = {}
     ref = _launch(work, "uninterrupted", *flags(work / "ref", "--max_train_steps", 0, "--num_train_epochs", 2,
                                                  "--checkpointing_steps", "epoch"))
-    one = _lone(work, "one", *flags(work / "one", "--max_train_steps", 4, "--checkpointing_steps", 2,
-                                    "--max_train_samples", 40))
     lone = _lone(work, "lone", *flags(work / "lone", "--max_train_steps", 400))
     chain_flags = flags(chain, "--max_train_steps", STEPS, "--checkpointing_steps", 5, "--checkpoints_total_limit", 2)
-    crash = _launch(work, "crash", *chain_flags, **{CRASH_HOOK: "step_10"})
+    crash = _launch(work, "crash", *flags(crashed, "--max_train_steps", STEPS, "--checkpointing_steps", 5),
+                    **{CRASH_HOOK: "step_10"})
+    term = _launch(work, "sigterm", *chain_flags)
 
     _wait_for(work / "logs" / "lone.stderr", "step 3:", lone[1])
-    os.kill(lone[1].pid, signal.SIGTERM)  # a plain process: its own exit code is visible
-    res["lone"] = jh.finish(lone, TIMEOUT_S)
-    res["crash"] = jh.finish(crash, TIMEOUT_S)
-    res["after_crash"] = {"latest": latest_checkpoint(chain), "listing": sorted(p.name for p in chain.iterdir())}
-
-    term = _launch(work, "sigterm", *chain_flags, "--resume_from_checkpoint", "latest")
+    os.kill(lone[1].pid, signal.SIGUSR1)  # SLURM's warning signal, to a plain process: its exit code is visible
     _wait_for(work / "logs" / "sigterm.stderr", "step 12:", term[1])
     t0 = time.monotonic()
     os.kill(term[1].pid, signal.SIGTERM)  # the accelerate launch process only: torchrun forwards it
@@ -96,9 +93,12 @@ def jobs(work):
     saved = complete_checkpoints(chain)
     res["after_sigterm"] = {"checkpoints": [p.name for p in saved], "listing": sorted(p.name for p in chain.iterdir()),
                             "state": json.loads((saved[-1] / "loop_state.json").read_text()) if saved else None}
-    res["final"] = jh.finish(_launch(work, "final", *chain_flags, "--resume_from_checkpoint", "latest"), TIMEOUT_S)
+    final = _launch(work, "final", *chain_flags, "--resume_from_checkpoint", "latest")
+    res["lone"] = jh.finish(lone, TIMEOUT_S)
+    res["crash"] = jh.finish(crash, TIMEOUT_S)
+    res["after_crash"] = {"latest": latest_checkpoint(crashed), "listing": sorted(p.name for p in crashed.iterdir())}
     res["uninterrupted"] = jh.finish(ref, TIMEOUT_S)
-    res["one"] = jh.finish(one, TIMEOUT_S)
+    res["final"] = jh.finish(final, TIMEOUT_S)
     return res
 
 
@@ -125,7 +125,7 @@ def test_uninterrupted_reference_saved_each_epoch(jobs, work):
 def test_crash_during_save_leaves_latest_on_the_previous_checkpoint(jobs, work):
     assert jobs["crash"].returncode != 0
     after = jobs["after_crash"]
-    assert after["latest"] == work / "chain" / "step_5"
+    assert after["latest"] == work / "crashed" / "step_5"
     assert ".step_10.incomplete" in after["listing"] and "step_10" not in after["listing"]
     assert "train_summary.json" not in after["listing"]
 
@@ -139,17 +139,17 @@ def test_sigterm_to_accelerate_launch_saves_at_a_boundary_and_exits(jobs, work):
     assert len(saved) == 2, saved  # --checkpoints_total_limit 2
     state = jobs["after_sigterm"]["state"]
     n = state["optimizer_steps"]
-    assert 12 <= n < STEPS and saved[-1] == f"step_{n}"
+    assert 12 <= n < STEPS and saved == [f"step_{5 * ((n - 1) // 5)}", f"step_{n}"]  # limit 2: older ones gone
     assert state["micro_batches"] == (n // STEPS_PER_EPOCH) * 50 + (n % STEPS_PER_EPOCH) * K  # a window boundary
     assert f"step_{n}" in lines[0] and "train_summary.json" not in jobs["after_sigterm"]["listing"]
     assert not [p for p in jobs["after_sigterm"]["listing"] if p.endswith(".incomplete")]
     assert jobs["sigterm_exit_seconds"] < 30  # before torchrun's SIGKILL
 
 
-def test_a_lone_worker_exits_with_the_preemption_code(jobs):
+def test_a_lone_worker_exits_with_the_preemption_code_on_sigusr1(jobs):
     res = jobs["lone"]
     assert res.returncode == PREEMPTED_EXIT_CODE, res.describe()
-    assert "preempted by SIGTERM" in res.stderr
+    assert "preempted by SIGUSR1" in res.stderr
 
 
 def test_resumed_chain_equals_uninterrupted_run(jobs, work):
@@ -196,21 +196,22 @@ def _tree(root: Path) -> list:
 
 
 @pytest.fixture(scope="module")
-def one_process_checkpoints(jobs, work):
-    """A 1-process run with step_2 and step_4 (4 steps), made in a subprocess (its own Accelerate state)."""
-    assert jobs["one"].returncode == 0, jobs["one"].describe()
-    return work / "one"
+def one_process_checkpoint(jobs, work):
+    """The checkpoint the 1-process run saved when it got SIGTERM, and its optimizer steps."""
+    assert jobs["lone"].returncode == PREEMPTED_EXIT_CODE, jobs["lone"].describe()
+    path = latest_checkpoint(work / "lone")
+    return path, json.loads((path / "loop_state.json").read_text())["optimizer_steps"]
 
 
 BAD = {
-    # case: (extra flags, flag named, text in the message); {one} = 1-process run, {ref} = 2-process run
-    "other_k": (["--resume_from_checkpoint", "{one}/step_2", "--gradient_accumulation_steps", 2],
+    # case: (extra flags, flag named, text in the message); {ckpt}: saved by 1 process, {ref}: by 2
+    "other_k": (["--resume_from_checkpoint", "{ckpt}", "--gradient_accumulation_steps", 2],
                 "--gradient_accumulation_steps", "resume with --gradient_accumulation_steps 3"),
-    "other_batch": (["--resume_from_checkpoint", "{one}/step_2", "--per_device_train_batch_size", 4],
+    "other_batch": (["--resume_from_checkpoint", "{ckpt}", "--per_device_train_batch_size", 4],
                     "--per_device_train_batch_size", "resume with --per_device_train_batch_size 2"),
     "other_world_size": (["--resume_from_checkpoint", "{ref}/epoch_0"], "--num_processes", "world size 2"),
-    "missing": (["--resume_from_checkpoint", "{one}/step_99"], "--resume_from_checkpoint", "does not exist"),
-    "incomplete": (["--resume_from_checkpoint", "{one}/.step_4.copy"], "--resume_from_checkpoint", "incomplete"),
+    "missing": (["--resume_from_checkpoint", "{one}/step_9999"], "--resume_from_checkpoint", "does not exist"),
+    "incomplete": (["--resume_from_checkpoint", "{one}/.step_copy"], "--resume_from_checkpoint", "incomplete"),
     "latest_without_any": (["--resume_from_checkpoint", "latest", "--output_dir", "{empty}"],
                            "--resume_from_checkpoint", "no complete checkpoint"),
     "unwritable_output_dir": (["--output_dir", "/sys/accum_kit_test/out"], "--output_dir", "/sys"),
@@ -221,18 +222,18 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_input_exits_2_and_overwrites_nothing(inproc, capsys, work, jobs, one_process_checkpoints, case):
-    one, extra = one_process_checkpoints, BAD[case]
-    incomplete = one / ".step_4.copy"
+def test_bad_input_exits_2_and_overwrites_nothing(inproc, capsys, work, jobs, one_process_checkpoint, case):
+    ckpt, _ = one_process_checkpoint
+    one = ckpt.parent
+    incomplete = one / ".step_copy"
     if not incomplete.exists():
-        shutil.copytree(one / "step_4", incomplete)
+        shutil.copytree(ckpt, incomplete)
         (incomplete / "checkpoint_complete").unlink()
     (work / "empty").mkdir(exist_ok=True)
-    argv, flag, detail = extra
-    argv = [str(a).format(one=one, ref=work / "ref", empty=work / "empty") for a in argv]
+    argv, flag, detail = BAD[case]
+    argv = [str(a).format(one=one, ckpt=ckpt, ref=work / "ref", empty=work / "empty") for a in argv]
     before = _tree(one)
-    code, err = _run(capsys, ["--train_file", work / "corpus.txt",
-                              *flags(one, "--max_train_steps", 4, "--max_train_samples", 40), *argv])
+    code, err = _run(capsys, ["--train_file", work / "corpus.txt", *flags(one, "--max_train_steps", 4), *argv])
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code == 2, err[-3000:]
     assert len(errors) == 1 and errors[0].startswith(f"error: {flag}: ") and ". Fix: " in errors[0], errors
@@ -241,13 +242,15 @@ def test_bad_input_exits_2_and_overwrites_nothing(inproc, capsys, work, jobs, on
     assert not Path("/sys/accum_kit_test").exists()
 
 
-def test_elastic_restart_resumes_from_latest_without_a_flag(inproc, capsys, work, one_process_checkpoints):
+def test_elastic_restart_resumes_from_latest_without_a_flag(inproc, capsys, work, one_process_checkpoint):
+    """torchrun sets TORCHELASTIC_RESTART_COUNT in restarted workers: they continue from latest."""
+    ckpt, steps = one_process_checkpoint
     out = work / "restarted"
-    shutil.copytree(one_process_checkpoints, out)
+    shutil.copytree(ckpt, out / ckpt.name)
     inproc.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    code, err = _run(capsys, ["--train_file", work / "corpus.txt",
-                              *flags(out, "--max_train_steps", 4, "--max_train_samples", 40)])
+    code, err = _run(capsys, ["--train_file", work / "corpus.txt", *flags(out, "--max_train_steps", steps + 1)])
     assert code == 0, err[-3000:]
-    s, first = summary(out), summary(one_process_checkpoints)
-    assert s["resumed_from_step"] == 4 and s["resumed_from"] == str(out / "step_4")
-    assert s["train_loss"] == first["train_loss"]
+    s = summary(out)
+    assert s["resumed_from_step"] == steps and s["resumed_from"] == str(out / ckpt.name)
+    saved = json.loads((ckpt / "loop_state.json").read_text())
+    assert s["train_loss"][:steps] == saved["train_loss"] and len(s["train_loss"]) == steps + 1

@@ -1,4 +1,4 @@
-"""The process-count guard (shared/DESIGN.md's trap) and the K resolution of accum_kit.launch.
+"""The process-count guard (a plain Accelerator on a CPU-only machine trains each process alone) and the K resolution of accum_kit.launch.
 
 On a CPU-only machine ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml``
 starts two processes through torchrun, but a plain ``Accelerator()`` in each

@@ -8,21 +8,31 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
+from accum_kit import cli
 from accum_kit.errors import UsageError
 from accum_kit.planning import (
-    main,
     make_plan,
     plan_batch,
     scale_learning_rate,
     solve_accumulation_steps,
 )
 
+ENV_K = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_k(monkeypatch):
+    """K from the environment would change the default K these tests rely on."""
+    monkeypatch.delenv(ENV_K, raising=False)
+
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
+    code = cli.run("plan", list(argv))
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -292,8 +302,8 @@ def test_cli_text_mentions_partial_last_step(capsys):
 
 
 def test_cli_json_parses(capsys):
-    code, out, _ = run(capsys, "--per_device_train_batch_size", "1", "--num_processes", "8",
-                       "--num_examples", "800", "--json")
+    code, out, _ = run(capsys, "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
+                       "--num_processes", "8", "--num_examples", "800", "--json")
     assert code == 0
     data = json.loads(out)
     assert data["batch"]["effective_batch_size"] == 8
@@ -351,3 +361,58 @@ def test_make_plan_python_api():
     assert report.solution.gradient_accumulation_steps == 4
     assert [r.multiplier for r in report.learning_rates] == [1.0, 1.0, 1.0]
     assert json.loads(json.dumps(report.to_dict()))["batch"]["effective_batch_size"] == 256
+
+
+# ---------------------------------------------------------------- default K and start-up
+
+
+def test_default_k_is_the_train_rule(capsys, monkeypatch):
+    # No flag, no environment: K = 4 -> 1 x 4 x 8 = 32 per step; 800 / 8 = 100 micro-batches, ceil(100/4) = 25 steps.
+    code, out, _ = run(capsys, "--per_device_train_batch_size", "1", "--num_processes", "8",
+                       "--num_examples", "800", "--json")
+    assert code == 0
+    batch = json.loads(out)["batch"]
+    assert (batch["gradient_accumulation_steps"], batch["effective_batch_size"]) == (4, 32)
+    assert batch["optimizer_steps_per_epoch"] == 25
+    # The launcher's K beats the default: K = 5 -> 40 per step, ceil(100/5) = 20 steps.
+    monkeypatch.setenv(ENV_K, "5")
+    code, out, _ = run(capsys, "--per_device_train_batch_size", "1", "--num_processes", "8",
+                       "--num_examples", "800", "--json")
+    assert code == 0
+    batch = json.loads(out)["batch"]
+    assert (batch["gradient_accumulation_steps"], batch["optimizer_steps_per_epoch"]) == (5, 20)
+    # A flag that disagrees with the launcher is refused, as in train.
+    code, out, err = run(capsys, "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "3")
+    assert code == 2 and out == ""
+    assert err.startswith("error: --gradient_accumulation_steps:")
+
+
+def test_plan_starts_without_torch():
+    # A fresh interpreter: `accum-kit plan` must not import torch or accelerate; afterwards the
+    # package's public names (loaded lazily) still resolve, the loop's bringing torch in.
+    code = (
+        "import sys; from accum_kit.cli import main; "
+        "code = main(['plan', '--per_device_train_batch_size', '1', '--num_processes', '8', "
+        "'--num_examples', '800', '--json']); "
+        "heavy = sorted(m for m in ('torch', 'accelerate') if m in sys.modules); "
+        "assert not heavy, heavy; "
+        "import accum_kit; from accum_kit import train_loop, optimizer_steps_per_epoch; "
+        "assert 'torch' in sys.modules and callable(train_loop); "
+        "assert all(getattr(accum_kit, name) is not None for name in accum_kit.__all__); "
+        "assert not hasattr(accum_kit, 'no_such_name'); "
+        "sys.exit(code)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["batch"]["effective_batch_size"] == 32  # K = 4 by default
+
+
+def test_python_m_accum_kit_plan(capsys):
+    # The command-line path end to end, and the same output as cli.main.
+    argv = ["plan", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "3",
+            "--num_processes", "2", "--num_examples", "50"]
+    proc = subprocess.run([sys.executable, "-m", "accum_kit", *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert cli.main(argv) == 0
+    assert proc.stdout == capsys.readouterr().out
+    assert "PARTIAL: 1 of 3 micro-batches" in proc.stdout

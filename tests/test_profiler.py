@@ -202,6 +202,55 @@ def test_single_process_reports_zero_communication(launch, monkeypatch):
     assert "all-reduce calls" in format_table(s)
 
 
+def test_tag_labels_records_and_filters_summaries():
+    """A free-form run label goes to ``tag`` (``mode`` takes only the two modes); summaries filter by it."""
+    from types import SimpleNamespace
+
+    from accum_kit.callbacks import LoopState
+    from accum_kit.errors import UsageError
+    from accum_kit.profiler import CommProfiler
+
+    acc = SimpleNamespace(num_processes=1, process_index=0, device=torch.device("cpu"), use_distributed=False,
+                          gradient_state=SimpleNamespace(plugin_kwargs={}))
+    prof = CommProfiler(acc, torch.nn.Linear(2, 2))  # not DDP: phase records only
+    assert prof.mode == "no_sync" and prof.tag is None
+    with pytest.raises(UsageError, match="mode"):
+        prof.mode = "warmup/run"
+    state = LoopState()
+
+    def window(k):  # the hook calls train_loop makes for one window of k micro-batches
+        for i in range(k):
+            state.boundary = state.sync = i == k - 1
+            prof.on_micro_batch_begin(state)
+            prof.on_forward_end(state)
+            prof.on_backward_end(state)
+            state.micro_step += 1
+        prof.on_step_begin(state)
+        state.step += 1
+        prof.on_step_end(state)
+
+    prof.on_train_begin(state)
+    prof.tag = "a"
+    window(2)
+    window(2)
+    prof.tag = "b"
+    window(3)
+    prof.mode = "sync_each_batch"
+    window(1)
+    prof.on_train_end(state)
+    assert [m.tag for m in prof.micro_batches] == ["a"] * 4 + ["b"] * 4
+    assert [(s.step, s.tag, s.mode) for s in prof.step_records] == [
+        (0, "a", "no_sync"), (1, "a", "no_sync"), (2, "b", "no_sync"), (3, "b", "sync_each_batch")]
+    assert [s.step for s in prof.records(tag="b", mode="no_sync").steps] == [2]
+    assert len(prof.records().micro_batches) == 8
+    prof.mode = "no_sync"
+    a, b, both = prof.local_summary(tag="a"), prof.local_summary(tag="b"), prof.local_summary()
+    assert (a["micro_batches"], a["optimizer_steps"]) == (4, 2)
+    assert (b["micro_batches"], b["optimizer_steps"]) == (3, 1)  # its sync_each_batch window is another mode
+    assert (both["micro_batches"], both["optimizer_steps"]) == (7, 3)
+    assert prof.summary(tag="a")["per_process"] == [a]
+
+
 # --------------------------------------------------------------------------- (1) calls per window = DDP's buckets
 
 

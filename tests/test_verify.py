@@ -1,4 +1,4 @@
-"""Tests of ``accum-kit verify`` (accum_kit/verify.py).
+"""Tests of ``accum-kit verify`` (the package accum_kit/verify/).
 
 One real two-process launch (``accelerate launch --config_file
 accelerate_configs/cpu_ddp.yaml -m accum_kit verify``, gloo, K=3 with a partial
@@ -6,9 +6,9 @@ last window) checks the exit code and the JSON report: the toolkit's ``tokens``
 normalisation matches the single-process big batch, mean-of-means does not, and
 DDP's averaging shows as a sum-loss ratio of 1/2. The big-batch gradient norm in
 the JSON is then recomputed here from the examples the report lists, with a
-plain float64 PyTorch loss written in this file. Single-process runs call the
-command's ``main`` in this process (no second import of torch) for the exit
-codes 0, 1 and 2.
+plain float64 PyTorch loss written in this file. Single-process runs call
+``cli.run("verify", argv)`` in this process (no second import of torch) for the
+exit codes 0, 1 and 2.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import job_helpers as jh
 from accum_kit import cli, verify
+from accum_kit.launch import DEFAULT_GRADIENT_ACCUMULATION_STEPS
 from accum_kit.models import build_model
 
 K = 3
@@ -122,7 +123,7 @@ def test_oracle_and_accumulated_gradient_norms_recomputed_here(two_processes):
 
 @pytest.fixture
 def in_process(monkeypatch):
-    """Run verify.main here as a plain single process: no launcher variables, fresh Accelerate state."""
+    """Run the verify command here as a plain single process: no launcher variables, fresh Accelerate state."""
     for var in jh.LAUNCHER_VARS:
         monkeypatch.delenv(var, raising=False)
     threads = torch.get_num_threads()
@@ -135,10 +136,11 @@ def in_process(monkeypatch):
 
 def test_single_process_exit_0_and_json(in_process, tmp_path, capsys):
     out = tmp_path / "sub" / "v.json"
-    assert verify.main(["--json", str(out)]) == 0
+    assert cli.run("verify", ["--json", str(out)]) == 0
     text = capsys.readouterr().out
     rep = json.loads(out.read_text())
     assert rep["world_size"] == 1 and rep["windows"][1]["partial"]
+    assert rep["gradient_accumulation_steps"] == DEFAULT_GRADIENT_ACCUMULATION_STEPS == 4  # the project's one default
     assert rep["rows"]["tokens"]["passed"] and rep["rows"]["tokens"]["tolerance_used"] <= 1
     assert not rep["rows"]["mean-of-means"]["passed"]
     # no DDP: the sum loss is the big-batch sum gradient
@@ -148,7 +150,7 @@ def test_single_process_exit_0_and_json(in_process, tmp_path, capsys):
 
 
 def test_mean_of_means_selected_exit_1(in_process, capsys):
-    assert verify.main(["--loss_normalization", "mean"]) == 1
+    assert cli.run("verify", ["--loss_normalization", "mean"]) == 1
     assert "verdict: mean-of-means (--loss_normalization mean) FAILS -> exit 1" in capsys.readouterr().out
 
 
@@ -157,8 +159,9 @@ def test_mean_of_means_selected_exit_1(in_process, capsys):
     [
         (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps"),
         (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size"),
-        (["--tolerance", "0"], "--tolerance"),
-        (["--tolerance", "nan"], "--tolerance"),
+        (["--rtol", "0"], "--rtol"),
+        (["--rtol", "nan"], "--rtol"),
+        (["--tolerance", "1"], "--tolerance"),  # renamed to --rtol: the old flag is refused
         (["--atol", "-1"], "--atol"),
         (["--loss_normalization", "sum"], "--loss_normalization"),
         (["--gradient_accumulation_steps", "two"], "--gradient_accumulation_steps"),
@@ -167,7 +170,7 @@ def test_mean_of_means_selected_exit_1(in_process, capsys):
 )
 def test_bad_input_exit_2(in_process, tmp_path, capsys, argv, flag):
     argv = [str(tmp_path / a) if a == "MISSING_DIR" else a for a in argv]
-    assert verify.main(argv) == 2
+    assert cli.run("verify", argv) == 2
     err = capsys.readouterr().err
     assert "error:" in err and flag in err, err
 
@@ -213,7 +216,7 @@ def test_local_model_with_dropout(in_process, tmp_path, capsys):
     assert cfg.resid_pdrop > 0 and cfg.attn_pdrop > 0
     GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "m")
     out = tmp_path / "v.json"
-    assert verify.main(["--model_name_or_path", str(tmp_path / "m"), "--json", str(out)]) == 0, capsys.readouterr()
+    assert cli.run("verify", ["--model_name_or_path", str(tmp_path / "m"), "--json", str(out)]) == 0, capsys.readouterr()
     rep = json.loads(out.read_text())
     assert rep["model"]["vocab_size"] == 96 and rep["model"]["max_length"] == 24
     assert all(max(map(len, w["input_ids"])) <= 24 and max(max(s) for s in w["input_ids"]) < 96 for w in rep["windows"])

@@ -1,0 +1,116 @@
+"""``accum-kit bench``: what ``no_sync`` accumulation buys, measured side by side.
+
+Run it with::
+
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench
+
+It sweeps the gradient accumulation steps K (``--accumulation_steps``, default
+1 2 4 8 16) over three modes, on the same model, data and seed:
+
+- ``sync_each_batch``: :func:`accum_kit.train_loop` with Accelerate's
+  ``sync_each_batch`` flag on, so every micro-batch's backward all-reduces
+  (what a loop that forgets ``no_sync`` costs);
+- ``no_sync``: :func:`accum_kit.train_loop` as shipped (all-reduce on the
+  window's last micro-batch only);
+- ``raw_ddp``: the loop a user writes without Accelerate
+  (:func:`accum_kit.raw_ddp.train_raw_ddp`), on a fresh copy of the model
+  wrapped in plain ``torch.nn.parallel.DistributedDataParallel`` with the same
+  DDP settings, toggling ``model.require_backward_grad_sync = (micro == K - 1)``
+  as nanoGPT does, with the same loss arithmetic (summed token loss, gradients
+  scaled by ``world_size / N`` once per window after one all-reduce of the
+  window's token count) and the same data.
+
+``sync_each_batch`` and ``no_sync`` share one prepared model (the flag is
+flipped between runs through :mod:`accum_kit.compat`, as
+:class:`accum_kit.profiler.ABSwitch` does); before
+every run the weights and the AdamW state are reset to the same initial
+values, so the three modes compute the same losses (the JSON records them and
+the largest difference between modes).
+
+Schedule: for each preset, one unrecorded run of every mode (a fresh model's
+first steps pay page faults and allocator growth), then for each repeat, for
+each K, the modes in an order rotated by one from one (repeat, K) to the
+next; each run is ``--warmup_steps`` optimizer steps that are not measured,
+then ``--steps`` measured ones. Medians, min / max and quartiles are over all
+measured steps of all repeats. Timings come from process 0 (the processes
+meet at every all-reduce, so their step times agree); memory is the maximum
+over processes.
+
+Every mode carries the same instrumentation: a
+:class:`accum_kit.profiler.CommProfiler` on its DDP model (a comm hook around
+the default all-reduce or the ``--comm_hook`` compression hook, counting and
+timing every gradient bucket) and the same phase timers around forward,
+backward and the optimizer step.
+
+Data are synthetic: uniformly random token ids (``--vocab_size``, default 384,
+the size of the byte tokenizer the train job uses), every position a target,
+fixed micro-batches of ``--per_device_train_batch_size`` x ``--block_size``
+tokens. Timing does not depend on the token values.
+
+Derived figures (per preset; seconds):
+
+- ``c``: compute per micro-batch = median forward + backward of the no-sync
+  micro-batches of the ``no_sync`` mode (all K >= 2, all repeats);
+- ``a``: exposed all-reduce per synchronised backward = median backward of
+  ``sync_each_batch`` micro-batches minus median backward of ``no_sync``'s
+  no-sync micro-batches (0 if negative);
+- ideal ``no_sync`` step time ``K c + a``, ideal ``sync_each_batch`` step time
+  ``K c + K a``, ideal speedup ``(K c + K a) / (K c + a)``; the measured
+  speedup is ``sync_each_batch`` / ``no_sync`` step time, also shown as a
+  fraction of the ideal. Ratios of two modes (this one and ``no_sync`` /
+  ``raw_ddp``) are paired: the median over repeats of the ratio of the two
+  runs' median steps within one (repeat, K) block, which ran back to back
+  (the ratio of the pooled medians is in the JSON too);
+- ``overhead``: measured ``no_sync`` step minus ``K c + a`` (optimizer step,
+  gradient rescale, the token-count all-reduce, data loading); the ideal
+  speedup with it added to both sides is ``ideal_speedup_with_overhead``;
+- ``other``: per step, the time outside the timed phases (forward,
+  backward, optimizer step incl. rescale and token-count all-reduce):
+  fetching batches and the loop's own code. It is where the toolkit's loop
+  could cost more than the raw loop, measured directly rather than as the
+  difference of two whole steps, which the machine's noise can swamp;
+- exposed communication share of a mode: syncs per step x ``a`` / its step time;
+  all-reduce busy share: time with a gradient all-reduce in flight (first
+  bucket handed over to last bucket done, overlapped or not) / step time.
+
+Peak memory per run: on CPU the process's resident set high-water mark
+(``VmHWM`` in ``/proc/self/status``), reset before each run by writing 5 to
+``/proc/self/clear_refs``; on CUDA ``torch.cuda.max_memory_allocated`` after
+``reset_peak_memory_stats`` (:mod:`accum_kit.bench.memory`).
+
+Bars, printed PASS / FAIL / SKIP (checked on what this one run measured,
+never in unit tests; :func:`accum_kit.bench.report.evaluate_bars`): on the
+communication-heavy preset at K=8, ``no_sync`` must be at least 1.25x faster
+than ``sync_each_batch`` and reach at least 90 % of the ideal speedup; the
+``no_sync`` step time must be at most 1.03x the ``raw_ddp`` one at every K;
+peak memory at K=16 must be at most 1.05x that at K=1.
+
+Modules, one way: :mod:`.config` (flags) -> :mod:`.sweep` (runs, using
+:mod:`.data`, :mod:`.memory`, :mod:`.records`) -> :mod:`.report` (figures,
+bars) -> :mod:`.tables` (text) and :mod:`.files` (JSON, CSV, PNG); the report
+side imports nothing from the sweep.
+
+Outputs in ``--output_dir`` (default ``runs/bench``), each written atomically:
+``bench.json`` (everything, including every run), ``bench.csv`` (one row per
+preset x K x mode) and ``bench.png`` (step time against K per mode with the
+ideal, and the share of time spent in communication).
+"""
+
+from __future__ import annotations
+
+from .config import COMM_HOOKS, MODES, BenchConfig
+from .sweep import run
+
+__all__ = ["ARGUMENTS", "COMM_HOOKS", "DESCRIPTION", "MODES", "BenchConfig", "run", "run_command"]
+
+ARGUMENTS = BenchConfig
+DESCRIPTION = (
+    "Step time, communication and peak memory of sync_each_batch, no_sync (accum_kit.train_loop) and a "
+    "hand-written raw DDP loop over gradient accumulation steps K, side by side, with the ideal no_sync "
+    "speedup. Run under: accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench")
+
+
+def run_command(cfg: BenchConfig) -> int:
+    """``accum-kit bench``: run the sweep and write its files; 0 on success (bad input raises, the CLI exits 2)."""
+    run(cfg)
+    return 0

@@ -1,0 +1,216 @@
+"""Derived figures and the bars of ``accum-kit bench``, computed from the runs' plain dicts.
+
+Input: the run dicts the sweep records (see :func:`accum_kit.bench.records.run_record`
+for the profiler's part; each also has ``preset``, ``K``, ``mode``,
+``repeat``, ``losses``, ``peak_rss_mb``, ``peak_increase_mb``). Nothing here
+imports the sweep or torch. The definitions of ``c``, ``a``, the ideal
+speedup and the paired ratios are in :mod:`accum_kit.bench`'s docstring.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..stats import median, quartiles, ratio
+
+if TYPE_CHECKING:
+    from .config import BenchConfig
+
+COMM_HEAVY = "comm_heavy"
+
+# The bars a 2-process CPU (gloo) sweep must meet, checked on what it measured.
+BAR_K = 8  # K of the speedup bars
+BAR_MIN_SPEEDUP = 1.25  # no_sync at least this much faster than sync_each_batch on comm_heavy
+BAR_MIN_FRACTION_OF_IDEAL = 0.90  # ... and at least this fraction of the ideal speedup
+BAR_MAX_RAW_RATIO = 1.03  # no_sync step time at most this times raw DDP's, at every K
+BAR_MEMORY_K = (1, 16)  # peak memory at the larger K at most ...
+BAR_MAX_MEMORY_RATIO = 1.05  # ... this times that at the smaller K
+
+
+def compute_c_a(runs: list[dict]) -> dict:
+    """``c`` and ``a`` of one preset (seconds) from its runs' per-micro-batch phase times."""
+    compute = [m["forward_s"] + m["backward_s"] for r in runs if r["mode"] == "no_sync" for m in r["micro_batches"] if not m["sync"]]
+    bwd_nosync = [m["backward_s"] for r in runs if r["mode"] == "no_sync" for m in r["micro_batches"] if not m["sync"]]
+    bwd_sync = [m["backward_s"] for r in runs if r["mode"] == "sync_each_batch" for m in r["micro_batches"] if m["sync"]]
+    c = median(compute)
+    a = max(median(bwd_sync) - median(bwd_nosync), 0.0) if (bwd_sync and bwd_nosync) else None
+    return {"c_seconds": c, "a_seconds": a, "c_samples": len(compute), "a_sync_samples": len(bwd_sync),
+            "a_no_sync_samples": len(bwd_nosync), "backward_sync_median_s": median(bwd_sync),
+            "backward_no_sync_median_s": median(bwd_nosync)}
+
+
+def ideal_speedup(K: int, c: float, a: float) -> float:
+    """``(K c + K a) / (K c + a)``: sync_each_batch's ideal step time over no_sync's."""
+    return (K * c + K * a) / (K * c + a)
+
+
+def _mode_row(preset: str, parameters: int, K: int, mode: str, rs: list[dict], a, tokens_per_micro: int) -> dict:
+    """One CSV row: the runs ``rs`` of one (K, mode), pooled over repeats."""
+    steps = [s for r in rs for s in r["step_seconds"]]
+    mbs = [m for r in rs for m in r["micro_batches"]]
+    q1, q3 = quartiles(steps)
+    n_steps = sum(len(r["step_seconds"]) for r in rs)
+    med = median(steps)
+    syncs = sum(r["syncs"] for r in rs) / n_steps if n_steps else None
+    busy = sum(r["allreduce_busy_seconds"] for r in rs) / n_steps if n_steps else None
+    peaks = [r["peak_rss_mb"] for r in rs if r["peak_rss_mb"] is not None]
+    incs = [r["peak_increase_mb"] for r in rs if r["peak_increase_mb"] is not None]
+    return {
+        "preset": preset, "parameters": parameters, "K": K, "mode": mode, "n_steps": n_steps,
+        "step_s_median": med, "step_s_min": min(steps) if steps else None,
+        "step_s_max": max(steps) if steps else None, "step_s_q1": q1, "step_s_q3": q3,
+        "micro_batch_s": ratio(med, K), "tokens_per_s": ratio(K * tokens_per_micro, med),
+        "forward_s": median(m["forward_s"] for m in mbs),
+        "backward_s": median(m["backward_s"] for m in mbs),
+        "optimizer_s": median(s for r in rs for s in r["optimizer_seconds"]),
+        "other_s": median(s for r in rs for s in r["other_seconds"]),
+        "allreduce_calls_per_step": ratio(sum(r["allreduce_calls"] for r in rs), n_steps),
+        "allreduce_mb_per_step": ratio(sum(r["allreduce_bytes"] for r in rs) / 2**20, n_steps),
+        "syncs_per_step": syncs,
+        "allreduce_s_per_sync": median(r["seconds_per_sync"] for r in rs if r["syncs"]),
+        "comm_share_exposed": ratio(syncs * a, med) if (syncs is not None and a is not None) else None,
+        "allreduce_busy_share": ratio(busy, med),
+        "peak_rss_mb": max(peaks) if peaks else None,
+        "peak_increase_mb": max(incs) if incs else None,
+    }
+
+
+def _per_k(preset: str, K: int, c, a, med: dict, runs: list[dict]) -> dict:
+    """The derived figures of one K: ideal step times and speedup, measured (paired) ratios, overhead."""
+    d = {"preset": preset, "K": K, "c_s": c, "a_s": a}
+    if c is not None and a is not None:
+        d.update(ideal_no_sync_step_s=K * c + a, ideal_sync_each_batch_step_s=K * c + K * a,
+                 ideal_speedup=ideal_speedup(K, c, a))
+    else:
+        d.update(ideal_no_sync_step_s=None, ideal_sync_each_batch_step_s=None, ideal_speedup=None)
+    d["speedup"], d["speedup_per_repeat"] = paired_ratio(runs, K, "sync_each_batch", "no_sync")
+    d["speedup_of_pooled_medians"] = ratio(med.get("sync_each_batch"), med.get("no_sync"))
+    d["fraction_of_ideal"] = ratio(d["speedup"], d["ideal_speedup"])
+    d["overhead_s"] = (med["no_sync"] - d["ideal_no_sync_step_s"]) if (
+        med.get("no_sync") is not None and d["ideal_no_sync_step_s"] is not None) else None
+    d["ideal_speedup_with_overhead"] = ratio(d["ideal_sync_each_batch_step_s"] + d["overhead_s"],
+                                             d["ideal_no_sync_step_s"] + d["overhead_s"]) if d["overhead_s"] is not None else None
+    d["no_sync_over_raw_ddp"], d["no_sync_over_raw_ddp_per_repeat"] = paired_ratio(runs, K, "no_sync", "raw_ddp")
+    d["no_sync_over_raw_ddp_of_pooled_medians"] = ratio(med.get("no_sync"), med.get("raw_ddp"))
+    d["loss_max_abs_diff_between_modes"] = _loss_spread(runs, K)
+    return d
+
+
+#: Per-K figures copied onto every row of that K (so the CSV stands alone).
+ROW_FROM_PER_K = ("c_s", "a_s", "ideal_no_sync_step_s", "ideal_sync_each_batch_step_s", "ideal_speedup", "speedup",
+                  "fraction_of_ideal", "overhead_s", "no_sync_over_raw_ddp")
+
+
+def summarize_preset(preset: str, info: dict, runs: list[dict], cfg: BenchConfig, world: int) -> tuple[list, list]:
+    """Rows (one per K x mode) and per-K derived figures of one preset; adds ``c``, ``a`` and ``profile`` to ``info``."""
+    ca = compute_c_a(runs)
+    c, a = ca["c_seconds"], ca["a_seconds"]
+    tokens_per_micro = cfg.per_device_train_batch_size * (cfg.block_size - 1) * world  # targets, all processes
+    rows, per_k = [], []
+    for K in cfg.accumulation_steps:
+        block = [_mode_row(preset, info["parameters"], K, mode, [r for r in runs if r["K"] == K and r["mode"] == mode],
+                           a, tokens_per_micro) for mode in cfg.modes]
+        d = _per_k(preset, K, c, a, {row["mode"]: row["step_s_median"] for row in block}, runs)
+        per_k.append(d)
+        for row in block:
+            row.update({k: d[k] for k in ROW_FROM_PER_K})
+            rows.append(row)
+    info.update(ca)
+    info["profile"] = phase_profile(runs, cfg.modes, info["gradient_bytes"])
+    return rows, per_k
+
+
+def phase_profile(runs: list[dict], modes: list, gradient_bytes: int) -> dict:
+    """Per mode, pooled over K and repeats: median phase times (s) and the all-reduce's time in flight."""
+    out = {}
+    for mode in modes:
+        rs = [r for r in runs if r["mode"] == mode]
+        mbs = [m for r in rs for m in r["micro_batches"]]
+        per_sync = median(r["seconds_per_sync"] for r in rs if r["syncs"])
+        out[mode] = {
+            "forward_s": median(m["forward_s"] for m in mbs),
+            "backward_no_sync_s": median(m["backward_s"] for m in mbs if not m["sync"]),
+            "backward_sync_s": median(m["backward_s"] for m in mbs if m["sync"]),
+            "optimizer_s": median(x for r in rs for x in r["optimizer_seconds"]),
+            "other_s": median(x for r in rs for x in r["other_seconds"]),
+            "allreduce_s_per_sync": per_sync,
+            "allreduce_GBps": ratio(gradient_bytes / 1e9, per_sync),
+        }
+    return out
+
+
+def paired_ratio(runs: list[dict], K: int, num: str, den: str) -> tuple[float | None, list]:
+    """Median over repeats of (median step of ``num``'s run / median step of ``den``'s run) at this K.
+
+    Runs of one (repeat, K) block ran back to back, so a burst of load from
+    outside that hits one block (or one repeat) moves both sides of its ratio
+    or is voted out by the other repeats; a ratio of pooled medians has no
+    such protection.
+    """
+    ratios = []
+    for rep in sorted({r["repeat"] for r in runs}):
+        t = {r["mode"]: median(r["step_seconds"]) for r in runs if r["K"] == K and r["repeat"] == rep}
+        if num in t and den in t and t[den]:
+            ratios.append(t[num] / t[den])
+    return median(ratios), ratios
+
+
+def _loss_spread(runs: list[dict], K: int) -> float | None:
+    """Largest |loss difference| between modes over the same (K, repeat, step): equal math gives ~1e-6."""
+    worst = None
+    for rep in {r["repeat"] for r in runs}:
+        losses = [r["losses"] for r in runs if r["K"] == K and r["repeat"] == rep]
+        for other in losses[1:]:
+            for x, y in zip(losses[0], other):
+                d = abs(x - y)
+                worst = d if worst is None else max(worst, d)
+    return worst
+
+
+def _worst_bar(name: str, description: str, items: list, threshold: float) -> dict:
+    """A bar that every ``(ratio, label)`` in ``items`` must meet (ratio <= threshold); None when nothing was measured."""
+    worst = max(items) if items else None
+    return {"name": name, "description": description, "value": worst[0] if worst else None, "threshold": threshold,
+            "passed": None if worst is None else all(r <= threshold for r, _ in items),
+            "detail": None if worst is None else f"worst {worst[0]:.3f} ({worst[1]}); all: "
+            + ", ".join(f"{label}: {r:.3f}" for r, label in items)}
+
+
+def evaluate_bars(rows: list[dict], per_k: list[dict]) -> list[dict]:
+    """The four bars, on what this sweep measured (``passed`` None = not measured).
+
+    1. ``speedup``: on the communication-heavy preset at K = 8, no_sync is at
+       least 1.25x faster than sync_each_batch;
+    2. ``fraction_of_ideal``: that speedup is at least 90 % of the ideal
+       ``(Kc + Ka) / (Kc + a)``;
+    3. ``no_sync_vs_raw_ddp``: no_sync's step time is at most 1.03x the raw
+       DDP loop's, at every K of every preset;
+    4. ``memory``: peak memory at K = 16 is at most 1.05x that at K = 1, for
+       every preset and mode.
+    """
+    bars = []
+    ck = next((d for d in per_k if d["preset"] == COMM_HEAVY and d["K"] == BAR_K), None)
+    sp = ck["speedup"] if ck else None
+    bars.append({"name": "speedup", "description": f"{COMM_HEAVY} K={BAR_K}: no_sync >= {BAR_MIN_SPEEDUP}x faster than sync_each_batch",
+                 "value": sp, "threshold": BAR_MIN_SPEEDUP, "passed": None if sp is None else sp >= BAR_MIN_SPEEDUP,
+                 "detail": None if sp is None else f"{sp:.3f}x"})
+    fr = ck["fraction_of_ideal"] if ck else None
+    bars.append({"name": "fraction_of_ideal",
+                 "description": f"{COMM_HEAVY} K={BAR_K}: speedup >= {BAR_MIN_FRACTION_OF_IDEAL:.0%} of the ideal (Kc+Ka)/(Kc+a)",
+                 "value": fr, "threshold": BAR_MIN_FRACTION_OF_IDEAL,
+                 "passed": None if fr is None else fr >= BAR_MIN_FRACTION_OF_IDEAL,
+                 "detail": None if fr is None else f"{fr:.1%} ({sp:.3f}x of ideal {ck['ideal_speedup']:.3f}x)"})
+    ratios = [(d["no_sync_over_raw_ddp"], f'{d["preset"]} K={d["K"]}') for d in per_k if d["no_sync_over_raw_ddp"] is not None]
+    bars.append(_worst_bar("no_sync_vs_raw_ddp", f"no_sync / raw_ddp step time <= {BAR_MAX_RAW_RATIO} at every K",
+                           ratios, BAR_MAX_RAW_RATIO))
+    lo, hi = BAR_MEMORY_K
+    mem = []
+    for r_hi in rows:
+        if r_hi["K"] != hi or r_hi["peak_rss_mb"] is None:
+            continue
+        r_lo = next((r for r in rows if r["preset"] == r_hi["preset"] and r["mode"] == r_hi["mode"] and r["K"] == lo), None)
+        if r_lo and r_lo["peak_rss_mb"]:
+            mem.append((r_hi["peak_rss_mb"] / r_lo["peak_rss_mb"], f'{r_hi["preset"]} {r_hi["mode"]}'))
+    bars.append(_worst_bar("memory", f"peak memory at K={hi} <= {BAR_MAX_MEMORY_RATIO}x that at K={lo}",
+                           mem, BAR_MAX_MEMORY_RATIO))
+    return bars

@@ -1,0 +1,114 @@
+"""The ``accum-kit plan`` command: its flags, help text and body (see :mod:`accum_kit.cli`).
+
+Nothing here (nor anything it imports) imports torch, so the command starts
+without it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from .. import checks
+from .lr import LEARNING_RATE_FIX, LR_RULES
+from .report import check_learning_rate_flags, check_target_flags, format_plan, make_plan
+from .whatif import DEFAULT_ACCUMULATION_STEPS, DEFAULT_MAX_COMM_SHARE, INTERCONNECTS, check_whatif_flags
+
+DESCRIPTION = (
+    "Effective batch size, optimizer steps per epoch, padded/dropped examples, learning-rate scaling, "
+    "and the gradient accumulation steps that reach a target batch size. With --from_profile: predicted "
+    "step time, speedup of no_sync and communication share per K on a target cluster."
+)
+
+
+@dataclass
+class PlanArguments:
+    """Flags of ``accum-kit plan`` (Hugging Face flag names), parsed by ``HfArgumentParser``."""
+
+    per_device_train_batch_size: int = field(metadata={
+        "help": "Examples per micro-batch per process (with --target_batch_size: the largest that fits)."})
+    gradient_accumulation_steps: int | None = field(default=None, metadata={
+        "help": "Micro-batches per optimizer step (K); None: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 4 "
+                "(the same rule as train). Solved for with --target_batch_size."})
+    num_processes: int | None = field(default=None, metadata={
+        "help": "Processes over all machines; None: 1, or with --from_profile the profile's world size."})
+    num_examples: int | None = field(default=None, metadata={"help": "Training examples per epoch."})
+    drop_last: bool = field(default=False, metadata={"help": "The DataLoader drops the last incomplete batch."})
+    target_batch_size: int | None = field(default=None, metadata={
+        "help": "Examples per optimizer step wanted: solve for --gradient_accumulation_steps."})
+    base_learning_rate: float | None = field(default=None, metadata={
+        "help": "Learning rate tuned at --base_batch_size."})
+    base_batch_size: int | None = field(default=None, metadata={
+        "help": "Examples per optimizer step the base learning rate was tuned at."})
+    lr_scaling: str | None = field(default=None, metadata={
+        "choices": LR_RULES, "help": "Learning-rate scaling rule; None: report all three."})
+    from_profile: str | None = field(default=None, metadata={
+        "help": "What-if: the train_summary.json of an `accum-kit train --profile_comm` run (2+ processes, "
+                "K >= 2); predicts step times per K from its compute, gradient bytes, all-reduce and overlap."})
+    num_machines: int | None = field(default=None, metadata={
+        "help": "What-if: machines the --num_processes processes are spread over; None: 1."})
+    interconnect: str | None = field(default=None, metadata={
+        "choices": tuple(INTERCONNECTS), "help": "What-if: the link whose nominal peak bus bandwidth is assumed: "
+        "nvlink 450 GB/s (H100 NVLink 4, 900 GB/s both ways), infiniband 50 GB/s (NDR 400 Gb/s), ethernet "
+        "12.5 GB/s (100 GbE), measured (the profile's busbw); None: measured."})
+    busbw_GBps: float | None = field(default=None, metadata={
+        "help": "What-if: bus bandwidth per link in GB/s (overrides --interconnect's figure)."})
+    accumulation_steps: list[int] = field(default_factory=lambda: list(DEFAULT_ACCUMULATION_STEPS), metadata={
+        "help": "What-if: the K values to predict."})
+    max_comm_share: float = field(default=DEFAULT_MAX_COMM_SHARE, metadata={
+        "help": "What-if: solve for the smallest K whose no_sync step spends at most this share in exposed "
+                "communication; in (0, 1)."})
+    compare_bench: str | None = field(default=None, metadata={
+        "help": "What-if: a bench.json of `accum-kit bench` on the profiled machine: print predicted vs "
+                "measured step times per K."})
+    json: bool = field(default=False, metadata={"help": "Print JSON instead of the text table."})
+
+    def __post_init__(self):
+        """Check ranges and flag combinations; raises UsageError naming the flag."""
+        checks.at_least("--per_device_train_batch_size", self.per_device_train_batch_size)
+        for flag in ("gradient_accumulation_steps", "num_processes", "num_examples", "target_batch_size"):
+            if getattr(self, flag) is not None:
+                checks.at_least(f"--{flag}", getattr(self, flag))
+        check_target_flags(self.target_batch_size, self.gradient_accumulation_steps)
+        if self.base_learning_rate is not None:
+            checks.positive("--base_learning_rate", self.base_learning_rate, fix=LEARNING_RATE_FIX)
+        if self.base_batch_size is not None:
+            checks.at_least("--base_batch_size", self.base_batch_size)
+        if self.lr_scaling is not None:
+            checks.one_of("--lr_scaling", self.lr_scaling, LR_RULES)
+        check_learning_rate_flags(self.base_learning_rate, self.base_batch_size, self.lr_scaling)
+        check_whatif_flags(self.from_profile, self.num_machines, self.num_processes, self.interconnect,
+                           self.busbw_GBps, self.accumulation_steps, self.max_comm_share, self.compare_bench)
+
+
+ARGUMENTS = PlanArguments
+
+
+def run_command(args: PlanArguments) -> int:
+    """Print the plan (text table, or JSON with ``--json``); returns 0.
+
+    Raises:
+        UsageError: values that only fail together (e.g. ``--drop_last`` with
+            fewer examples than one global micro-batch); :func:`accum_kit.cli.run`
+            prints it and exits 2, with nothing on stdout.
+    """
+    report = make_plan(
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        args.num_processes,
+        args.num_examples,
+        drop_last=args.drop_last,
+        target_batch_size=args.target_batch_size,
+        base_learning_rate=args.base_learning_rate,
+        base_batch_size=args.base_batch_size,
+        lr_scaling=args.lr_scaling,
+        from_profile=args.from_profile,
+        num_machines=args.num_machines,
+        interconnect=args.interconnect,
+        busbw_GBps=args.busbw_GBps,
+        accumulation_steps=args.accumulation_steps,
+        max_comm_share=args.max_comm_share,
+        compare_bench=args.compare_bench,
+    )
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_plan(report))
+    return 0

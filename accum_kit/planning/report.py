@@ -1,0 +1,241 @@
+"""Everything ``accum-kit plan`` prints: the report, built from flag-named keywords, and its text form."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from tabulate import tabulate
+
+from ..errors import UsageError
+from ..settings import resolve_accumulation_steps
+from .batch import BatchPlan, plan_batch
+from .lr import LR_RULES, WARMUP_EPOCHS, WARMUP_MULTIPLIER_THRESHOLD, WARMUP_SOURCE, LearningRateScaling, scale_learning_rate
+from .solve import AccumulationSolution, solve_accumulation_steps
+from .whatif import (
+    DEFAULT_ACCUMULATION_STEPS,
+    DEFAULT_MAX_COMM_SHARE,
+    WhatIfReport,
+    check_whatif_flags,
+    format_whatif,
+    load_profile,
+    make_whatif,
+)
+from .whatif_bench import compare_with_bench, format_comparison
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """Everything ``accum-kit plan`` prints: ``solution`` only with a target,
+    ``learning_rates`` only with a base learning rate, ``whatif`` only with a profile."""
+
+    batch: BatchPlan
+    solution: AccumulationSolution | None = None
+    learning_rates: tuple[LearningRateScaling, ...] = ()
+    whatif: WhatIfReport | None = None
+
+    def to_dict(self) -> dict:
+        """The report as plain JSON-ready dicts (what ``--json`` prints)."""
+        return {
+            "batch": asdict(self.batch),
+            "solution": asdict(self.solution) if self.solution else None,
+            "learning_rates": [asdict(s) for s in self.learning_rates],
+            "whatif": self.whatif.to_dict() if self.whatif else None,
+        }
+
+
+def check_learning_rate_flags(base_learning_rate: float | None, base_batch_size: int | None, lr_scaling: str | None) -> None:
+    """The learning-rate flags go together: both base values, and a rule only with them.
+
+    Raises:
+        UsageError: one base value without the other, or ``lr_scaling`` without them.
+    """
+    if base_learning_rate is None and base_batch_size is not None:
+        raise UsageError("--base_learning_rate", "missing: --base_batch_size was given without it",
+                         "pass the learning rate tuned at --base_batch_size, or omit both")
+    if base_learning_rate is not None and base_batch_size is None:
+        raise UsageError("--base_batch_size", "missing: --base_learning_rate was given without it",
+                         "pass the batch size (examples per optimizer step) the base learning rate was tuned at")
+    if lr_scaling is not None and base_learning_rate is None:
+        raise UsageError("--lr_scaling", "needs --base_learning_rate and --base_batch_size",
+                         "pass both, e.g. --base_learning_rate 1e-4 --base_batch_size 256")
+
+
+def check_target_flags(target_batch_size: int | None, gradient_accumulation_steps: int | None) -> None:
+    """``--target_batch_size`` solves for K, so K must not be given with it.
+
+    Raises:
+        UsageError (``--gradient_accumulation_steps``): both were given.
+    """
+    if target_batch_size is not None and gradient_accumulation_steps is not None:
+        raise UsageError(
+            "--gradient_accumulation_steps",
+            "cannot be combined with --target_batch_size, which solves for it",
+            "omit --gradient_accumulation_steps (or omit --target_batch_size to plan a given K)",
+        )
+
+
+def make_plan(
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int | None = None,
+    num_processes: int | None = None,
+    num_examples: int | None = None,
+    *,
+    drop_last: bool = False,
+    target_batch_size: int | None = None,
+    base_learning_rate: float | None = None,
+    base_batch_size: int | None = None,
+    lr_scaling: str | None = None,
+    from_profile: str | None = None,
+    num_machines: int | None = None,
+    interconnect: str | None = None,
+    busbw_GBps: float | None = None,
+    accumulation_steps=DEFAULT_ACCUMULATION_STEPS,
+    max_comm_share: float = DEFAULT_MAX_COMM_SHARE,
+    compare_bench: str | None = None,
+) -> PlanReport:
+    """All of ``accum-kit plan`` from keyword arguments named like its flags.
+
+    With ``target_batch_size``, ``per_device_train_batch_size`` is the largest
+    per-device batch that fits and K is solved for (so K must not be given).
+    Without it, K = ``gradient_accumulation_steps``, else
+    ``$ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, else 4 (the rule of
+    :func:`accum_kit.settings.resolve_accumulation_steps`, the same as ``train``).
+    ``lr_scaling=None`` reports all three rules. ``num_processes=None`` is 1,
+    or with ``from_profile`` the profile's world size. ``from_profile`` adds
+    the what-if section (:func:`accum_kit.planning.whatif.make_whatif`, which
+    documents the other what-if keywords), its arithmetic shown for this K.
+
+    Raises:
+        UsageError: bad or inconsistent values; the message names the flag.
+    """
+    check_target_flags(target_batch_size, gradient_accumulation_steps)
+    check_whatif_flags(from_profile, num_machines, num_processes, interconnect, busbw_GBps, accumulation_steps,
+                       max_comm_share, compare_bench)
+    if num_processes is None:
+        num_processes = load_profile(from_profile).world_size if from_profile is not None else 1
+    if target_batch_size is not None:
+        solution = solve_accumulation_steps(target_batch_size, per_device_train_batch_size, num_processes)
+        B, K = solution.per_device_train_batch_size, solution.gradient_accumulation_steps
+    else:
+        solution, B = None, per_device_train_batch_size
+        K = resolve_accumulation_steps(gradient_accumulation_steps)
+    batch = plan_batch(B, K, num_processes, num_examples, drop_last=drop_last)
+
+    check_learning_rate_flags(base_learning_rate, base_batch_size, lr_scaling)
+    rates: tuple[LearningRateScaling, ...] = ()
+    if base_learning_rate is not None:
+        rules = LR_RULES if lr_scaling is None else (lr_scaling,)
+        rates = tuple(
+            scale_learning_rate(base_learning_rate, base_batch_size, batch.effective_batch_size, rule,
+                                steps_per_epoch=batch.optimizer_steps_per_epoch)
+            for rule in rules
+        )
+    whatif = None
+    if from_profile is not None:
+        whatif = make_whatif(from_profile, num_processes=num_processes, num_machines=num_machines,
+                             interconnect=interconnect, busbw_GBps=busbw_GBps,
+                             accumulation_steps=accumulation_steps, max_comm_share=max_comm_share,
+                             per_device_train_batch_size=B, show_K=K)
+        if compare_bench is not None:
+            p = whatif.profile
+            whatif = replace(whatif, comparison=compare_with_bench(
+                compare_bench, p, p.compute_seconds, whatif.exposed_comm_seconds, p.other_seconds, num_processes))
+    return PlanReport(batch, solution, rates, whatif)
+
+
+def _g(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def _indent(table: str) -> str:
+    return "\n".join(f"  {line}" for line in table.splitlines())
+
+
+def _solution_lines(s: AccumulationSolution) -> list[str]:
+    lines = [
+        f"Solve: target batch {s.target_batch_size} with per-device batch <= {s.max_per_device_train_batch_size} "
+        f"on {s.num_processes} processes",
+        f"  --per_device_train_batch_size {s.per_device_train_batch_size} "
+        f"--gradient_accumulation_steps {s.gradient_accumulation_steps}   "
+        f"({s.per_device_train_batch_size} x {s.gradient_accumulation_steps} x {s.num_processes} = {s.target_batch_size})",
+    ]
+    if s.note:
+        lines.append(f"  note: {s.note}")
+    return lines + [""]
+
+
+def _batch_lines(b: BatchPlan) -> list[str]:
+    B, K, P = b.per_device_train_batch_size, b.gradient_accumulation_steps, b.num_processes
+    mode = "drop_last=True" if b.drop_last else "drop_last=False, even_batches=True"
+    rows = [
+        ("per_device_train_batch_size", f"{B}"),
+        ("gradient_accumulation_steps", f"{K}"),
+        ("num_processes", f"{P}  (all machines)"),
+        ("effective batch size", f"{b.effective_batch_size}  examples per optimizer step = {B} x {K} x {P}"),
+    ]
+    if b.num_examples is not None:
+        op = "floor" if b.drop_last else "ceil"
+        rows += [
+            ("num_examples", f"{b.num_examples}"),
+            ("micro-batches per process", f"{b.micro_batches_per_process}  = {op}({b.num_examples} / ({B} x {P}))"),
+            ("optimizer steps per epoch",
+             f"{b.optimizer_steps_per_epoch}  = ceil({b.micro_batches_per_process} / {K})"),
+        ]
+        if b.drop_last:
+            rows.append(("examples dropped", f"{b.examples_dropped}  (not seen this epoch; drop_last=True)"))
+        else:
+            rows.append(("examples padded", f"{b.examples_padded}  (repeated from the start of the epoch "
+                                                "to complete the last global batch)"))
+        if b.last_step_is_partial:
+            pad = f", {b.examples_padded} of them padding" if b.examples_padded else ""
+            last = (f"PARTIAL: {b.last_step_micro_batches} of {K} micro-batches per process, "
+                    f"{b.last_step_examples} examples{pad}, instead of {b.effective_batch_size}")
+        else:
+            last = f"full: {K} of {K} micro-batches per process, {b.last_step_examples} examples"
+        rows.append(("last optimizer step", last))
+    lines = [f"Batch plan (Accelerate DataLoader, {mode})",
+             _indent(tabulate(rows, tablefmt="plain", disable_numparse=True))]
+    if b.num_examples is None:
+        lines.append(f"  note: the last optimizer step of an epoch sees (micro-batches per process mod {K}) "
+                     "micro-batches when that is not 0; pass --num_examples to compute it")
+    elif b.last_step_is_partial:
+        lines.append(f"  note: the last optimizer step sees fewer than K={K} micro-batches (Accelerate syncs at the end "
+                     "of the dataloader); accum_kit's tokens normalisation averages over what it holds, while a "
+                     f"plain loss / K scales that step's gradient by {b.last_step_micro_batches}/{K}")
+    return lines
+
+
+def _learning_rate_lines(rates: tuple[LearningRateScaling, ...]) -> list[str]:
+    first = rates[0]
+    lines = ["", f"Learning rate: base {_g(first.base_learning_rate)} at batch {first.base_batch_size} -> "
+                 f"batch {first.batch_size} (k = {_g(first.batch_ratio)})"]
+    table = [(r.rule, _g(r.multiplier), _g(r.learning_rate), r.source) for r in rates]
+    lines.append(_indent(tabulate(table, headers=("rule", "multiplier", "learning rate", "source"),
+                                  tablefmt="plain", disable_numparse=True)))
+    for r in rates:
+        if r.warmup_suggested:
+            steps = f" = {r.warmup_steps} optimizer steps" if r.warmup_steps else ""
+            lines.append(
+                f"  warmup ({r.rule}): multiplier {_g(r.multiplier)} > {_g(WARMUP_MULTIPLIER_THRESHOLD)}: ramp the "
+                f"learning rate linearly from {_g(r.base_learning_rate)} to {_g(r.learning_rate)} over "
+                f"{r.warmup_epochs} epochs{steps} ({WARMUP_SOURCE})"
+            )
+    if not any(r.warmup_suggested for r in rates):
+        lines.append(f"  warmup: not suggested (rule: when a multiplier exceeds "
+                     f"{_g(WARMUP_MULTIPLIER_THRESHOLD)}, warm up over {WARMUP_EPOCHS} epochs; {WARMUP_SOURCE})")
+    return lines
+
+
+def format_plan(report: PlanReport) -> str:
+    """The text ``accum-kit plan`` prints: the solution (with a target), the batch
+    plan as a two-column table, the learning-rate rules as a table (with a base rate) and
+    the what-if predictions (with a profile)."""
+    lines = _solution_lines(report.solution) if report.solution is not None else []
+    lines += _batch_lines(report.batch)
+    if report.learning_rates:
+        lines += _learning_rate_lines(report.learning_rates)
+    if report.whatif is not None:
+        lines += format_whatif(report.whatif)
+        if report.whatif.comparison is not None:
+            lines += format_comparison(report.whatif.comparison)
+    return "\n".join(lines)

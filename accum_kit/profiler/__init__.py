@@ -1,0 +1,211 @@
+"""Communication profiler: what DDP's all-reduce costs, and what ``no_sync`` saves.
+
+:class:`CommProfiler` is the front: it records, for every gradient bucket
+DDP all-reduces, the optimizer step and micro-batch it belongs to, its size
+in bytes and its latency in seconds; used as a :func:`accum_kit.train_loop`
+callback it also times the forward, backward and optimizer phases of every
+micro-batch, tagged sync or no-sync. The parts, each usable on its own:
+
+- :mod:`.buckets`: :class:`BucketRecorder`, the DDP comm hook;
+- :mod:`.phases`: :class:`PhaseTimer`, the phase timing loop callback;
+- :mod:`.trace`: :class:`StepTrace`, a ``torch.profiler`` Chrome trace through
+  Accelerate's ``ProfileKwargs`` / ``accelerator.profile()``;
+- :mod:`.records`: the plain records and :class:`Labels` (mode, tag);
+- :mod:`.report`: summaries from records (definitions of algbw, busbw,
+  exposed time, estimated saving there) and :func:`format_table`;
+- :mod:`.switches`: :class:`ABSwitch` and :class:`OverheadSwitch`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import checks
+from ..callbacks import LoopCallback
+from ..compat import sync_each_batch
+from .buckets import BucketRecorder, allreduce_mean_hook
+from .phases import PhaseTimer
+from .records import MODES, BucketCall, Labels, MicroBatchTimes, ProfileRecords, StepTimes
+from .report import format_table, local_summary, summarize_processes
+from .switches import ABSwitch, AlternatingWindows, OverheadSwitch
+from .trace import StepTrace
+
+__all__ = [
+    "ABSwitch", "AlternatingWindows", "BucketCall", "BucketRecorder", "CommProfiler", "Labels", "MODES",
+    "MicroBatchTimes", "OverheadSwitch", "PhaseTimer", "ProfileRecords", "StepTimes", "StepTrace",
+    "allreduce_mean_hook", "format_table", "local_summary", "summarize_processes",
+]
+
+
+class CommProfiler(LoopCallback):
+    """Records every DDP gradient all-reduce and the phase times of each micro-batch.
+
+    Use it three ways:
+
+    - ``with CommProfiler(accelerator, model) as prof:`` around any loop
+      (all-reduce records only; each sync's buckets form one group);
+    - ``train_loop(..., profiler=prof)``: also phase timing, tagged with the
+      optimizer step and micro-batch index;
+    - the train command's ``--profile_comm`` flag.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` that prepared ``model``.
+        model: the prepared model; without DDP (one process) nothing is
+            registered and the report shows zero communication.
+        hook: a DDP comm hook ``hook(state, bucket) -> Future`` to wrap, such
+            as ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook``;
+            default: plain all-reduce with mean (DDP's own default).
+        hook_state: the state passed to ``hook`` (default: None, the world group).
+        trace_dir: if given, a ``torch.profiler`` Chrome trace per process is
+            written there at the end (``trace_rank{R}.json``, opens in
+            Perfetto), with ranges named ``micro_batch_{i}/{sync|no_sync}``;
+            see :class:`StepTrace`.
+        trace_steps: optimizer steps recorded in the trace.
+        trace_wait: optimizer steps before the trace's one warm-up step; keep
+            the trace clear of A/B windows, whose timing it would disturb.
+        synchronize: call ``torch.cuda.synchronize()`` at phase boundaries on
+            CUDA so phase times are real (default: on when the device is CUDA).
+
+    Attributes:
+        mode: ``"no_sync"`` or ``"sync_each_batch"``, stamped on new records
+            (initially the accelerator's ``sync_each_batch`` setting; the
+            :class:`ABSwitch` changes it). Summaries cover the current mode.
+        tag: a free-form run label stamped on new records (default None), for
+            one profiler that serves several runs; see :meth:`records`.
+        enabled: False makes the recorders skip everything (the hook stays).
+        trace_path: the trace file written, or None.
+
+    Raises:
+        RuntimeError: the model already has a comm hook (DDP allows only one):
+            pass that hook as ``hook=`` instead.
+    """
+
+    def __init__(self, accelerator, model, *, hook=None, hook_state=None, trace_dir=None, trace_steps=2,
+                 trace_wait=1, synchronize=None):
+        self.accelerator, self.model = accelerator, model
+        self.world_size = accelerator.num_processes
+        self.distributed = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self.labels = Labels(mode=MODES[sync_each_batch(accelerator)])
+        self.buckets = BucketRecorder(self.labels, hook, hook_state)
+        if synchronize is None:
+            synchronize = accelerator.device.type == "cuda"
+        self.phases = PhaseTimer(self.labels, synchronize=synchronize)
+        self.trace = StepTrace(accelerator, trace_dir, trace_steps, trace_wait) if trace_dir else None
+        self._attached = False
+
+    # ---- labels --------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self.labels.mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        checks.one_of("mode", value, MODES)  # a run label goes to ``tag``
+        self.labels.mode = value
+
+    @property
+    def tag(self) -> str | None:
+        return self.labels.tag
+
+    @tag.setter
+    def tag(self, value: str | None) -> None:
+        self.labels.tag = value
+
+    @property
+    def enabled(self) -> bool:
+        return self.labels.enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self.labels.enabled = value
+
+    @property
+    def trace_path(self) -> str | None:
+        return self.trace.path if self.trace is not None else None
+
+    # ---- attaching -------------------------------------------------------------------------
+    def attach(self) -> "CommProfiler":
+        """Register the comm hook (DDP only) and start the trace if asked; idempotent."""
+        if self._attached:
+            return self
+        if self.distributed:
+            self.buckets.register(self.model)
+        if self.trace is not None:
+            self.trace.start()
+        self._attached = True
+        return self
+
+    def detach(self) -> None:
+        """Stop recording and write the trace (DDP cannot unregister a hook: it stays, passing buckets through)."""
+        self.enabled = False
+        if self.trace is not None:
+            self.trace.stop()
+
+    def __enter__(self):
+        return self.attach()
+
+    def __exit__(self, *exc):
+        self.detach()
+        return False
+
+    # ---- loop hooks: the phase timer, with the trace's ranges and steps around it ----------
+    def on_train_begin(self, state):
+        self.attach()
+        self.phases.on_train_begin(state)
+
+    def on_micro_batch_begin(self, state):
+        if self.trace is not None and self.enabled:
+            self.trace.on_micro_batch_begin(state)
+        self.phases.on_micro_batch_begin(state)
+
+    def on_forward_end(self, state):
+        self.phases.on_forward_end(state)
+
+    def on_backward_end(self, state):
+        self.phases.on_backward_end(state)  # timed before the range closes
+        if self.trace is not None:
+            self.trace.close_range()
+
+    def on_step_begin(self, state):
+        self.phases.on_step_begin(state)
+
+    def on_step_end(self, state):
+        self.phases.on_step_end(state)
+        if self.trace is not None:
+            self.trace.on_step_end(state)  # advances the trace schedule, enabled or not
+            self.phases.restart_step_clock()  # the trace step's cost belongs to no window
+
+    def on_train_end(self, state):
+        self.detach()
+
+    # ---- results ---------------------------------------------------------------------------
+    @property
+    def calls(self) -> list[BucketCall]:
+        return self.buckets.calls
+
+    @property
+    def micro_batches(self) -> list[MicroBatchTimes]:
+        return self.phases.micro_batches
+
+    @property
+    def step_records(self) -> list[StepTimes]:
+        return self.phases.steps
+
+    def records(self, *, mode: str | None = None, tag: str | None = None) -> ProfileRecords:
+        """Every record so far, or those of one ``mode`` and / or ``tag`` (None: any)."""
+        return ProfileRecords(self.calls, list(self.micro_batches), list(self.step_records)).select(mode=mode, tag=tag)
+
+    def local_summary(self, tag: str | None = None) -> dict:
+        """This process's figures for the records of the current ``mode`` (and of ``tag``, if given).
+
+        See :func:`accum_kit.profiler.report.local_summary` for the keys.
+        """
+        return local_summary(self.records(mode=self.mode, tag=tag), mode=self.mode, world_size=self.world_size,
+                             distributed=self.distributed)
+
+    def summary(self, tag: str | None = None) -> dict:
+        """The ``comm`` block: :meth:`local_summary` of every process, min / median / max over them.
+
+        Collective: every process must call it. See :func:`summarize_processes`.
+        """
+        return summarize_processes(self.local_summary(tag), self.world_size)

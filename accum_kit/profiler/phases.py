@@ -1,0 +1,73 @@
+"""Phase timing: forward, backward and optimizer step of every micro-batch, as a loop callback."""
+
+from __future__ import annotations
+
+import time
+
+from ..callbacks import LoopCallback
+from .records import Labels, MicroBatchTimes, StepTimes
+
+
+class PhaseTimer(LoopCallback):
+    """Loop callback: one :class:`MicroBatchTimes` per micro-batch and one :class:`StepTimes` per optimizer step.
+
+    It also keeps ``labels.step`` / ``labels.micro_batch`` current, so the
+    bucket recorder can tag each all-reduce with the micro-batch it belongs to.
+
+    Args:
+        labels: the shared :class:`Labels`; with ``enabled`` False nothing is
+            timed or recorded (the step clock still restarts at each step end).
+        synchronize: call ``torch.cuda.synchronize()`` at each phase boundary
+            so that times cover the GPU work (use on CUDA only).
+    """
+
+    def __init__(self, labels: Labels, synchronize: bool = False):
+        self.labels, self.synchronize = labels, synchronize
+        self.micro_batches: list[MicroBatchTimes] = []
+        self.steps: list[StepTimes] = []
+        self._t: dict[str, float] = {}
+
+    def now(self) -> float:
+        """``perf_counter`` seconds, after the GPU's queued work when ``synchronize`` is on."""
+        if self.synchronize:
+            import torch
+
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def restart_step_clock(self) -> None:
+        """The next step's time counts from here (called at train begin and after every step)."""
+        self._t["step_start"] = self.now() if self.labels.enabled else time.perf_counter()
+
+    def on_train_begin(self, state):
+        self.restart_step_clock()
+
+    def on_micro_batch_begin(self, state):
+        self.labels.step, self.labels.micro_batch = state.step, state.micro_step
+        if self.labels.enabled:
+            self._t["begin"] = self.now()
+
+    def on_forward_end(self, state):
+        if self.labels.enabled:
+            self._t["forward"] = self.now()
+
+    def on_backward_end(self, state):
+        if not self.labels.enabled:
+            return
+        end = self.now()
+        self.micro_batches.append(MicroBatchTimes(
+            step=state.step, micro_batch=state.micro_step, sync=bool(state.sync), mode=self.labels.mode,
+            tag=self.labels.tag, forward_seconds=self._t["forward"] - self._t["begin"],
+            backward_seconds=end - self._t["forward"]))
+
+    def on_step_begin(self, state):
+        if self.labels.enabled:
+            self._t["optimizer"] = self.now()
+
+    def on_step_end(self, state):
+        if self.labels.enabled:
+            now = self.now()
+            self.steps.append(StepTimes(
+                step=state.step - 1, mode=self.labels.mode, tag=self.labels.tag,
+                optimizer_seconds=now - self._t["optimizer"], step_seconds=now - self._t["step_start"]))
+        self.restart_step_clock()

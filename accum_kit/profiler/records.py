@@ -1,0 +1,112 @@
+"""The profiler's plain records, and the labels every new record is stamped with.
+
+Three kinds of record, one per event the profiler sees (all times in seconds,
+from ``time.perf_counter``; sizes in bytes):
+
+- :class:`BucketCall`: one gradient bucket's all-reduce (the DDP comm hook);
+- :class:`MicroBatchTimes`: forward and backward of one micro-batch;
+- :class:`StepTimes`: one optimizer step.
+
+Each carries the ``mode`` (``"no_sync"`` or ``"sync_each_batch"``, what the
+A/B switch sets) and the free-form ``tag`` (a run label, None by default)
+that were current when it was recorded, so one profiler can hold several
+runs or modes and :meth:`ProfileRecords.select` can keep them apart.
+No torch here: the report works on these records alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: The two values of ``mode``: Accelerate's ``sync_each_batch`` flag off / on.
+MODES = ("no_sync", "sync_each_batch")
+
+
+@dataclass
+class Labels:
+    """What the recorders stamp on every new record; shared by the bucket recorder and the phase timer.
+
+    ``step`` and ``micro_batch`` are the loop's counters (optimizer steps done,
+    micro-batches done on this process), updated by the phase timer at each
+    micro-batch; they stay 0 when the profiler is used outside a loop.
+    ``enabled`` False makes every recorder skip its records and timers.
+    """
+
+    mode: str = "no_sync"
+    tag: str | None = None
+    step: int = 0
+    micro_batch: int = 0
+    enabled: bool = True
+
+
+@dataclass
+class BucketCall:
+    """One gradient bucket all-reduce.
+
+    Attributes:
+        step, micro_batch: the loop's counters when DDP handed the bucket over.
+        sync: index of the synchronised backward this bucket belongs to
+            (0, 1, ...; a new one starts after DDP's last bucket).
+        mode, tag: see :class:`Labels`.
+        bucket: DDP's bucket index.
+        bytes: the bucket's gradient size, ``numel x element size`` (a
+            compression hook sends fewer over the wire).
+        start: ``perf_counter`` seconds when the wrapped hook was called.
+        seconds: from ``start`` to the completion of the all-reduce future.
+    """
+
+    step: int
+    micro_batch: int
+    sync: int
+    mode: str
+    tag: str | None
+    bucket: int
+    bytes: int
+    start: float
+    seconds: float
+
+
+@dataclass
+class MicroBatchTimes:
+    """Forward and backward seconds of one micro-batch; ``sync``: its backward all-reduced."""
+
+    step: int
+    micro_batch: int
+    sync: bool
+    mode: str
+    tag: str | None
+    forward_seconds: float
+    backward_seconds: float
+
+
+@dataclass
+class StepTimes:
+    """One optimizer step (``step`` = its index, from 0).
+
+    ``optimizer_seconds``: from ``on_step_begin`` to ``on_step_end`` (window
+    rescale, clipping, optimizer and scheduler step, ``zero_grad``);
+    ``step_seconds``: from the end of the previous step to the end of this one.
+    """
+
+    step: int
+    mode: str
+    tag: str | None
+    optimizer_seconds: float
+    step_seconds: float
+
+
+@dataclass
+class ProfileRecords:
+    """The records of one process: bucket calls, micro-batches, optimizer steps."""
+
+    calls: list[BucketCall] = field(default_factory=list)
+    micro_batches: list[MicroBatchTimes] = field(default_factory=list)
+    steps: list[StepTimes] = field(default_factory=list)
+
+    def select(self, *, mode: str | None = None, tag: str | None = None) -> "ProfileRecords":
+        """The records of one ``mode`` and / or one ``tag``; None keeps every value of that field."""
+        def keep(r) -> bool:
+            return (mode is None or r.mode == mode) and (tag is None or r.tag == tag)
+
+        return ProfileRecords([r for r in self.calls if keep(r)], [r for r in self.micro_batches if keep(r)],
+                              [r for r in self.steps if keep(r)])

@@ -1,0 +1,172 @@
+"""The profiler's report, computed from plain records: one process, all processes, a text table.
+
+Definitions (per process, then min / median / max over processes):
+
+- algorithm bandwidth ``algbw = bytes / seconds`` and bus bandwidth
+  ``busbw = algbw * 2 (n - 1) / n`` for an all-reduce over n processes: the
+  definitions of nccl-tests (``doc/PERFORMANCE.md``), also used by DeepSpeed's
+  communication logger. ``seconds`` is the time with at least one bucket
+  all-reduce in flight (:func:`busy_seconds`), summed over syncs.
+- exposed communication: median backward time of sync micro-batches minus that
+  of no-sync micro-batches, i.e. the all-reduce time not hidden behind the
+  backward computation; overlap = 1 - exposed / all-reduce time per sync.
+- estimated saving: skipped syncs x exposed time (and x full all-reduce
+  time, an upper bound); the measured saving comes from an A/B run
+  (:class:`accum_kit.profiler.ABSwitch`).
+"""
+
+from __future__ import annotations
+
+from ..stats import median, spread
+from .records import BucketCall, ProfileRecords
+
+GB = 1e9
+
+
+def busy_seconds(calls: list[BucketCall]) -> float:
+    """Length (seconds) of the union of the calls' ``[start, start + seconds]`` intervals."""
+    total, end = 0.0, float("-inf")
+    for c in sorted(calls, key=lambda c: c.start):
+        lo, hi = c.start, c.start + c.seconds
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
+def local_summary(records: ProfileRecords, *, mode: str, world_size: int, distributed: bool) -> dict:
+    """One process's figures (seconds, bytes, GB/s) from its records of one mode.
+
+    Args:
+        records: the process's records, already selected (one mode, maybe one tag).
+        mode: reported as ``mode``.
+        world_size: processes in the all-reduce (n of busbw).
+        distributed: False when the model is not DDP: nothing was skipped.
+
+    Keys: ``allreduce_calls``, ``allreduce_bytes``, ``allreduce_seconds``
+    (sum of bucket latencies), ``syncs`` (backward passes that all-reduced),
+    ``allreduce_calls_per_step``, ``allreduce_bytes_per_step``,
+    ``allreduce_calls_per_sync`` (median buckets per sync: DDP rebuilds its
+    buckets after the first iteration, so the first sync may differ),
+    ``seconds_per_sync`` (time with at least one bucket all-reduce in
+    flight, median over syncs; the union of the bucket intervals, so
+    queued buckets are not counted twice and the gaps between buckets are
+    left out), ``algbw_GBps`` = bytes / that time summed over syncs,
+    ``busbw_GBps``, ``skipped_syncs``, ``exposed_comm_seconds`` (per sync),
+    ``overlap_fraction``, ``estimated_seconds_saved`` (whole run,
+    exposed-time estimate), ``estimated_seconds_saved_upper`` (full latency),
+    ``estimated_seconds_saved_per_step``, ``forward_seconds``,
+    ``backward_seconds_sync``, ``backward_seconds_no_sync``,
+    ``optimizer_seconds``, ``seconds_per_step`` (medians per micro-batch / step).
+    """
+    calls, mbs, steps = records.calls, records.micro_batches, records.steps
+    by_sync: dict[int, list] = {}
+    for c in calls:
+        by_sync.setdefault(c.sync, []).append(c)
+    busy = [busy_seconds(g) for g in by_sync.values()]
+    n_bytes, seconds = sum(c.bytes for c in calls), sum(c.seconds for c in calls)
+    busy_total = sum(busy)
+    algbw = n_bytes / busy_total / GB if busy_total > 0 else 0.0
+    n = world_size
+    bwd_sync = median(m.backward_seconds for m in mbs if m.sync)
+    bwd_nosync = median(m.backward_seconds for m in mbs if not m.sync)
+    per_sync = median(busy)
+    exposed = max(bwd_sync - bwd_nosync, 0.0) if (bwd_sync is not None and bwd_nosync is not None and calls) else None
+    skipped = sum(1 for m in mbs if not m.sync) if distributed else 0
+    n_steps = len(steps) or len({c.step for c in calls}) or 1
+    nothing_skipped = 0.0 if not distributed else None  # one process: no saving, rather than unknown
+    return {
+        "world_size": n,
+        "mode": mode,
+        "optimizer_steps": len(steps),
+        "micro_batches": len(mbs),
+        "allreduce_calls": len(calls),
+        "allreduce_bytes": n_bytes,
+        "allreduce_seconds": seconds,
+        "syncs": len(by_sync),
+        "allreduce_calls_per_step": len(calls) / n_steps,
+        "allreduce_bytes_per_step": n_bytes / n_steps,
+        "allreduce_calls_per_sync": median(len(g) for g in by_sync.values()) or 0,
+        "seconds_per_sync": per_sync or 0.0,
+        "algbw_GBps": algbw,
+        "busbw_GBps": algbw * 2 * (n - 1) / n if n > 1 else 0.0,
+        "skipped_syncs": skipped,
+        "exposed_comm_seconds": exposed if distributed else 0.0,
+        # Exposed time can exceed the all-reduce's own span: it also holds the wait for slower
+        # processes to reach the sync. Overlap is then 0, not negative.
+        "overlap_fraction": max(0.0, 1 - exposed / per_sync) if (exposed is not None and per_sync) else None,
+        "estimated_seconds_saved": skipped * exposed if exposed is not None else nothing_skipped,
+        "estimated_seconds_saved_upper": skipped * (per_sync or 0.0),
+        "estimated_seconds_saved_per_step": (skipped / n_steps * exposed) if exposed is not None else nothing_skipped,
+        "forward_seconds": median(m.forward_seconds for m in mbs),
+        "backward_seconds_sync": bwd_sync,
+        "backward_seconds_no_sync": bwd_nosync,
+        "optimizer_seconds": median(s.optimizer_seconds for s in steps),
+        "seconds_per_step": median(s.step_seconds for s in steps),
+    }
+
+
+def summarize_processes(local: dict, world_size: int) -> dict:
+    """The ``comm`` block: ``local`` of every process, gathered; collective (every process must call it).
+
+    Top-level values are the main process's; ``per_process`` lists each
+    process's ``local`` and ``spread`` the min / median / max of every numeric
+    field over processes, so a straggler shows.
+    """
+    if world_size > 1:
+        from accelerate.utils import gather_object
+
+        everyone = gather_object([local])
+    else:
+        everyone = [local]
+    numeric = [k for k, v in local.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    out = dict(everyone[0])
+    out["per_process"] = everyone
+    out["spread"] = {k: spread(p.get(k) for p in everyone) for k in numeric}
+    return out
+
+
+#: (label, key of the comm block, unit) per row of :func:`format_table`, in order; absent keys are skipped.
+TABLE_ROWS = (
+    ("all-reduce calls", "allreduce_calls", ""), ("all-reduce calls / step", "allreduce_calls_per_step", ""),
+    ("all-reduce calls / sync (buckets)", "allreduce_calls_per_sync", ""),
+    ("all-reduce bytes", "allreduce_bytes", " B"), ("all-reduce seconds (sum of buckets)", "allreduce_seconds", " s"),
+    ("seconds per sync", "seconds_per_sync", " s"), ("algbw", "algbw_GBps", " GB/s"), ("busbw", "busbw_GBps", " GB/s"),
+    ("skipped syncs", "skipped_syncs", ""), ("forward / micro-batch", "forward_seconds", " s"),
+    ("backward, sync micro-batch", "backward_seconds_sync", " s"),
+    ("backward, no-sync micro-batch", "backward_seconds_no_sync", " s"),
+    ("exposed comm / sync", "exposed_comm_seconds", " s"), ("overlap fraction", "overlap_fraction", ""),
+    ("optimizer step", "optimizer_seconds", " s"), ("estimated saved (exposed)", "estimated_seconds_saved", " s"),
+    ("estimated saved (full latency)", "estimated_seconds_saved_upper", " s"),
+    ("estimated saved / step (exposed)", "estimated_seconds_saved_per_step", " s"),
+    ("s/step, sync_each_batch (A/B)", "seconds_per_step_sync_each_batch", " s"),
+    ("s/step, no_sync (A/B)", "seconds_per_step_no_sync", " s"),
+    ("measured saved / step (A/B)", "measured_seconds_saved_per_step", " s"), ("speedup (A/B)", "speedup", "x"),
+    ("estimated / measured saving", "estimated_over_measured", ""),
+    ("s/step, profiler on", "seconds_per_step_profiler_on", " s"),
+    ("s/step, profiler off", "seconds_per_step_profiler_off", " s"),
+    ("profiler overhead ratio (on / off)", "profiler_overhead_ratio", ""),
+)
+
+
+def _fmt(v, unit: str = "") -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.4g}{unit}"
+    return f"{v}{unit}"
+
+
+def format_table(comm: dict) -> str:
+    """A text table of a ``comm`` block: the main process's value and min / median / max over processes."""
+    from tabulate import tabulate
+
+    spread_of = comm.get("spread", {})
+    rows = []
+    for label, key, unit in TABLE_ROWS:
+        if key not in comm:
+            continue
+        s = spread_of.get(key)
+        rows.append((label, _fmt(comm[key], unit), f"{_fmt(s['min'])} / {_fmt(s['median'])} / {_fmt(s['max'])}" if s else ""))
+    headers = (f"communication ({comm.get('world_size')} processes)", "main", "min / median / max over processes")
+    return tabulate(rows, headers=headers, tablefmt="simple", colalign=("left", "right", "left"), disable_numparse=True)

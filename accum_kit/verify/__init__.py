@@ -1,0 +1,79 @@
+"""``accum-kit verify``: is the accumulated gradient the gradient of one big batch?
+
+Every process runs the same deterministic examples, sharded by the prepared
+DataLoader, as one full accumulation window of K micro-batches and (by
+default) a partial last window of ``ceil(K / 2)``
+(:mod:`accum_kit.verify.data`). The gradient of each window is taken three
+ways on the same parameters:
+
+``tokens``
+    :func:`accum_kit.train_loop` with ``loss_normalization="tokens"`` (the
+    toolkit's exact normalisation, DDP with ``no_sync``).
+``mean-of-means``
+    :func:`accum_kit.train_loop` with ``loss_normalization="mean"``: each
+    micro-batch's token-mean loss, divided by K by ``accelerator.backward``
+    and averaged over processes by DDP. For a full window this is the mean of
+    the W x K micro-batch means (what transformers' Trainer computed before its
+    October 2024 fix); a partial window of r micro-batches is additionally
+    scaled by r / K.
+``sum``
+    a ``reduction="sum"`` loss with a plain ``loss.backward()`` inside
+    ``accelerator.accumulate(model)`` (no division by K, no normalisation), so
+    the only thing between it and the big-batch summed-loss gradient is DDP.
+
+What the optimizer sees is captured at ``optimizer.step()``
+(:mod:`accum_kit.verify.capture`) and compared, window by window, with a
+float64 single-process big batch (:mod:`accum_kit.verify.oracle`) under a
+float32 tolerance (:mod:`accum_kit.verify.compare`); :mod:`accum_kit.verify.check`
+runs it all, :mod:`accum_kit.verify.report` holds the result.
+
+Sources: transformers blog "Fixing Gradient Accumulation" (October 2024,
+https://huggingface.co/blog/gradient_accumulation); PyTorch DDP notes
+(https://pytorch.org/docs/stable/notes/ddp.html) and
+``DistributedDataParallel`` docs on gradient averaging; Accelerate's
+"Gradient accumulation" guide (``accelerator.backward`` divides by K,
+https://huggingface.co/docs/accelerate/usage_guides/gradient_accumulation).
+
+Memory: the main process keeps a float64 copy of the model and float32 CPU
+copies of every captured gradient (3 rows x 2 windows); fine for the small
+models this check is meant for.
+
+Command line: ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit verify``
+(any number of processes), or ``python -m accum_kit verify`` on one. Exit 0
+when the row selected by ``--loss_normalization`` passes, 1 when it does not,
+2 on bad input. From Python: :func:`verify_accumulation`.
+"""
+
+from .capture import EvalMode, ExampleRecorder, GradientCapture
+from .check import DEFAULT_BATCH_SIZE, verify_accumulation
+from .command import ARGUMENTS, DESCRIPTION, VerifyArguments, run_command
+from .compare import DEFAULT_ATOL, DEFAULT_RTOL, compare_gradients, scaled_residual
+from .data import make_examples, pad_collate, partial_micro_batches
+from .oracle import big_batch_gradient, dataparallel_sum_gradient, summed_token_loss
+from .report import SELECTABLE, Row, VerifyReport, WindowInfo
+
+__all__ = [
+    "ARGUMENTS",
+    "DEFAULT_ATOL",
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_RTOL",
+    "DESCRIPTION",
+    "SELECTABLE",
+    "EvalMode",
+    "ExampleRecorder",
+    "GradientCapture",
+    "Row",
+    "VerifyArguments",
+    "VerifyReport",
+    "WindowInfo",
+    "big_batch_gradient",
+    "compare_gradients",
+    "dataparallel_sum_gradient",
+    "make_examples",
+    "pad_collate",
+    "partial_micro_batches",
+    "run_command",
+    "scaled_residual",
+    "summed_token_loss",
+    "verify_accumulation",
+]

@@ -1,0 +1,68 @@
+"""``accum-kit verify`` on the command line: its flags, help text and run function (see :mod:`accum_kit.cli`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from accelerate import PartialState
+
+from ..errors import UsageError
+from ..outputs import atomic_write_json, check_output_dir
+from .check import DEFAULT_BATCH_SIZE, validate, verify_accumulation
+from .compare import DEFAULT_ATOL, DEFAULT_RTOL
+from .report import SELECTABLE
+
+DESCRIPTION = (
+    "Check that the accumulated gradient (K micro-batches per process, all processes, a full and a partial "
+    "window) equals the gradient of one big batch on one process; report mean-of-means and the DDP "
+    "semantics of a sum loss. Run under accelerate launch on any number of processes. Exit 0 when the row "
+    "selected by --loss_normalization passes, 1 when it fails, 2 on bad input.")
+
+
+@dataclass
+class VerifyArguments:
+    """Flags of ``accum-kit verify`` (parsed by transformers' HfArgumentParser; ``--help`` shows defaults)."""
+
+    gradient_accumulation_steps: int | None = field(default=None, metadata={"help": "Micro-batches per window (K); None: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 4."})
+    per_device_train_batch_size: int = field(default=DEFAULT_BATCH_SIZE, metadata={"help": "Examples per micro-batch per process."})
+    seed: int = field(default=0, metadata={"help": "Seed of the examples and of the preset model."})
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Local causal LM (save_pretrained directory) instead of the tiny GPT-2 preset."})
+    loss_normalization: str = field(default="tokens", metadata={"help": f"The row that decides the exit code, one of {list(SELECTABLE)}: tokens, or mean (mean-of-means)."})
+    partial_window: bool = field(default=True, metadata={"help": "Also verify a partial last window of ceil(K/2) micro-batches per process; --no_partial_window: one full window only."})
+    rtol: float = field(default=DEFAULT_RTOL, metadata={"help": "Relative tolerance, float32: pass iff |g - g_oracle| <= atol + rtol |g_oracle| elementwise."})
+    atol: float = field(default=DEFAULT_ATOL, metadata={"help": "Absolute tolerance, gradient units of the token-mean gradient (x N target tokens for the sum rows)."})
+    json: str | None = field(default=None, metadata={"help": "Also write the report as JSON to this file (main process, atomically)."})
+
+    def __post_init__(self):
+        """Check ranges, choices and the --json path before any work; raises UsageError naming the flag."""
+        validate(self.gradient_accumulation_steps, self.per_device_train_batch_size, self.rtol, self.atol,
+                 self.loss_normalization)
+        if self.json is not None:
+            if os.path.isdir(self.json):
+                raise UsageError("--json", f"{self.json} is a directory", "pass a file path, e.g. verify.json")
+            check_output_dir(os.path.dirname(os.path.abspath(self.json)), flag="--json")
+
+
+ARGUMENTS = VerifyArguments
+
+
+def run_command(args: VerifyArguments) -> int:
+    """``accum-kit verify``: 0 when the selected row passes, 1 when it fails (bad input raises UsageError)."""
+    report = verify_accumulation(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        seed=args.seed,
+        model_name_or_path=args.model_name_or_path,
+        partial_window=args.partial_window,
+        loss_normalization=args.loss_normalization,
+        rtol=args.rtol,
+        atol=args.atol,
+    )
+    state = PartialState()
+    if state.is_main_process:
+        print(report.format(), flush=True)
+        if args.json is not None:
+            atomic_write_json(args.json, report.to_dict())
+    state.wait_for_everyone()
+    return report.exit_code

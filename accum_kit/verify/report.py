@@ -1,0 +1,208 @@
+"""What ``accum-kit verify`` reports: per-window facts, one row per normalisation, the text and JSON forms."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from tabulate import tabulate
+
+from .data import MIN_LENGTH
+
+#: ``--loss_normalization`` value -> the row that decides ``passed`` and the exit code.
+SELECTABLE = {"tokens": "tokens", "mean": "mean-of-means"}
+
+
+@dataclass
+class WindowInfo:
+    """One verified accumulation window.
+
+    Attributes:
+        index: 1-based window number.
+        partial: fewer than K micro-batches per process.
+        micro_batches_per_process: micro-batches each process ran in it.
+        examples: examples over all processes.
+        target_tokens: target tokens (labels != -100 after the shift) over all processes.
+        oracle_grad_norm: L2 norm of the big-batch token-mean gradient (float64).
+        oracle_sum_grad_norm: L2 norm of the big-batch summed-loss gradient.
+        input_ids: the examples' token ids as run (labels are the same ids);
+            lets anyone recompute the oracle.
+    """
+
+    index: int
+    partial: bool
+    micro_batches_per_process: int
+    examples: int
+    target_tokens: int
+    oracle_grad_norm: float
+    oracle_sum_grad_norm: float
+    input_ids: list = field(default_factory=list, repr=False)
+
+
+@dataclass
+class Row:
+    """One normalisation compared with the oracle; errors are the worst over windows.
+
+    Attributes:
+        name: ``tokens``, ``mean-of-means``, ``sum`` or ``sum (DataParallel)``.
+        computed_by: how our gradient was produced.
+        compared_with: which oracle gradient (``big-batch token mean`` or ``big-batch sum``).
+        max_abs_error: max |g - o| over all elements and windows (gradient units).
+        rel_error: max over windows of ||g - o|| / ||o||.
+        tolerance_used: max |g - o| / (atol + rtol |o|); <= 1 is within tolerance.
+        rank_spread: max relative difference of the gradient norm between ranks
+            (0 when all processes hold the same gradient, as DDP guarantees).
+        The error fields are None for a skipped row.
+        passed: within tolerance in every window and ranks agree.
+        windows: per-window ``max_abs_error``, ``rel_error``, ``tolerance_used``, ``grad_norm``.
+        skipped: why the row was not measured (None when it was).
+    """
+
+    name: str
+    computed_by: str
+    compared_with: str
+    max_abs_error: float | None = None
+    rel_error: float | None = None
+    tolerance_used: float | None = None
+    rank_spread: float | None = None
+    passed: bool | None = None
+    windows: list = field(default_factory=list)
+    skipped: str | None = None
+
+    def add_window(self, index: int, comparison: dict) -> None:
+        """Append window ``index`` (1-based) from a :func:`~accum_kit.verify.compare.compare_gradients` result."""
+        self.windows.append({"window": index, "max_abs_error": comparison["max_abs_error"],
+                             "rel_error": comparison["rel_error"], "tolerance_used": comparison["tolerance_used"],
+                             "grad_norm": comparison["got_norm"]})
+
+    def conclude(self, rtol: float | None = None) -> None:
+        """Set the worst-over-windows errors and ``passed`` (ranks must agree within ``rtol`` when given)."""
+        self.max_abs_error = max(x["max_abs_error"] for x in self.windows)
+        self.rel_error = max(x["rel_error"] for x in self.windows)
+        self.tolerance_used = max(x["tolerance_used"] for x in self.windows)
+        self.passed = self.tolerance_used <= 1.0 and (rtol is None or self.rank_spread <= rtol)
+
+
+@dataclass
+class VerifyReport:
+    """Everything ``accum-kit verify`` prints and writes; see :mod:`accum_kit.verify` for definitions."""
+
+    world_size: int
+    distributed_type: str
+    gradient_accumulation_steps: int
+    per_device_train_batch_size: int
+    seed: int
+    model: dict
+    partial_window: bool
+    windows: list
+    rows: list
+    rtol: float
+    atol: float
+    selected: str  # --loss_normalization value: "tokens" or "mean"
+    ddp_sum_ratio: float
+    ddp_sum_residual: float
+    dataparallel_sum_ratio: float | None = None
+    oracle: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def row(self, name: str) -> Row:
+        """The row called ``name`` (StopIteration if none)."""
+        return next(r for r in self.rows if r.name == name)
+
+    @property
+    def selected_row(self) -> Row:
+        return self.row(SELECTABLE[self.selected])
+
+    @property
+    def passed(self) -> bool:
+        """The row selected by ``--loss_normalization`` matched the oracle."""
+        return bool(self.selected_row.passed)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    @property
+    def ddp_sum_ratio_expected(self) -> float:
+        return 1.0 / self.world_size
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict: the fields, ``rows`` keyed by name, and the derived verdict fields."""
+        d = asdict(self)
+        d["rows"] = {r.name: asdict(r) for r in self.rows}
+        d.update(passed=self.passed, exit_code=self.exit_code, selected_row=self.selected_row.name,
+                 ddp_sum_ratio_expected=self.ddp_sum_ratio_expected, ddp_semantics=self.ddp_statement())
+        return d
+
+    def ddp_statement(self) -> str:
+        """One sentence: what DDP does to a sum loss, with the measured ratio."""
+        w, r = self.world_size, self.ddp_sum_ratio
+        if w == 1:
+            return (f"1 process, no DDP: sum-loss gradient = big-batch sum gradient x 1 "
+                    f"(measured ratio {r:.4f}, residual {self.ddp_sum_residual:.1e})")
+        return (f"DDP averages: sum-loss gradient = big-batch sum gradient x 1/{w} "
+                f"(measured ratio {r:.4f}, residual {self.ddp_sum_residual:.1e})")
+
+    def format(self) -> str:
+        """The text report: setup, one table row per normalisation, the DDP statement, the verdict."""
+        return "\n".join([*self._setup_lines(), "", *self._table_lines(), "", *self._conclusion_lines()])
+
+    def _setup_lines(self) -> list[str]:
+        K, B, W = self.gradient_accumulation_steps, self.per_device_train_batch_size, self.world_size
+        m = self.model
+        lines = [
+            "accum-kit verify: accumulated gradient vs one big batch on one process",
+            f"  processes {W} ({self.distributed_type}), gradient_accumulation_steps K={K}, "
+            f"per_device_train_batch_size {B}, seed {self.seed}",
+            f"  model: {m['description']}, {m['parameters']:,} parameters, float32, dropout off (eval mode)",
+            f"  data: {sum(w.examples for w in self.windows)} random token sequences of {MIN_LENGTH}-{m['max_length']} "
+            "tokens, right-padded per micro-batch, labels -100 on padding",
+        ]
+        for w in self.windows:
+            kind = (f"partial, {w.micro_batches_per_process} of {K} micro-batches per process "
+                    "(the epoch's last window, closed at the end of the dataloader)" if w.partial
+                    else f"full, {K} micro-batch{'es' if K > 1 else ''} per process")
+            lines.append(f"  window #{w.index}: {kind}; {w.examples} examples, {w.target_tokens} target tokens")
+        if not self.partial_window:
+            lines.append("  no partial window (--no_partial_window)")
+        elif K == 1:
+            lines.append("  no partial window: with K=1 every window is full")
+        lines += [
+            f"  oracle: plain PyTorch, one process, {self.oracle['dtype']} on {self.oracle['device']}: one "
+            "forward/backward per window over all processes' examples padded together; gradient of the summed "
+            "token loss / the window's target tokens N (token mean), or of the summed loss (sum)",
+            f"  tolerance (float32): pass iff |g - g_oracle| <= atol + rtol |g_oracle| for every element, "
+            f"rtol {self.rtol:g}, atol {self.atol:g} (x N for sum rows); worst/tol = the largest "
+            "|g - g_oracle| / (atol + rtol |g_oracle|)",
+        ]
+        return lines
+
+    def _table_lines(self) -> list[str]:
+        head = ["normalisation", "computed by", "compared with", "max abs err",
+                *[f"rel err #{w.index}" for w in self.windows], "worst/tol", "result"]
+        table, notes = [], []
+        for r in self.rows:
+            cells = [r.name, r.computed_by, r.compared_with]
+            if r.skipped:
+                table.append(cells + ["-"] * (len(head) - 4) + ["skipped"])
+                notes.append(f"  {r.name} skipped: {r.skipped}")
+            else:
+                table.append(cells + [f"{r.max_abs_error:.2e}", *[f"{x['rel_error']:.2e}" for x in r.windows],
+                                      f"{r.tolerance_used:.3g}", "PASS" if r.passed else "FAIL"])
+        text = tabulate(table, headers=head, tablefmt="simple", disable_numparse=True)
+        return ["  " + line for line in text.splitlines()] + notes
+
+    def _conclusion_lines(self) -> list[str]:
+        W = self.world_size
+        measured = [r for r in self.rows if r.rank_spread is not None]  # the DDP rows
+        lines = [f"  {self.ddp_statement()}"]
+        if self.dataparallel_sum_ratio is not None:
+            lines.append(f"  DataParallel sums the replicas' gradients: sum-loss gradient = big-batch sum gradient x 1 "
+                         f"(measured ratio {self.dataparallel_sum_ratio:.4f})")
+        lines.append(f"  ranks agree: gradient norms differ by at most {max(r.rank_spread for r in measured):.1e} "
+                     f"(relative) across the {W} process(es)")
+        why = ("  why: tokens divides the summed token loss by the window's target tokens over all processes "
+               "(exact); mean-of-means weights short sequences more and still divides a partial window by K")
+        lines.append(why + (f"; sum is {W}x too small because DDP averages over {W} processes" if W > 1 else ""))
+        lines.append(f"  verdict: {self.selected_row.name} (--loss_normalization {self.selected}) "
+                     f"{'PASSES' if self.passed else 'FAILS'} -> exit {self.exit_code}   ({self.seconds:.1f} s)")
+        return lines

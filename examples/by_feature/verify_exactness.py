@@ -1,0 +1,91 @@
+"""The accumulation loop in your own script, after checking that accumulation is exact on YOUR model.
+
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml examples/by_feature/verify_exactness.py
+
+This is ``examples/custom_loop.py`` plus a short diff marked ``# New Code #``:
+before training, ``accum_kit.verify.verify_accumulation`` runs your model
+through your Accelerator (same K, same processes, same micro-batch size) and
+compares the accumulated gradient with one big batch on one process, window
+by window (a full and a partial window). It prints the report: the
+``tokens`` row must pass, ``mean-of-means`` shows what per-micro-batch means
+would cost, and ``sum`` shows DDP's averaging (ratio 1/world size).
+
+Where it goes: after building the model and the Accelerator, before
+``accelerator.prepare`` of your training objects. It deep-copies the
+unprepared model (so training starts from the same weights) and prepares its
+own throw-away copies inside your Accelerator, unregistering them afterwards.
+"""
+
+import argparse
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import get_scheduler
+
+from accum_kit import build_accelerator, train_loop
+from accum_kit.data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
+from accum_kit.evaluation import evaluate_loss
+from accum_kit.models import build_model
+
+# New Code #
+from accum_kit.verify import verify_accumulation
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--train_file", default=None, help="local .txt/.json/.csv file; default: the Python stdlib sources")
+    p.add_argument("--model_preset", default="tiny", help="accum_kit.models.PRESETS key")
+    p.add_argument("--per_device_train_batch_size", type=int, default=4, help="examples per micro-batch per process")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=4, help="micro-batches per optimizer step (K)")
+    p.add_argument("--block_size", type=int, default=128, help="tokens per example")
+    p.add_argument("--max_train_steps", type=int, default=30, help="optimizer steps")
+    p.add_argument("--learning_rate", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    accelerator = build_accelerator(args.gradient_accumulation_steps)  # cpu=True when needed, process-count check
+    tokenizer = build_tokenizer()  # bytes: no files needed
+    with accelerator.main_process_first():
+        raw, _ = load_raw_datasets(train_file=args.train_file)
+        data = tokenize_datasets(raw, tokenizer, block_size=args.block_size)
+    collate = build_collator(tokenizer)
+    train_dl = DataLoader(data["train"], batch_size=args.per_device_train_batch_size, shuffle=True, collate_fn=collate)
+    eval_dl = DataLoader(data["validation"].select(range(min(64, len(data["validation"])))), batch_size=8,
+                         collate_fn=collate)
+    model = build_model(args.model_preset, len(tokenizer), n_positions=args.block_size, seed=args.seed)
+
+    # New Code #
+    # Check exactness on this model with this accelerator's K and processes. Run it on every process (it uses
+    # collectives) and before preparing the model: it deep-copies the plain module; its own prepared copies are
+    # unregistered from the accelerator again, and train_loop below restarts the window counter anyway.
+    report = verify_accumulation(accelerator, model=model, per_device_train_batch_size=args.per_device_train_batch_size,
+                                 seed=args.seed)
+    accelerator.print(report.format())
+    verified = {"world_size": report.world_size, "passed": report.passed, "rtol": report.rtol,
+                "ddp_sum_ratio": report.ddp_sum_ratio,
+                "rows": [{"name": r.name, "passed": r.passed, "rel_error": r.rel_error,
+                          "tolerance_used": r.tolerance_used} for r in report.rows]}
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    # A prepared scheduler steps once per process per optimizer step: scale its lengths.
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0,
+                              num_training_steps=args.max_train_steps * accelerator.num_processes)
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+
+    before, _ = evaluate_loss(accelerator, model, eval_dl)
+    result = train_loop(accelerator, model, optimizer, train_dl, lr_scheduler=scheduler,
+                        max_train_steps=args.max_train_steps, max_grad_norm=1.0)
+    after, _ = evaluate_loss(accelerator, model, eval_dl)
+    accelerator.print(f"eval loss {before:.3f} -> {after:.3f}; median {result.median_step_seconds:.3f} s/step, "
+                      f"{result.tokens_per_second:.0f} tokens/s on {accelerator.num_processes} processes")
+    # New Code #
+    return {"world_size": accelerator.num_processes, "eval_loss_before": before, "eval_loss_after": after,
+            "train_loss": result.train_loss, "verify": verified}
+
+
+if __name__ == "__main__":
+    main()

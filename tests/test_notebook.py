@@ -1,0 +1,117 @@
+"""accum_kit.notebook.launch from a real Jupyter kernel (nbclient + ipykernel), with functions defined in cells."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+SETUP = """
+import os
+os.environ.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+from accum_kit.notebook import launch, LaunchError
+"""
+
+DEFINE = """
+def rank_sum(x):
+    # defined in a cell: lives in the kernel's __main__ and cannot be pickled for a spawn start
+    import torch
+    from accum_kit import build_accelerator
+    acc = build_accelerator(2)
+    total = acc.reduce(torch.tensor([float(acc.process_index + 1)]), reduction="sum").item()
+    return {"world_size": acc.num_processes, "total": total, "x": x, "pid_differs": os.getpid() != PARENT}
+
+PARENT = os.getpid()
+
+def fails_on_rank_1():
+    from accum_kit import build_accelerator
+    acc = build_accelerator(2)
+    if acc.process_index == 1:
+        raise ValueError("bad batch on rank one")
+    acc.wait_for_everyone()
+"""
+
+RUN_TWICE = """
+first = launch(rank_sum, 3, num_processes=2, timeout=120)
+second = launch(rank_sum, 4, num_processes=2, timeout=120)
+print("FIRST", first)
+print("SECOND", second)
+"""
+
+RAISE = """
+try:
+    launch(fails_on_rank_1, num_processes=2, timeout=120, grace_seconds=5)
+except LaunchError as exc:
+    print("CAUGHT", exc)
+"""
+
+
+@pytest.fixture(scope="module")
+def executed():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in (SETUP, DEFINE, RUN_TWICE, RAISE)]
+    env_keep = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT") if k in os.environ}
+    try:
+        nbclient.NotebookClient(nb, timeout=300, kernel_name="python3").execute()
+    finally:
+        os.environ.update(env_keep)
+    return ["".join(o.get("text", "") for o in cell.outputs) for cell in nb.cells]
+
+
+def test_cell_function_runs_on_two_processes_twice(executed):
+    out = executed[2]
+    first = eval(out.split("FIRST ", 1)[1].splitlines()[0])  # the dict printed by the cell
+    second = eval(out.split("SECOND ", 1)[1].splitlines()[0])
+    # 1 + 2 summed over one gloo group of two processes (two separate trainings would give 1 on rank 0)
+    assert first == {"world_size": 2, "total": 3.0, "x": 3, "pid_differs": True}
+    assert second == {"world_size": 2, "total": 3.0, "x": 4, "pid_differs": True}
+
+
+def test_exception_on_rank_1_reaches_the_notebook_with_its_rank(executed):
+    out = executed[3]
+    assert "CAUGHT" in out, out
+    assert "rank 1 raised ValueError: bad batch on rank one" in out, out
+    assert "Traceback" in out and "fails_on_rank_1" in out, out
+
+
+def _killed_on_rank_1():
+    import signal
+    import time
+
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def _hangs():
+    import time
+
+    time.sleep(60)
+
+
+def test_a_killed_process_ends_the_launch_with_its_rank():
+    import time
+
+    from accum_kit.notebook import LaunchError, launch
+
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(_killed_on_rank_1, num_processes=2, timeout=30, grace_seconds=1)
+    assert time.monotonic() - t0 < 20
+    assert "rank 1 died with exit code -9 (SIGKILL)" in str(info.value)
+    assert "ranks [0] were still running and were killed" in str(info.value)
+
+
+def test_a_hung_launch_ends_at_its_timeout():
+    import time
+
+    from accum_kit.notebook import LaunchError, launch
+
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(_hangs, num_processes=2, timeout=2)
+    assert 2 <= time.monotonic() - t0 < 15
+    assert "still running after timeout=2 s" in str(info.value)
