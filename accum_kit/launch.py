@@ -3,19 +3,29 @@
 On a machine without CUDA, `accelerate launch` with a two-process config starts
 two processes through torchrun, but a plain ``Accelerator()`` in each of them
 sees ``DistributedType.NO`` and ``num_processes == 1``: two independent
-trainings and no error (measured with accelerate 1.15, torch 2.13; docs/design.md). ``Accelerator(cpu=True)``
+trainings and no error (measured with accelerate 1.15, torch 2.13). ``Accelerator(cpu=True)``
 makes them join one gloo process group instead. :func:`build_accelerator` passes
 ``cpu=True`` whenever the launcher started several processes and no GPU is
 present, then :func:`check_process_count` compares the launcher's ``WORLD_SIZE``
 with what the Accelerator sees and fails loudly on a mismatch.
+
+It also passes ``--ddp_timeout`` to the process group, and, when torch elastic
+may restart the workers (``accelerate launch --max_restarts N``), forms the
+gloo group itself so that a restarted attempt does not read the previous
+attempt's keys (see :func:`init_restartable_process_group`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from datetime import timedelta
+
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin, get_int_from_env
+from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, get_int_from_env
 
+from . import checks
 from .errors import ProcessCountError
 # The default-K rule lives in the torch-free settings module (``accum-kit plan`` uses it too);
 # re-exported here for callers of ``accum_kit.launch.resolve_accumulation_steps``.
@@ -59,11 +69,95 @@ def check_process_count(accelerator: Accelerator, expected: int | None = None) -
         )
 
 
+def elastic_restarts_possible() -> bool:
+    """True when torch elastic may restart this worker and the workers use the agent's store.
+
+    Reads the variables torchrun sets for every worker: ``TORCHELASTIC_MAX_RESTARTS``
+    (``accelerate launch --max_restarts``) and ``TORCHELASTIC_USE_AGENT_STORE``
+    (True for the static and the c10d rendezvous unless
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
+    """
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    return restarts.isdigit() and int(restarts) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def init_restartable_process_group(timeout: timedelta | None = None, backend: str = "gloo") -> bool:
+    """Form the default process group in a namespace of its own for this restart attempt.
+
+    Why: under torchrun every worker's ``init_process_group`` connects, as a
+    client, to the TCPStore that the launcher's agent hosts at
+    ``MASTER_ADDR:MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``), and
+    publishes its keys (among them each rank's gloo listening address) under
+    the same fixed prefix in every attempt. The agent and its store outlive the
+    workers, so after a restart the previous attempt's keys are still there: a
+    restarted worker that reads a peer's address before the restarted peer has
+    overwritten it gets the dead process's address, and gloo dials a port
+    nobody listens on. It is a race, so the symptom varies (measured, torch
+    2.13, 2 CPU processes, one killed in attempt 0): with ``--rdzv_backend
+    c10d`` attempt 1 died at once with "Gloo connectFullMesh failed ...
+    Connection refused"; with the default static rendezvous one restart hung
+    for over 120 s and another happened to succeed. The same store sharing is
+    behind pytorch/pytorch#135712. Prefixing every key with
+    ``TORCHELASTIC_RESTART_COUNT`` gives each attempt a fresh namespace in the
+    same store, so a read waits for the live peer's key; all workers of an
+    attempt agree on the number because the agent restarts its whole worker
+    group at once and sets the count for each (verified: 4 of 4 restarts
+    formed a group and finished, static and c10d rendezvous).
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` with the c10d rendezvous also
+    works: a new store on a new port per round; it needs the variable in the
+    launcher's environment.)
+
+    Launch: ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml
+    --max_restarts 1 -m accum_kit train ...`` (the default static rendezvous is
+    enough). The flag must be on the command line: accelerate 1.15 refuses a
+    ``max_restarts`` key in a config file.
+
+    Limits: each agent counts its own restarts. On several nodes whose agents
+    restart together (fixed ``--nnodes N``) the counts agree; a node that joins
+    an elastic job later counts from 0 and would wait for peers until ``timeout``.
+
+    Args:
+        timeout: the process group's timeout (every collective and the
+            initial rendezvous); None: torch's default (30 min).
+        backend: ``"gloo"`` (CPU). GPU backends are not handled here.
+
+    Returns:
+        True if it formed the group; False when no restart is possible
+        (:func:`elastic_restarts_possible`) or a group already exists.
+    """
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    if dist.is_initialized() or not elastic_restarts_possible():
+        return False
+    timeout = timeout or default_pg_timeout
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"accum_kit/attempt{attempt}/", agent_store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return True
+
+
+def _with_timeout(handlers: list, seconds: float | None) -> tuple[list, timedelta | None]:
+    """``handlers`` with ``InitProcessGroupKwargs(timeout=seconds)`` (the user's own one updated, not duplicated)."""
+    own = next((h for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
+    if seconds is None:
+        return handlers, own.timeout if own is not None else None
+    checks.positive("--ddp_timeout", seconds, fix="pass the seconds a collective may wait for all processes, e.g. 1800")
+    timeout = timedelta(seconds=seconds)
+    if own is None:
+        return [*handlers, InitProcessGroupKwargs(timeout=timeout)], timeout
+    return [dataclasses.replace(h, timeout=timeout) if h is own else h for h in handlers], timeout
+
+
 def build_accelerator(
     gradient_accumulation_steps: int | None = None,
     *,
     sync_each_batch: bool = False,
     cpu: bool | None = None,
+    ddp_timeout: float | None = None,
     **accelerator_kwargs,
 ) -> Accelerator:
     """Build an Accelerator for gradient accumulation that is safe on CPU-only machines.
@@ -77,20 +171,41 @@ def build_accelerator(
             option of the same name); for A/B comparisons only, it is slower.
         cpu: force CPU; None means "CPU when several processes were launched
             and no GPU exists", which is what makes gloo DDP work.
+        ddp_timeout: seconds any collective (and the initial rendezvous) may
+            wait for every process before it raises, as the Trainer's
+            ``ddp_timeout``; passed as ``InitProcessGroupKwargs(timeout=...)``
+            (replacing the timeout of one given in ``kwargs_handlers``). None:
+            Accelerate's default (1800 s on CPU). gloo honours it for
+            ``all_reduce``, ``barrier`` and DDP's gradient all-reduce (measured,
+            torch 2.13: "Timed out waiting 5000ms for recv operation").
         **accelerator_kwargs: passed to ``accelerate.Accelerator`` (e.g.
             ``mixed_precision``, ``log_with``, ``kwargs_handlers``).
+
+    In a multi-process CPU run that torch elastic may restart, the gloo group is
+    formed by :func:`init_restartable_process_group` first (Accelerate reuses it);
+    in every multi-process run a failed collective is described by one
+    ``error: rank N: <collective> ...`` line
+    (:func:`accum_kit.faults.install_collective_failure_hook`).
 
     Returns:
         The Accelerator, already checked with :func:`check_process_count`.
 
     Raises:
-        UsageError: K below 1.
+        UsageError: K below 1, or ``ddp_timeout`` not a positive number.
         ProcessCountError: launched and visible process counts differ.
     """
+    from .faults import install_collective_failure_hook
+
     steps = resolve_accumulation_steps(gradient_accumulation_steps)
+    handlers, timeout = _with_timeout(list(accelerator_kwargs.pop("kwargs_handlers", None) or []), ddp_timeout)
     if cpu is None:
         cpu = launcher_world_size() > 1 and not _has_gpu()
+    if cpu and launcher_world_size() > 1:
+        init_restartable_process_group(timeout)
     plugin = GradientAccumulationPlugin(num_steps=steps, sync_each_batch=sync_each_batch)
-    accelerator = Accelerator(cpu=cpu, gradient_accumulation_plugin=plugin, **accelerator_kwargs)
+    accelerator = Accelerator(cpu=cpu, gradient_accumulation_plugin=plugin, kwargs_handlers=handlers or None,
+                              **accelerator_kwargs)
     check_process_count(accelerator)
+    if accelerator.num_processes > 1:
+        install_collective_failure_hook()
     return accelerator

@@ -1,0 +1,108 @@
+"""Saying which collective failed, and on which rank, when a peer process stalls or dies.
+
+When one worker of a multi-process job is stopped (``SIGSTOP``, a debugger, a
+swapped-out host) or killed, the others fail inside whatever collective they
+were in, with the transport's words only. Measured with torch 2.13 over gloo:
+
+- a stalled peer: ``RuntimeError: [.../gloo/transport/tcp/unbound_buffer.cc:78]
+  Timed out waiting 5000ms for recv operation to complete``, raised once the
+  process group's timeout (``--ddp_timeout``; Accelerate's default 1800 s for
+  gloo) has passed, both for a direct ``all_reduce`` and for the gradient
+  all-reduce that DDP launches inside ``backward``;
+- a dead peer: ``... pair.cc:537] Read error [127.0.0.1]:PORT: Connection reset
+  by peer``, at once.
+
+Neither names the collective nor the rank that raised it. :func:`describe_collective_failure`
+reads that from the exception's traceback (the ``torch.distributed`` function
+it was raised in, or autograd's backward for DDP's bucket all-reduce, and the
+first caller outside torch and Accelerate). :func:`install_collective_failure_hook`
+prints it as one ``error:`` line before the usual traceback of an uncaught
+exception; :func:`accum_kit.build_accelerator` installs it in multi-process runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+
+# gloo's wording (third_party/gloo/gloo/transport/tcp/unbound_buffer.cc and pair.cc).
+_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms for (?:send|recv) operation")
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+_LIBRARIES = (f"{os.sep}torch{os.sep}", f"{os.sep}accelerate{os.sep}")
+
+
+def _which_collective(tb) -> tuple[str, str]:
+    """(collective, caller) from a traceback: e.g. ``("all_reduce", "accum_kit/loss.py:120 in finish")``."""
+    frames = traceback.extract_tb(tb)
+    op = None
+    for frame in reversed(frames):  # innermost first
+        if frame.filename.endswith(os.path.join("torch", "distributed", "distributed_c10d.py")):
+            op = frame.name
+            break
+    if op is None and any(f.name == "_engine_run_backward" or f.filename.endswith(os.path.join("autograd", "__init__.py"))
+                          for f in frames):
+        op = "DDP's gradient all_reduce (inside backward)"
+    caller = ""
+    for outer, inner in zip(frames, frames[1:]):
+        if not any(lib in outer.filename for lib in _LIBRARIES) and any(lib in inner.filename for lib in _LIBRARIES):
+            caller = f"{_short(outer.filename)}:{outer.lineno} in {outer.name}"
+    return op or "a collective", caller
+
+
+def _short(path: str) -> str:
+    parts = path.split(os.sep)
+    return os.sep.join(parts[-2:]) if len(parts) > 1 else path
+
+
+def describe_collective_failure(exc: BaseException) -> str | None:
+    """One line saying which collective failed on this rank and why, or None if ``exc`` is no such failure.
+
+    Args:
+        exc: an exception with its traceback (as caught, or as given to
+            ``sys.excepthook``).
+
+    Returns:
+        e.g. ``"rank 0: all_reduce (called at accum_kit/loss.py:120 in finish)
+        timed out after 3 s, the process group's timeout (--ddp_timeout): another
+        process did not join it (stalled, stopped or dead); torchrun's failure
+        report names the rank that failed first"``; None for any
+        other exception. The rank is the launcher's ``RANK`` variable.
+    """
+    text = str(exc)
+    match = _TIMEOUT.search(text)
+    if match:
+        what = (f"timed out after {int(match.group(1)) / 1000:g} s, the process group's timeout (--ddp_timeout): "
+                "another process did not join it (stalled, stopped or dead)")
+    elif any(p in text for p in _PEER_GONE):
+        what = "lost its connection to another process (that process died or closed its group)"
+    else:
+        return None
+    op, caller = _which_collective(exc.__traceback__)
+    where = f" (called at {caller})" if caller else ""
+    rank = os.environ.get("RANK", "?")
+    return f"rank {rank}: {op}{where} {what}; torchrun's failure report names the rank that failed first"
+
+
+def install_collective_failure_hook() -> None:
+    """Print :func:`describe_collective_failure`'s line before the traceback of an uncaught collective failure.
+
+    Chains to the hook in place (torch.distributed's own prefixes every
+    traceback line with ``[rankN]:``). Installing twice is a no-op.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_accum_kit_collective_hook", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        try:
+            line = describe_collective_failure(exc.with_traceback(tb)) if exc is not None else None
+        except Exception:  # noqa: BLE001 - never hide the original error behind our own
+            line = None
+        if line:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        previous(exc_type, exc, tb)
+
+    hook._accum_kit_collective_hook = True
+    sys.excepthook = hook
