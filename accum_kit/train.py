@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from datetime import timedelta
 
 import torch
 from accelerate.logging import get_logger
@@ -110,7 +109,7 @@ def run(cfg: TrainConfig) -> dict:
         UsageError: bad input, detected before any output is written.
         ProcessCountError: the launcher and the Accelerator disagree on the process count.
     """
-    from accelerate.utils import InitProcessGroupKwargs, set_seed
+    from accelerate.utils import set_seed
     from transformers import get_scheduler
 
     check_output_dir(cfg.output_dir)
@@ -121,8 +120,7 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.with_tracking:
         check_trackers(cfg.report_to, cfg.output_dir)
     tracking = dict(log_with=cfg.report_to, project_dir=cfg.output_dir) if cfg.with_tracking else {}
-    accelerator = build_accelerator(k, sync_each_batch=cfg.sync_each_batch, kwargs_handlers=[
-        InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))], **tracking)
+    accelerator = build_accelerator(k, sync_each_batch=cfg.sync_each_batch, ddp_timeout=cfg.ddp_timeout, **tracking)
     quiet_other_processes(accelerator)
     resume = _resume_path(cfg)
     if resume is not None:  # before any work: the data position must mean the same examples
