@@ -215,7 +215,8 @@ def verify_accumulation(
             raise UsageError("gradient_accumulation_steps", f"{gradient_accumulation_steps} differs from the "
                              f"accelerator's {K}", "omit it or build the accelerator with the same K")
     main = accelerator.is_main_process
-    base, spec = _build_model(model, model_name_or_path, seed, model_preset)
+    with torch.random.fork_rng(devices=[]):  # a preset seeds torch before initialising its weights
+        base, spec = _build_model(model, model_name_or_path, seed, model_preset)
     spec["parameters"] = sum(p.numel() for p in base.parameters())
     oracle_model = copy.deepcopy(base) if main else None  # initial parameters, before prepare
     trainer_model = copy.deepcopy(base) if trainer_row else None  # Trainer wraps its own copy
