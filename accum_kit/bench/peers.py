@@ -57,10 +57,6 @@ from ..callbacks import CallbackList, LoopState
 from ..compat import keep_gradient_plugin, restart_window_counter, set_sync_each_batch
 from ..profiler import CommProfiler
 
-#: The peer modes, in their default order after the toolkit modes.
-PEERS = ("trainer", "accelerate_guide")
-
-
 def constant_schedule(optimizer):
     """A ``LambdaLR`` that keeps every learning rate as set (the guide's loop calls ``scheduler.step()``)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
