@@ -166,8 +166,7 @@ def trainer_summary(run: dict, window_examples: list, oracle) -> tuple[list[dict
         c.update(cosine=c["dot"] / (c["got_norm"] * want_norm) if c["got_norm"] and want_norm else float("nan"),
                  norm_ratio=c["got_norm"] / want_norm if want_norm else float("nan"),
                  factor=c["dot"] / c["want_sq"] if c["want_sq"] else float("nan"),
-                 target_tokens=n, labels_counted_before_shift=counted, predicted_if_unshifted=n / counted,
-                 micro_batches=None)
+                 target_tokens=n, labels_counted_before_shift=counted, predicted_if_unshifted=n / counted)
         comps.append(c)
     factor = sum(c["dot"] for c in comps) / sum(c["want_sq"] for c in comps)
     cosine = min(c["cosine"] for c in comps)
