@@ -3,8 +3,10 @@
 :func:`verify_accumulation` prepares throw-away copies (model, a
 :class:`~accum_kit.verify.capture.GradientCapture` optimizer, the examples'
 DataLoader) inside the given Accelerator, runs each row over the same windows,
-gathers what every process ran and saw, and lets the main process compute the
-oracle and the report, which it broadcasts to every process.
+optionally runs transformers' Trainer on another copy (the informational
+``trainer`` row, :mod:`accum_kit.verify.trainer`), gathers what every process
+ran and saw, and lets the main process compute the oracle and the report,
+which it broadcasts to every process.
 """
 
 from __future__ import annotations
