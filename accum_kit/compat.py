@@ -9,6 +9,8 @@ what it touches, why, and the version it was checked against (accelerate
 
 from __future__ import annotations
 
+import contextlib
+
 
 def sync_each_batch(accelerator) -> bool:
     """Whether ``accumulate()`` all-reduces on every micro-batch right now.
@@ -108,3 +110,24 @@ def reset_accelerate_state() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@contextlib.contextmanager
+def keep_gradient_plugin(accelerator):
+    """Restore the shared gradient-accumulation settings after a block that builds another Accelerator.
+
+    ``GradientState`` is one per process and shared by every Accelerator;
+    a new ``Accelerator(gradient_accumulation_plugin=...)`` overwrites its
+    ``plugin_kwargs`` (``num_steps``, ``sync_each_batch``,
+    ``sync_with_dataloader``; transformers' Trainer builds one with
+    ``num_steps=1``) and leaves ``sync_gradients`` at its last value. This
+    puts both back as they were for ``accelerator`` (accelerate 1.15).
+    """
+    state = accelerator.gradient_state
+    kwargs, sync = dict(state.plugin_kwargs), state.sync_gradients
+    try:
+        yield
+    finally:
+        state.plugin_kwargs.clear()
+        state.plugin_kwargs.update(kwargs)
+        state._set_sync_gradients(sync)

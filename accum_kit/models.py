@@ -1,7 +1,9 @@
 """Model presets built from transformers configs, and loading from a local path.
 
 No model hub is needed: a preset builds a randomly initialised GPT-2-style
-model (``transformers.GPT2LMHeadModel``) from a ``GPT2Config``. The
+model (``transformers.GPT2LMHeadModel``) from a ``GPT2Config``, or a Llama one
+(``transformers.LlamaForCausalLM``, :data:`LLAMA_PRESETS`) for checks that
+depend on the model family (``verify``'s Trainer row). The
 ``--model_name_or_path`` route loads a saved model (``save_pretrained`` output,
 or a hub name for users who can reach the hub).
 """
@@ -24,6 +26,38 @@ PRESETS: dict[str, dict] = {
     # ~25M parameters, little compute per micro-batch: `accum-kit bench`'s communication-heavy case.
     "comm_heavy": dict(n_layer=2, n_embd=1024, n_head=16),
 }
+
+
+#: Llama-family presets (``LlamaConfig`` fields); vocab_size and max_position_embeddings come from the caller.
+LLAMA_PRESETS: dict[str, dict] = {
+    # ~0.1M parameters: the Llama counterpart of "tiny" (verify's model family check).
+    "llama_tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                       intermediate_size=128),
+}
+
+
+def build_llama_model(preset: str, vocab_size: int, n_positions: int, seed: int | None = None):
+    """A randomly initialised ``transformers.LlamaForCausalLM`` (float32, no dropout) from :data:`LLAMA_PRESETS`.
+
+    Args:
+        preset: a key of :data:`LLAMA_PRESETS`.
+        vocab_size: tokens in the vocabulary.
+        n_positions: ``max_position_embeddings``, tokens.
+        seed: if given, seeds torch before initialising the weights.
+
+    Raises:
+        UsageError: unknown preset (names ``--model_preset``).
+    """
+    if preset not in LLAMA_PRESETS:
+        raise UsageError("--model_preset", f"unknown Llama preset {preset!r}", f"use one of {sorted(LLAMA_PRESETS)}")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=n_positions, attention_dropout=0.0,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None, **LLAMA_PRESETS[preset])
+    return LlamaForCausalLM(config)
 
 
 def build_model(preset: str, vocab_size: int, n_positions: int, seed: int | None = None, **config_overrides):

@@ -11,7 +11,12 @@ bad-input cases (``cli.run("bench", argv)``) run. Expected values come from:
   ``a``, ``c`` and ``a`` from the per-micro-batch phase times, medians from
   the per-step times;
 - the three modes doing the same arithmetic on the same data from the same
-  weights: equal losses.
+  weights: equal losses;
+- the peers (``trainer``, ``accelerate_guide``), run in the same launch: the
+  same all-reduce counts as ``no_sync``; the guide's mean of micro-batch means
+  equals the token mean on this fixed-length data; Trainer's loss is the
+  exact one x (BLOCK - 1) / BLOCK, because for GPT-2 it counts every row's
+  BLOCK labels before the shift, of which BLOCK - 1 are targets.
 
 No timing is asserted (timings belong to the bench's own printed bars).
 Cost: one launch of ~15-30 s (mostly imports), in-process ``cli.run("bench", argv)`` calls.
@@ -30,11 +35,13 @@ import job_helpers as jh
 
 PRESETS = ("tiny", "mini")
 KS = (1, 2)
-MODES = ("sync_each_batch", "no_sync", "raw_ddp")
+CORE = ("sync_each_batch", "no_sync", "raw_ddp")
+PEERS = ("trainer", "accelerate_guide")
+MODES = CORE + PEERS
 WARMUP, STEPS, REPEATS, WORLD = 1, 2, 1, 2
 BLOCK, VOCAB = 32, 384
 ARGS = ["--model_presets", *PRESETS, "--accumulation_steps", *map(str, KS), "--repeats", str(REPEATS),
-        "--warmup_steps", str(WARMUP), "--steps", str(STEPS), "--block_size", str(BLOCK)]
+        "--warmup_steps", str(WARMUP), "--steps", str(STEPS), "--block_size", str(BLOCK), "--modes", *MODES]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +76,7 @@ def bench(launch):
     (["--repeats", "0"], "--repeats"),
     (["--model_presets", "tiny", "huge"], "--model_presets"),
     (["--modes", "no_sync", "fast"], "--modes"),
+    (["--modes", "no_sync", "trainer", "--gradient_as_bucket_view", "true"], "--gradient_as_bucket_view"),
     (["--comm_hook", "int8"], "--comm_hook"),
     (["--bucket_cap_mb", "0"], "--bucket_cap_mb"),
     (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size"),
@@ -129,6 +137,18 @@ def test_report_side_imports_nothing_from_the_sweep():
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
         assert not imported & {"sweep", "records", "memory", "data", "torch", "accum_kit.bench.sweep"}, (name, imported)
+
+
+def test_variable_target_labels_keep_inputs_and_at_least_one_target():
+    from accum_kit.bench.data import synthetic_tokens, variable_target_labels
+
+    tokens = synthetic_tokens(64, 16, 384, seed=1)
+    labels = variable_target_labels(tokens, seed=2)
+    assert labels.shape == tokens.shape
+    kept = (labels != -100).sum(dim=1)
+    assert int(kept.min()) >= 2 and int(kept.max()) <= 16 and len(set(kept.tolist())) > 5
+    for row, lab, n in zip(tokens, labels, kept.tolist()):  # a prefix of the row's own tokens, then -100
+        assert lab[:n].tolist() == row[:n].tolist() and (lab[n:] == -100).all()
 
 
 def test_ideal_speedup_formula():
@@ -243,10 +263,13 @@ def test_allreduce_counts_and_bytes_are_k_times_fewer_with_no_sync(bench):
             calls_once = row["no_sync"]["allreduce_calls_per_step"]
             assert calls_once >= 1 and calls_once == int(calls_once)
             assert row["sync_each_batch"]["allreduce_calls_per_step"] == K * calls_once
-            assert row["raw_ddp"]["allreduce_calls_per_step"] == calls_once  # the same DDP bucket settings
+            for once in ("raw_ddp", *PEERS):  # the same DDP bucket settings, one sync per window
+                assert row[once]["allreduce_calls_per_step"] == calls_once, (p, K, once)
+                assert row[once]["syncs_per_step"] == 1
             assert row["sync_each_batch"]["syncs_per_step"] == K
-            assert row["no_sync"]["syncs_per_step"] == row["raw_ddp"]["syncs_per_step"] == 1
-            for mode, syncs in (("sync_each_batch", K), ("no_sync", 1), ("raw_ddp", 1)):
+            assert row["no_sync"]["syncs_per_step"] == 1
+            for mode, syncs in (("sync_each_batch", K), ("no_sync", 1), ("raw_ddp", 1), ("trainer", 1),
+                                ("accelerate_guide", 1)):
                 assert row[mode]["allreduce_mb_per_step"] * 2**20 == pytest.approx(syncs * grad_bytes)
 
 
@@ -257,7 +280,7 @@ def test_three_modes_compute_the_same_losses(bench):
         for K in KS:
             losses = {r["mode"]: r["losses"] for r in runs if r["preset"] == p and r["K"] == K and r["repeat"] == 0}
             assert set(losses) == set(MODES)
-            for mode in MODES:
+            for mode in CORE:
                 assert losses[mode] == pytest.approx(losses["no_sync"], rel=1e-5, abs=1e-6), (p, K, mode)
             # random tokens over a 384-id vocabulary: the first loss is about ln(384) = 5.95
             assert losses["no_sync"][0] == pytest.approx(math.log(VOCAB), abs=0.3)
@@ -290,3 +313,32 @@ def test_bars_and_printed_table(bench):
     assert js["command"].startswith("accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench")
     assert js["machine"]["world_size"] == WORLD and js["machine"]["backend"] == "gloo"
     assert {"torch", "accelerate", "transformers"} <= set(js["versions"])
+
+
+def test_peer_losses_and_their_difference_columns(bench):
+    """The guide equals the token mean here (fixed lengths); Trainer is (BLOCK - 1) / BLOCK of it (GPT-2)."""
+    js = bench["json"]
+    for p in PRESETS:
+        for K in KS:
+            runs = {r["mode"]: r["losses"] for r in js["runs"] if r["preset"] == p and r["K"] == K and r["repeat"] == 0}
+            exact = runs["no_sync"]
+            assert runs["accelerate_guide"] == pytest.approx(exact, rel=1e-5, abs=1e-6), (p, K)
+            assert runs["trainer"] == pytest.approx([x * (BLOCK - 1) / BLOCK for x in exact], rel=1e-5), (p, K)
+            rows = {r["mode"]: r for r in js["rows"] if r["preset"] == p and r["K"] == K}
+            csv_rows = {r["mode"]: r for r in bench["csv"] if r["preset"] == p and int(r["K"]) == K}
+            for mode in MODES:
+                d = [x - y for x, y in zip(runs[mode], exact)]
+                assert rows[mode]["loss_max_abs_diff_vs_no_sync"] == pytest.approx(max(abs(x) for x in d), abs=1e-12)
+                assert rows[mode]["loss_mean_diff_vs_no_sync"] == pytest.approx(sum(d) / len(d), abs=1e-12)
+                assert float(csv_rows[mode]["loss_max_abs_diff_vs_no_sync"]) == pytest.approx(
+                    rows[mode]["loss_max_abs_diff_vs_no_sync"], rel=1e-9, abs=1e-15)
+                pruns = [r for r in js["runs"] if r["preset"] == p]
+                assert rows[mode]["no_sync_over_mode"] == pytest.approx(paired(pruns, K, "no_sync", mode)), mode
+            # Trainer: about ln(VOCAB) / BLOCK below the exact loss at these near-uniform initial predictions
+            assert rows["trainer"]["loss_mean_diff_vs_no_sync"] == pytest.approx(-math.log(VOCAB) / BLOCK, rel=0.05)
+            d = next(d for d in js["per_k"] if d["preset"] == p and d["K"] == K)
+            for peer in PEERS:
+                assert d[f"no_sync_over_{peer}"] == pytest.approx(rows[peer]["no_sync_over_mode"])
+                assert d[f"loss_diff_{peer}"]["max_abs"] == pytest.approx(rows[peer]["loss_max_abs_diff_vs_no_sync"])
+    stdout = bench["res"].stdout
+    assert "no_sync / mode" in stdout and "guide's mean of" in stdout

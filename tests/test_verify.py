@@ -9,6 +9,13 @@ the JSON is then recomputed here from the examples the report lists, with a
 plain float64 PyTorch loss written in this file. Single-process runs call
 ``cli.run("verify", argv)`` in this process (no second import of torch) for the
 exit codes 0, 1 and 2.
+
+The informational ``trainer`` row (transformers' Trainer on the same windows)
+is checked against label counts taken here from the examples the report
+lists: for GPT-2 (``loss_type`` None) Trainer divides by every label before
+the shift, so its update is ``N / (N + examples)`` of the exact one; for the
+``llama_tiny`` preset (a second two-process launch, started together with the
+first) it is exact.
 """
 
 from __future__ import annotations
@@ -39,15 +46,37 @@ def _finite(*xs) -> bool:
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    root = tmp_path_factory.mktemp("verify_w2")
-    out = root / "verify.json"
-    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "verify", "--gradient_accumulation_steps", str(K),
-                                   "--json", str(out), num_processes=WORLD)
-    res = jh.run(cmd, jh.clean_env(), root, "verify_w2", timeout=240)
+def launches(tmp_path_factory):
+    """Start both two-process launches (GPT-2 tiny and llama_tiny) at once; each fixture below waits for its own."""
+    started = {}
+    for name, extra in (("tiny", []), ("llama_tiny", ["--model_preset", "llama_tiny"])):
+        root = tmp_path_factory.mktemp(f"verify_w2_{name}")
+        out = root / "verify.json"
+        cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "verify", "--gradient_accumulation_steps", str(K),
+                                       *extra, "--json", str(out), num_processes=WORLD)
+        started[name] = (jh.start(cmd, jh.clean_env(), root, f"verify_w2_{name}"), out)
+    yield started
+    for job, _ in started.values():
+        if job[1].poll() is None:  # only the launches this fixture started
+            jh.finish(job, timeout=0.1)
+
+
+def _finished(launches, name):
+    job, out = launches[name]
+    res = jh.finish(job, timeout=300)
     assert res.returncode == 0, res.describe()
     assert out.exists(), f"no JSON written\n{res.describe()}"
     return res, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def two_processes(launches):
+    return _finished(launches, "tiny")
+
+
+@pytest.fixture(scope="module")
+def two_processes_llama(launches):
+    return _finished(launches, "llama_tiny")
 
 
 def test_two_processes_tokens_pass_mean_of_means_fail(two_processes):
@@ -118,6 +147,58 @@ def test_oracle_and_accumulated_gradient_norms_recomputed_here(two_processes):
     assert len(lengths) > 5, "examples should have many different lengths"
 
 
+def _trainer_checks(rep, model_family_factor):
+    """The trainer row of one report: informational, same windows, factor per window as predicted here."""
+    tr = rep["rows"]["trainer"]
+    assert tr["informational"] is True and tr["skipped"] is None
+    assert rep["passed"] is True and rep["exit_code"] == 0  # whatever the trainer row says
+    assert tr["summary"]["same_examples_as_tokens_row"] is True
+    assert tr["rank_spread"] < 1e-6
+    for w, tw in zip(rep["windows"], tr["windows"]):
+        seqs = w["input_ids"]
+        n = sum(len(s) - 1 for s in seqs)  # targets after the shift (no padding in these lists)
+        labels = sum(len(s) for s in seqs)  # labels before the shift: one more per example
+        assert tw["target_tokens"] == n and tw["labels_counted_before_shift"] == labels
+        want = model_family_factor(n, labels)
+        assert tw["factor"] == pytest.approx(want, rel=1e-6, abs=1e-6), (w["index"], tw["factor"], want)
+        assert tw["norm_ratio"] == pytest.approx(want, rel=1e-5)
+        assert tw["cosine"] == pytest.approx(1.0, abs=1e-6)
+    return tr
+
+
+def test_trainer_row_gpt2_counts_labels_before_the_shift(two_processes):
+    res, rep = two_processes
+    tr = _trainer_checks(rep, lambda n, labels: n / labels)
+    assert all(tw["factor"] < 1 - 1e-3 for tw in tr["windows"])  # visibly small, not rounding
+    s = tr["summary"]
+    assert s["labels_counted_before_shift"] is True and s["exact"] is False
+    assert s["loss_type"] is None and s["loss_shifts_labels"] is False and s["model_class"] == "GPT2LMHeadModel"
+    assert "loss_type is None" in res.stdout and "N / (N + examples)" in res.stdout
+    assert "trainer, partial window:" in res.stdout
+    # the captured update itself: the exact gradient norm recomputed here x N / (N + examples)
+    m = rep["model"]
+    model = build_model("tiny", m["vocab_size"], m["n_positions"], seed=m["init_seed"]).double().eval()
+    for w, tw in zip(rep["windows"], tr["windows"]):
+        norm, n = _token_mean_grad_norm(model, w["input_ids"])
+        assert tw["grad_norm"] == pytest.approx(norm * n / (n + len(w["input_ids"])), rel=1e-5)
+
+
+def test_trainer_row_llama_is_exact(two_processes_llama):
+    from accum_kit.models import build_llama_model
+
+    res, rep = two_processes_llama
+    assert rep["model"]["class"] == "LlamaForCausalLM" and rep["model"]["preset"] == "llama_tiny"
+    assert rep["rows"]["tokens"]["passed"] and not rep["rows"]["mean-of-means"]["passed"]
+    tr = _trainer_checks(rep, lambda n, labels: 1.0)
+    assert abs(tr["summary"]["factor"] - 1) < 1e-6 and tr["summary"]["exact"] is True
+    assert "exact: LlamaForCausalLM's loss_type is 'ForCausalLM'" in res.stdout
+    m = rep["model"]
+    model = build_llama_model("llama_tiny", m["vocab_size"], m["n_positions"], seed=m["init_seed"]).double().eval()
+    for w, tw in zip(rep["windows"], tr["windows"]):
+        norm, _ = _token_mean_grad_norm(model, w["input_ids"])
+        assert tw["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
 # --------------------------------------------------------------------------- one process, in this process
 
 
@@ -147,11 +228,35 @@ def test_single_process_exit_0_and_json(in_process, tmp_path, capsys):
     assert rep["ddp_sum_ratio"] == pytest.approx(1.0, abs=1e-4) and rep["rows"]["sum"]["passed"]
     assert "1 process, no DDP: sum-loss gradient = big-batch sum gradient x 1" in text
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")], "temporary file left behind"
+    # the trainer row is there, 5-ish % small (GPT-2), and the exit code above is 0 all the same
+    tr = rep["rows"]["trainer"]
+    assert tr["informational"] and tr["summary"]["labels_counted_before_shift"] and tr["summary"]["factor"] < 0.99
+    assert "trainer (informational, exit code unaffected)" in text
+
+
+def test_trainer_row_leaves_the_callers_state_alone(in_process):
+    """Trainer builds its own Accelerator (shared GradientState, num_steps=1) and seeds Python's RNG: both restored."""
+    import random
+
+    from accelerate.state import GradientState
+
+    from accum_kit.launch import build_accelerator
+
+    acc = build_accelerator(3)
+    py = random.getstate()
+    before = torch.get_rng_state()
+    rep = verify.verify_accumulation(acc, per_device_train_batch_size=1, seed=4)
+    assert rep.row("trainer").skipped is None and rep.passed
+    assert acc.gradient_accumulation_steps == 3 and GradientState().num_steps == 3
+    assert acc.sync_gradients
+    assert random.getstate() == py and torch.equal(torch.get_rng_state(), before)
 
 
 def test_mean_of_means_selected_exit_1(in_process, capsys):
-    assert cli.run("verify", ["--loss_normalization", "mean"]) == 1
-    assert "verdict: mean-of-means (--loss_normalization mean) FAILS -> exit 1" in capsys.readouterr().out
+    assert cli.run("verify", ["--loss_normalization", "mean", "--no_trainer_row"]) == 1
+    out = capsys.readouterr().out
+    assert "verdict: mean-of-means (--loss_normalization mean) FAILS -> exit 1" in out
+    assert "trainer" not in out
 
 
 @pytest.mark.parametrize(
@@ -166,6 +271,8 @@ def test_mean_of_means_selected_exit_1(in_process, capsys):
         (["--loss_normalization", "sum"], "--loss_normalization"),
         (["--gradient_accumulation_steps", "two"], "--gradient_accumulation_steps"),
         (["--model_name_or_path", "MISSING_DIR"], "--model_name_or_path"),
+        (["--model_preset", "huge"], "--model_preset"),
+        (["--model_preset", "llama_tiny", "--model_name_or_path", "MISSING_DIR"], "--model_preset"),
     ],
 )
 def test_bad_input_exit_2(in_process, tmp_path, capsys, argv, flag):
@@ -187,7 +294,7 @@ def test_python_api_and_the_check_is_not_rigged(in_process):
     # K=1, one micro-batch of one example, no partial window: every normalisation is the same arithmetic,
     # so mean-of-means must pass too (the failure above is real, not built in).
     rep = verify.verify_accumulation(gradient_accumulation_steps=1, per_device_train_batch_size=1,
-                                     partial_window=False, loss_normalization="mean", seed=5)
+                                     partial_window=False, loss_normalization="mean", seed=5, trainer_row=False)
     assert rep.passed and rep.exit_code == 0 and len(rep.windows) == 1
     assert rep.row("tokens").passed and rep.row("mean-of-means").passed and rep.row("sum").passed
     d = rep.to_dict()
@@ -200,7 +307,7 @@ def test_python_api_and_the_check_is_not_rigged(in_process):
 def test_dataparallel_row_arithmetic(in_process):
     """Forces the DataParallel row on CPU. Without GPUs DataParallel calls the module directly, so this
     checks the row's loss wrapper and arithmetic (ratio 1), not multi-GPU scatter/gather."""
-    rep = verify.verify_accumulation(gradient_accumulation_steps=2, dataparallel=True, seed=2)
+    rep = verify.verify_accumulation(gradient_accumulation_steps=2, dataparallel=True, seed=2, trainer_row=False)
     row = rep.row("sum (DataParallel)")
     assert row.skipped is None and row.passed
     assert rep.dataparallel_sum_ratio == pytest.approx(1.0, abs=1e-4)
@@ -221,3 +328,8 @@ def test_local_model_with_dropout(in_process, tmp_path, capsys):
     assert rep["model"]["vocab_size"] == 96 and rep["model"]["max_length"] == 24
     assert all(max(map(len, w["input_ids"])) <= 24 and max(max(s) for s in w["input_ids"]) < 96 for w in rep["windows"])
     assert rep["rows"]["tokens"]["passed"] and not rep["rows"]["mean-of-means"]["passed"]
+    # Trainer puts the model in training mode: its copy's dropout is switched off, so its update is
+    # deterministic and exactly N / (N + examples) of the oracle (GPT-2 counts labels before the shift)
+    for w, tw in zip(rep["windows"], rep["rows"]["trainer"]["windows"]):
+        n, labels = sum(len(s) - 1 for s in w["input_ids"]), sum(len(s) for s in w["input_ids"])
+        assert tw["factor"] == pytest.approx(n / labels, rel=1e-6) and tw["cosine"] == pytest.approx(1, abs=1e-6)

@@ -5,7 +5,8 @@ Run it with::
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench
 
 It sweeps the gradient accumulation steps K (``--accumulation_steps``, default
-1 2 4 8 16) over three modes, on the same model, data and seed:
+1 2 4 8 16) over three modes (and, opt-in through ``--modes``, two peers), on
+the same model, data and seed:
 
 - ``sync_each_batch``: :func:`accum_kit.train_loop` with Accelerate's
   ``sync_each_batch`` flag on, so every micro-batch's backward all-reduces
@@ -18,7 +19,18 @@ It sweeps the gradient accumulation steps K (``--accumulation_steps``, default
   DDP settings, toggling ``model.require_backward_grad_sync = (micro == K - 1)``
   as nanoGPT does, with the same loss arithmetic (summed token loss, gradients
   scaled by ``world_size / N`` once per window after one all-reduce of the
-  window's token count) and the same data.
+  window's token count) and the same data;
+- peers, opt-in (:mod:`accum_kit.bench.peers`): ``trainer``
+  (``transformers.Trainer`` with ``average_tokens_across_devices``, its
+  prefetched windows and ``no_sync``, on a fresh copy of the model) and
+  ``accelerate_guide`` (the loop of Accelerate's gradient accumulation guide:
+  the model's mean loss per micro-batch inside ``accelerator.accumulate``).
+  Each is timed with the same paired-ratio method in the same run; the report
+  gives, per K, accum-kit's (``no_sync``) paired step-time ratio to every
+  mode (``no_sync_over_mode``) and every mode's per-step loss minus
+  ``no_sync``'s (``loss_max_abs_diff_vs_no_sync``, ``loss_mean_diff_vs_no_sync``).
+  They are not in the default because a Trainer run builds a new Trainer,
+  Accelerator and DDP wrapper (seconds per run on 2 CPU cores).
 
 ``sync_each_batch`` and ``no_sync`` share one prepared model (the flag is
 flipped between runs through :mod:`accum_kit.compat`, as
@@ -36,16 +48,21 @@ measured steps of all repeats. Timings come from process 0 (the processes
 meet at every all-reduce, so their step times agree); memory is the maximum
 over processes.
 
-Every mode carries the same instrumentation: a
+Every mode, the peers included, carries the same instrumentation: a
 :class:`accum_kit.profiler.CommProfiler` on its DDP model (a comm hook around
 the default all-reduce or the ``--comm_hook`` compression hook, counting and
 timing every gradient bucket) and the same phase timers around forward,
-backward and the optimizer step.
+backward and the optimizer step (for Trainer, driven by a Trainer callback,
+forward hooks and its Accelerator's ``backward``; see :mod:`.peers`).
 
 Data are synthetic: uniformly random token ids (``--vocab_size``, default 384,
 the size of the byte tokenizer the train job uses), every position a target,
 fixed micro-batches of ``--per_device_train_batch_size`` x ``--block_size``
-tokens. Timing does not depend on the token values.
+tokens. Timing does not depend on the token values. ``--variable_targets``
+keeps the inputs and shapes but gives every row a random number of targets
+(labels -100 after a random length), so micro-batches differ in target tokens:
+then the guide's mean of micro-batch means differs from the token mean, which
+it equals on the default data.
 
 Derived figures (per preset; seconds):
 
@@ -86,7 +103,7 @@ than ``sync_each_batch`` and reach at least 90 % of the ideal speedup; the
 peak memory at K=16 must be at most 1.05x that at K=1.
 
 Modules, one way: :mod:`.config` (flags) -> :mod:`.sweep` (runs, using
-:mod:`.data`, :mod:`.memory`, :mod:`.records`) -> :mod:`.report` (figures,
+:mod:`.data`, :mod:`.memory`, :mod:`.records`, :mod:`.peers`) -> :mod:`.report` (figures,
 bars) -> :mod:`.tables` (text) and :mod:`.files` (JSON, CSV, PNG); the report
 side imports nothing from the sweep.
 
@@ -98,16 +115,17 @@ ideal, and the share of time spent in communication).
 
 from __future__ import annotations
 
-from .config import COMM_HOOKS, MODES, BenchConfig
+from .config import ALL_MODES, COMM_HOOKS, MODES, PEERS, BenchConfig
 from .sweep import run
 
-__all__ = ["ARGUMENTS", "COMM_HOOKS", "DESCRIPTION", "MODES", "BenchConfig", "run", "run_command"]
+__all__ = ["ALL_MODES", "ARGUMENTS", "COMM_HOOKS", "DESCRIPTION", "MODES", "PEERS", "BenchConfig", "run", "run_command"]
 
 ARGUMENTS = BenchConfig
 DESCRIPTION = (
     "Step time, communication and peak memory of sync_each_batch, no_sync (accum_kit.train_loop) and a "
     "hand-written raw DDP loop over gradient accumulation steps K, side by side, with the ideal no_sync "
-    "speedup. Run under: accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench")
+    "speedup; opt-in peers (--modes ... trainer accelerate_guide): transformers' Trainer and the loop of "
+    "Accelerate's gradient accumulation guide, with their loss difference from accum-kit. Run under: accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench")
 
 
 def run_command(cfg: BenchConfig) -> int:

@@ -9,8 +9,13 @@ from ..errors import UsageError
 from ..models import PRESETS
 from ..outputs import check_output_dir
 
-#: The three loops the sweep compares, in their default order.
+#: The three loops the sweep compares by default, in their default order.
 MODES = ("sync_each_batch", "no_sync", "raw_ddp")
+#: The peers, opt-in through ``--modes`` (see :mod:`accum_kit.bench.peers`): transformers' Trainer and the
+#: loop of Accelerate's gradient accumulation guide. Kept out of the default: each Trainer run builds a new
+#: Trainer, Accelerator and DDP wrapper, which adds seconds per run on 2 CPU cores.
+PEERS = ("trainer", "accelerate_guide")
+ALL_MODES = MODES + PEERS
 #: ``--comm_hook`` values: DDP's plain all-reduce, or its fp16 / bf16 compression hooks.
 COMM_HOOKS = ("none", "fp16", "bf16")
 DEFAULT_PRESETS = ("comm_heavy", "small")
@@ -28,7 +33,8 @@ class BenchConfig:
     accumulation_steps: list[int] = field(default_factory=lambda: list(DEFAULT_KS), metadata={
         "help": "Gradient accumulation steps K to sweep (run in increasing order)."})
     modes: list[str] = field(default_factory=lambda: list(MODES), metadata={
-        "help": f"Loops to run, any of {list(MODES)}."})
+        "help": f"Loops to run, any of {list(ALL_MODES)} (default: the first three; the peers trainer and "
+                "accelerate_guide are opt-in)."})
     model_presets: list[str] = field(default_factory=lambda: list(DEFAULT_PRESETS), metadata={
         "help": f"Model presets, any of {sorted(PRESETS)}."})
     per_device_train_batch_size: int = field(default=1, metadata={"help": "Examples per micro-batch per process."})
@@ -40,6 +46,10 @@ class BenchConfig:
     repeats: int = field(default=3, metadata={"help": "Passes over every K and mode, interleaved."})
     learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate."})
     seed: int = field(default=42, metadata={"help": "Seed of the model weights and the data."})
+    variable_targets: bool = field(default=False, metadata={
+        "help": "Give every row a random number of targets (labels -100 after a random length, at least 1 "
+                "target; same shapes and compute), so micro-batches differ in target tokens and a mean of "
+                "micro-batch means (accelerate_guide) differs from the token mean. Default: every position a target."})
     bucket_cap_mb: float | None = field(default=None, metadata={"help": "DDP gradient bucket size, MB (None: DDP's 25)."})
     gradient_as_bucket_view: bool = field(default=False, metadata={"help": "DDP gradient_as_bucket_view=True."})
     static_graph: bool = field(default=False, metadata={"help": "DDP static_graph=True."})
@@ -56,7 +66,10 @@ class BenchConfig:
         if len(set(ks)) != len(ks):
             raise UsageError("--accumulation_steps", f"repeated value in {ks}", "give each K once")
         self.accumulation_steps = sorted(ks)
-        checks.distinct_choices("--modes", self.modes, MODES)
+        checks.distinct_choices("--modes", self.modes, ALL_MODES)
+        if "trainer" in self.modes and self.gradient_as_bucket_view:
+            raise UsageError("--gradient_as_bucket_view", "transformers' Trainer has no such DDP setting, so the "
+                             "trainer mode would run with other DDP settings", "drop it or remove trainer from --modes")
         checks.distinct_choices("--model_presets", self.model_presets, sorted(PRESETS))
         for flag in ("steps", "repeats", "per_device_train_batch_size"):
             checks.at_least(f"--{flag}", getattr(self, flag))

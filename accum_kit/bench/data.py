@@ -8,17 +8,20 @@ from __future__ import annotations
 
 
 class TokenRows:
-    """Map-style dataset over a (rows, block_size) tensor: ``{"input_ids": row, "labels": row}``."""
+    """Map-style dataset over a (rows, block_size) tensor: ``{"input_ids": row, "labels": labels row}``.
 
-    def __init__(self, tokens):
+    ``labels`` (same shape; -100 = no target) defaults to the tokens themselves (every position a target).
+    """
+
+    def __init__(self, tokens, labels=None):
         self.tokens = tokens
+        self.labels = tokens if labels is None else labels
 
     def __len__(self):
         return len(self.tokens)
 
     def __getitem__(self, i):
-        row = self.tokens[i]
-        return {"input_ids": row, "labels": row}
+        return {"input_ids": self.tokens[i], "labels": self.labels[i]}
 
 
 def synthetic_tokens(n_rows: int, block_size: int, vocab_size: int, seed: int):
@@ -27,6 +30,22 @@ def synthetic_tokens(n_rows: int, block_size: int, vocab_size: int, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (n_rows, block_size), generator=g, dtype=torch.long)
+
+
+def variable_target_labels(tokens, seed: int):
+    """Labels with a random number of targets per row: row i keeps its first L_i labels, L_i uniform in 2..block.
+
+    The rest are -100 (as right padding would be), so after the shift row i
+    has L_i - 1 >= 1 targets. Inputs and shapes are unchanged, so the
+    compute per micro-batch is the same as with every position a target.
+    Returns an int64 tensor shaped like ``tokens``.
+    """
+    import torch
+
+    rows, block = tokens.shape
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.randint(2, block + 1, (rows, 1), generator=g)
+    return tokens.masked_fill(torch.arange(block).unsqueeze(0) >= keep, -100)
 
 
 def raw_batch_indices(n_batches: int, batch_size: int, rank: int, world: int) -> list[list[int]]:

@@ -15,9 +15,11 @@ CSV_FIELDS = (
     "comm_share_exposed", "allreduce_busy_share", "peak_rss_mb", "peak_increase_mb",
     "c_s", "a_s", "ideal_no_sync_step_s", "ideal_sync_each_batch_step_s", "ideal_speedup", "speedup",
     "fraction_of_ideal", "overhead_s", "no_sync_over_raw_ddp",
+    "no_sync_over_mode", "loss_max_abs_diff_vs_no_sync", "loss_mean_diff_vs_no_sync",
 )
 
-_COLORS = {"sync_each_batch": "tab:red", "no_sync": "tab:blue", "raw_ddp": "tab:green"}
+_COLORS = {"sync_each_batch": "tab:red", "no_sync": "tab:blue", "raw_ddp": "tab:green", "trainer": "tab:purple",
+           "accelerate_guide": "tab:orange"}
 
 
 def csv_text(rows: list[dict]) -> str:

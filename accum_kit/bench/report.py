@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from .config import BenchConfig
 
 COMM_HEAVY = "comm_heavy"
+#: The modes that run accum-kit's exact arithmetic (their losses agree to float32 rounding).
+EXACT_MODES = ("sync_each_batch", "no_sync", "raw_ddp")
 
 # The bars a 2-process CPU (gloo) sweep must meet, checked on what it measured.
 BAR_K = 8  # K of the speedup bars
@@ -92,8 +94,33 @@ def _per_k(preset: str, K: int, c, a, med: dict, runs: list[dict]) -> dict:
                                              d["ideal_no_sync_step_s"] + d["overhead_s"]) if d["overhead_s"] is not None else None
     d["no_sync_over_raw_ddp"], d["no_sync_over_raw_ddp_per_repeat"] = paired_ratio(runs, K, "no_sync", "raw_ddp")
     d["no_sync_over_raw_ddp_of_pooled_medians"] = ratio(med.get("no_sync"), med.get("raw_ddp"))
-    d["loss_max_abs_diff_between_modes"] = _loss_spread(runs, K)
+    d["loss_max_abs_diff_between_modes"] = _loss_spread([r for r in runs if r["mode"] in EXACT_MODES], K)
+    for peer in sorted({r["mode"] for r in runs} - set(EXACT_MODES)):
+        d[f"no_sync_over_{peer}"], d[f"no_sync_over_{peer}_per_repeat"] = paired_ratio(runs, K, "no_sync", peer)
+        d[f"loss_diff_{peer}"] = loss_differences(runs, K, peer)
     return d
+
+
+def loss_differences(runs: list[dict], K: int, mode: str, reference: str = "no_sync") -> dict | None:
+    """Per-step loss of ``mode`` minus ``reference``'s, same (K, repeat, step), in nats.
+
+    Returns ``max_abs``, ``mean`` (signed), ``mean_relative`` (signed mean of
+    difference / reference loss) and ``n`` (steps compared), or None when
+    nothing pairs up.
+    """
+    diffs, rel = [], []
+    for rep in sorted({r["repeat"] for r in runs}):
+        a = next((r["losses"] for r in runs if r["K"] == K and r["repeat"] == rep and r["mode"] == mode), None)
+        b = next((r["losses"] for r in runs if r["K"] == K and r["repeat"] == rep and r["mode"] == reference), None)
+        if a is None or b is None:
+            continue
+        for x, y in zip(a, b):
+            diffs.append(x - y)
+            rel.append((x - y) / y if y else 0.0)
+    if not diffs:
+        return None
+    return {"max_abs": max(abs(d) for d in diffs), "mean": sum(diffs) / len(diffs),
+            "mean_relative": sum(rel) / len(rel), "n": len(diffs)}
 
 
 #: Per-K figures copied onto every row of that K (so the CSV stands alone).
@@ -105,7 +132,9 @@ def summarize_preset(preset: str, info: dict, runs: list[dict], cfg: BenchConfig
     """Rows (one per K x mode) and per-K derived figures of one preset; adds ``c``, ``a`` and ``profile`` to ``info``."""
     ca = compute_c_a(runs)
     c, a = ca["c_seconds"], ca["a_seconds"]
-    tokens_per_micro = cfg.per_device_train_batch_size * (cfg.block_size - 1) * world  # targets, all processes
+    tokens_per_micro = info.get("targets_per_micro_batch")  # targets, all processes
+    if tokens_per_micro is None:
+        tokens_per_micro = cfg.per_device_train_batch_size * (cfg.block_size - 1) * world
     rows, per_k = [], []
     for K in cfg.accumulation_steps:
         block = [_mode_row(preset, info["parameters"], K, mode, [r for r in runs if r["K"] == K and r["mode"] == mode],
@@ -114,6 +143,11 @@ def summarize_preset(preset: str, info: dict, runs: list[dict], cfg: BenchConfig
         per_k.append(d)
         for row in block:
             row.update({k: d[k] for k in ROW_FROM_PER_K})
+            # accum-kit (no_sync) against this mode: paired step-time ratio and per-step loss difference
+            row["no_sync_over_mode"] = paired_ratio(runs, K, "no_sync", row["mode"])[0]
+            diff = loss_differences(runs, K, row["mode"])
+            row["loss_max_abs_diff_vs_no_sync"] = diff["max_abs"] if diff else None
+            row["loss_mean_diff_vs_no_sync"] = diff["mean"] if diff else None
             rows.append(row)
     info.update(ca)
     info["profile"] = phase_profile(runs, cfg.modes, info["gradient_bytes"])

@@ -33,13 +33,14 @@ from ..outputs import library_versions
 from ..profiler import CommProfiler
 from ..raw_ddp import train_raw_ddp
 from ..stats import median
-from .config import BenchConfig
-from .data import TokenRows, raw_batch_indices, synthetic_tokens
+from .config import PEERS, BenchConfig
+from .data import TokenRows, raw_batch_indices, synthetic_tokens, variable_target_labels
 from .files import write_outputs
 from .memory import PeakMemory
+from .peers import constant_schedule, run_trainer, train_accelerate_guide
 from .records import TagWindows, run_record
 from .report import evaluate_bars, summarize_preset
-from .tables import format_bars, format_preset_table, format_profile
+from .tables import format_bars, format_peer_table, format_preset_table, format_profile
 
 
 def run_toolkit(accelerator, model, optimizer, dataloader, K: int, steps: int, callbacks) -> list[float]:
@@ -55,11 +56,18 @@ def run_toolkit(accelerator, model, optimizer, dataloader, K: int, steps: int, c
     return result.train_loss
 
 
-def reset_training_state(model, initial: list, optimizer) -> None:
-    """Weights back to ``initial``, AdamW moments and step counts to zero, no gradients."""
+def reset_weights(model, initial: list) -> None:
+    """Weights back to ``initial`` (tensors in ``model.parameters()`` order), no gradients."""
     with torch.no_grad():
         for p, p0 in zip(model.parameters(), initial):
             p.copy_(p0)
+            p.grad = None
+
+
+def reset_training_state(model, initial: list, optimizer) -> None:
+    """Weights back to ``initial``, AdamW moments and step counts to zero, no gradients."""
+    reset_weights(model, initial)
+    with torch.no_grad():
         inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps it
         for st in inner.state.values():
             for v in st.values():
@@ -115,14 +123,17 @@ def bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict,
     """All runs of one preset: build, prepare, then repeats x K x modes (rotated); returns (info, runs)."""
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     model = build_model(preset, cfg.vocab_size, cfg.block_size, seed=cfg.seed)
-    want_raw = "raw_ddp" in cfg.modes
+    want_raw, want_trainer = "raw_ddp" in cfg.modes, "trainer" in cfg.modes
     raw_model = copy.deepcopy(model).to(device) if want_raw else None  # a fresh copy of the same weights
+    peer_model = copy.deepcopy(model).to(device) if want_trainer else None  # Trainer wraps its own DDP
     initial = [p.detach().clone() for p in model.parameters()]
     n_params = count_parameters(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
     acc_model, acc_opt = accelerator.prepare(model, opt)
+    # The guide's loop calls scheduler.step(): a constant schedule, prepared like the guide prepares its own.
+    acc_sched = accelerator.prepare(constant_schedule(opt)) if "accelerate_guide" in cfg.modes else None
     ddp_kw = cfg.ddp_kwargs()
     dev_ids = [device.index if device.index is not None else accelerator.local_process_index] if device.type == "cuda" else None
     hook = comm_hook(cfg.comm_hook)
@@ -137,34 +148,47 @@ def bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict,
     run_steps = cfg.warmup_steps + cfg.steps
     B, K_max = cfg.per_device_train_batch_size, max(cfg.accumulation_steps)
     tokens = synthetic_tokens(run_steps * K_max * world * B, cfg.block_size, cfg.vocab_size, cfg.seed + 1)
+    labels = variable_target_labels(tokens, cfg.seed + 2) if cfg.variable_targets else tokens
     loaders = {}
     for K in cfg.accumulation_steps:
         n_batches = run_steps * K * world
-        rows = TokenRows(tokens[: n_batches * B])
+        rows = TokenRows(tokens[: n_batches * B], labels[: n_batches * B])
         loaders[K] = {
+            "rows": rows,
             "toolkit": accelerator.prepare(DataLoader(rows, batch_size=B, shuffle=False)),
             "raw": DataLoader(rows, batch_sampler=raw_batch_indices(n_batches, B, rank, world)),
         }
     memory = PeakMemory(device)
     info = {"config": PRESETS[preset], "parameters": n_params, "gradient_bytes": grad_bytes,
             "micro_batch": f"{B}x{cfg.block_size} tokens", "memory_method": memory.method,
-            "ddp_kwargs": ddp_kw, "comm_hook": cfg.comm_hook}
+            "ddp_kwargs": ddp_kw, "comm_hook": cfg.comm_hook,
+            # targets per micro-batch over all processes, averaged over the data of the largest K
+            "targets_per_micro_batch": float((labels[:, 1:] != -100).sum()) / (run_steps * K_max)}
 
     def one_run(mode: str, K: int, tag: str) -> dict:
-        if mode == "raw_ddp":
+        if mode == "trainer":  # a new Trainer (and DDP wrapper, profiler) per run, on the peer copy
+            reset_weights(peer_model, initial)  # run_trainer makes a fresh AdamW
+            prof = None
+        elif mode == "raw_ddp":
             model_, opt_, prof = raw_ddp, raw_opt, prof_raw
         else:
             model_, opt_, prof = acc_model, acc_opt, prof_acc
             set_sync_each_batch(accelerator, mode == "sync_each_batch")
-        reset_training_state(model_, initial, opt_)
-        prof.enabled = True  # the previous run's on_train_end switched it off
-        prof.mode = "sync_each_batch" if mode == "sync_each_batch" else "no_sync"  # raw_ddp syncs once per window
-        callbacks = [prof, TagWindows(prof, cfg.warmup_steps, tag)]
+        if prof is not None:
+            reset_training_state(model_, initial, opt_)
+            prof.enabled = True  # the previous run's on_train_end switched it off
+            prof.mode = "sync_each_batch" if mode == "sync_each_batch" else "no_sync"  # others sync once per window
+            callbacks = [prof, TagWindows(prof, cfg.warmup_steps, tag)]
         gc.collect()
         dist.barrier()
         memory.reset()
         t0 = time.perf_counter()
-        if mode == "raw_ddp":
+        if mode == "trainer":
+            losses, prof = run_trainer(peer_model, loaders[K]["rows"], cfg, K, run_steps, accelerator, hook,
+                                       lambda p: [p, TagWindows(p, cfg.warmup_steps, tag)])
+        elif mode == "accelerate_guide":
+            losses = train_accelerate_guide(accelerator, model_, opt_, acc_sched, loaders[K]["toolkit"], K, callbacks)
+        elif mode == "raw_ddp":
             losses = train_raw_ddp(model_, opt_, iter(loaders[K]["raw"]), K, run_steps, device, callbacks=callbacks)
         else:
             losses = run_toolkit(accelerator, model_, opt_, loaders[K]["toolkit"], K, run_steps, callbacks)
@@ -201,7 +225,7 @@ def bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict,
                 bar.set_postfix_str(f"{preset} K={K} {mode}: {median(rec['step_seconds']):.3f} s/step")
                 bar.update(1)
     set_sync_each_batch(accelerator, False)
-    del acc_model, acc_opt, raw_ddp, raw_opt, prof_acc, prof_raw, loaders, model, raw_model, opt
+    del acc_model, acc_opt, acc_sched, raw_ddp, raw_opt, prof_acc, prof_raw, loaders, model, raw_model, peer_model, opt
     accelerator.free_memory()  # drops the prepared model, optimizer and dataloaders of this preset
     gc.unfreeze()
     gc.collect()
@@ -232,6 +256,8 @@ def run(cfg: BenchConfig) -> dict:
         rows += p_rows
         per_k += p_k
         tables.append(format_preset_table(preset, info, p_rows, p_k, cfg.modes) + "\n" + format_profile(info["profile"]))
+        if set(cfg.modes) & set(PEERS):
+            tables[-1] += "\n" + format_peer_table(p_rows, cfg.modes, cfg.variable_targets)
         if accelerator.is_main_process:
             bar.write(tables[-1] + "\n")
     bar.close()

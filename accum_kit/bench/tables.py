@@ -63,3 +63,23 @@ def format_bars(bars: list[dict]) -> str:
         verdict = "SKIP (not measured)" if b["passed"] is None else ("PASS" if b["passed"] else "FAIL")
         lines.append(f"{verdict:4s}  {b['description']}: {b['detail'] or 'n/a'}")
     return "\n".join(lines)
+
+
+def format_peer_table(rows: list[dict], modes: list, variable_targets: bool) -> str:
+    """Per K and mode: s/step, accum-kit (no_sync) / mode, per-step loss difference from no_sync, all-reduces."""
+    headers = ["K", "mode", "s/step [min-max]", "no_sync / mode", "loss - no_sync: max |d|", "mean d",
+               "bucket all-reduces / step", "syncs / step"]
+    table = []
+    for r in sorted(rows, key=lambda r: (r["K"], modes.index(r["mode"]))):
+        table.append([str(r["K"]), r["mode"], f"{_f(r['step_s_median'])} [{_f(r['step_s_min'])}-{_f(r['step_s_max'])}]",
+                      _f(r["no_sync_over_mode"]), _f(r["loss_max_abs_diff_vs_no_sync"], "{:.2e}"),
+                      _f(r["loss_mean_diff_vs_no_sync"], "{:+.2e}"), _f(r["allreduce_calls_per_step"], "{:g}"),
+                      _f(r["syncs_per_step"], "{:g}")])
+    text = _table(table, headers, ("right", "left") + ("right",) * (len(headers) - 2))
+    data = ("rows with a random number of targets (--variable_targets)" if variable_targets else
+            "every position a target: all micro-batches hold the same number of targets, so the guide's mean of "
+            "micro-batch means equals the token mean here (pass --variable_targets to see it differ)")
+    note = ("(peers: no_sync / mode is the paired step-time ratio, < 1 = accum-kit faster; loss: per-step loss "
+            f"minus no_sync's, nats, same repeat and step; data: {data}; bucket all-reduces: DDP gradient buckets "
+            "seen by the comm hook, the token-count / loss collectives not included)")
+    return textwrap.indent(text + "\n" + textwrap.fill(note, 118), "  ")

@@ -21,6 +21,15 @@ ways on the same parameters:
     ``accelerator.accumulate(model)`` (no division by K, no normalisation), so
     the only thing between it and the big-batch summed-loss gradient is DDP.
 
+``trainer`` (informational)
+    transformers' ``Trainer`` with ``average_tokens_across_devices=True`` and
+    no clipping, on a copy of the model and the same windows
+    (:mod:`accum_kit.verify.trainer`): the size (norm ratio, least-squares
+    factor) and direction (cosine) of its update against the oracle, with the
+    cause of a scale error it recognises (Trainer counts labels before the
+    shift for models whose ``loss_type`` is None, e.g. GPT-2). It never
+    changes ``passed`` or the exit code; ``--no_trainer_row`` skips it.
+
 What the optimizer sees is captured at ``optimizer.step()``
 (:mod:`accum_kit.verify.capture`) and compared, window by window, with a
 float64 single-process big batch (:mod:`accum_kit.verify.oracle`) under a
@@ -35,7 +44,7 @@ https://huggingface.co/blog/gradient_accumulation); PyTorch DDP notes
 https://huggingface.co/docs/accelerate/usage_guides/gradient_accumulation).
 
 Memory: the main process keeps a float64 copy of the model and float32 CPU
-copies of every captured gradient (3 rows x 2 windows); fine for the small
+copies of every captured gradient (4 rows x 2 windows); fine for the small
 models this check is meant for.
 
 Command line: ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit verify``
@@ -51,6 +60,7 @@ from .compare import DEFAULT_ATOL, DEFAULT_RTOL, compare_gradients, scaled_resid
 from .data import make_examples, pad_collate, partial_micro_batches
 from .oracle import big_batch_gradient, dataparallel_sum_gradient, summed_token_loss
 from .report import SELECTABLE, Row, VerifyReport, WindowInfo
+from .trainer import capture_trainer, trainer_summary
 
 __all__ = [
     "ARGUMENTS",
@@ -67,6 +77,7 @@ __all__ = [
     "VerifyReport",
     "WindowInfo",
     "big_batch_gradient",
+    "capture_trainer",
     "compare_gradients",
     "dataparallel_sum_gradient",
     "make_examples",
@@ -75,5 +86,6 @@ __all__ = [
     "run_command",
     "scaled_residual",
     "summed_token_loss",
+    "trainer_summary",
     "verify_accumulation",
 ]

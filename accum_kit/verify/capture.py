@@ -41,7 +41,8 @@ class GradientCapture(torch.optim.Optimizer):
     def __init__(self, named_parameters, keep: bool = True):
         named = list(named_parameters)
         self.names = [n for n, _ in named]
-        super().__init__([p for _, p in named], defaults={})
+        # an "lr" entry lets a learning-rate scheduler wrap it (transformers' Trainer builds one); never used
+        super().__init__([p for _, p in named], defaults={"lr": 0.0})
         self.keep = keep
         self.captured: list = []
         self.norms: list[float] = []

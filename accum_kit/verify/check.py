@@ -3,8 +3,10 @@
 :func:`verify_accumulation` prepares throw-away copies (model, a
 :class:`~accum_kit.verify.capture.GradientCapture` optimizer, the examples'
 DataLoader) inside the given Accelerator, runs each row over the same windows,
-gathers what every process ran and saw, and lets the main process compute the
-oracle and the report, which it broadcasts to every process.
+optionally runs transformers' Trainer on another copy (the informational
+``trainer`` row, :mod:`accum_kit.verify.trainer`), gathers what every process
+ran and saw, and lets the main process compute the oracle and the report,
+which it broadcasts to every process.
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ from ..compat import forget_prepared
 from ..errors import UsageError
 from ..launch import build_accelerator, resolve_accumulation_steps
 from ..loop import train_loop
-from ..models import PRESETS, build_model, load_model
+from ..models import LLAMA_PRESETS, PRESETS, build_llama_model, build_model, load_model
 from .capture import EvalMode, ExampleRecorder, GradientCapture
 from .compare import DEFAULT_ATOL, DEFAULT_RTOL, compare_gradients, scaled_residual
 from .data import MAX_LENGTH, make_examples, pad_collate, partial_micro_batches
 from .oracle import big_batch_gradient, dataparallel_sum_gradient
 from .report import SELECTABLE, Row, VerifyReport, WindowInfo
+from .trainer import capture_trainer, trainer_summary
 
 DEFAULT_BATCH_SIZE = 2  # examples per micro-batch per process
-TINY_VOCAB = 128  # vocabulary of the default preset model
+TINY_VOCAB = 128  # vocabulary of the preset models
+#: ``--model_preset`` choices: the GPT-2 style ``tiny`` and the Llama-family ``llama_tiny``.
+MODEL_PRESETS = ("tiny", *LLAMA_PRESETS)
 
 #: row name -> (how our gradient is computed, which oracle gradient it is compared with)
 HOW = {
@@ -41,13 +46,19 @@ HOW = {
 }
 
 
-def validate(gradient_accumulation_steps, per_device_train_batch_size, rtol, atol, loss_normalization) -> None:
+def validate(gradient_accumulation_steps, per_device_train_batch_size, rtol, atol, loss_normalization,
+             model_preset: str = "tiny", model_name_or_path: str | None = None) -> None:
     """Range and choice checks of verify's settings (command line and Python API alike).
 
     Raises:
         UsageError: naming the flag (``--gradient_accumulation_steps``,
-            ``--per_device_train_batch_size``, ``--rtol``, ``--atol``, ``--loss_normalization``).
+            ``--per_device_train_batch_size``, ``--rtol``, ``--atol``, ``--loss_normalization``,
+            ``--model_preset``).
     """
+    checks.one_of("--model_preset", model_preset, MODEL_PRESETS)
+    if model_name_or_path and model_preset != "tiny":
+        raise UsageError("--model_preset", f"{model_preset} given together with --model_name_or_path",
+                         "pass one of them")
     if gradient_accumulation_steps is not None:
         checks.at_least("--gradient_accumulation_steps", gradient_accumulation_steps)
     checks.at_least("--per_device_train_batch_size", per_device_train_batch_size)
@@ -67,6 +78,7 @@ class RunSettings:
     seed: int
     model: dict  # description, vocab_size, max_length (tokens), parameters, ...
     partial_window: bool
+    trainer_row: bool  # also run transformers' Trainer (informational row)
     loss_normalization: str  # "tokens" or "mean": the row that decides the verdict
     rtol: float
     atol: float  # gradient units of a token-mean gradient
@@ -94,6 +106,7 @@ class Captured:
     grads: dict
     examples: list
     norms: torch.Tensor
+    trainer: dict | None = None  # capture_trainer's result (main process) with "examples" of every rank
 
     @property
     def names(self) -> list[str]:
@@ -104,12 +117,17 @@ class Captured:
         return [e for per_rank in self.examples for e in per_rank[name][w]]
 
 
-def _build_model(model, model_name_or_path, seed):
+def _build_model(model, model_name_or_path, seed, model_preset="tiny"):
     """(float32 model in eval mode, description dict without the parameter count)."""
     if model is not None:
         m, desc = copy.deepcopy(model), f"{type(model).__name__} (given)"
     elif model_name_or_path:
         m, desc = load_model(model_name_or_path), f"{model_name_or_path}"
+    elif model_preset in LLAMA_PRESETS:
+        m = build_llama_model(model_preset, TINY_VOCAB, MAX_LENGTH, seed=seed)
+        p = LLAMA_PRESETS[model_preset]
+        desc = (f"preset {model_preset} (LlamaForCausalLM, {p['num_hidden_layers']} layers, width {p['hidden_size']}, "
+                f"vocab {TINY_VOCAB}, random init seed {seed})")
     else:
         m = build_model("tiny", TINY_VOCAB, MAX_LENGTH, seed=seed)
         p = PRESETS["tiny"]
@@ -122,7 +140,8 @@ def _build_model(model, model_name_or_path, seed):
         raise UsageError("--model_name_or_path", "the model has no config.vocab_size",
                          "pass a transformers causal LM")
     spec = {"description": desc, "vocab_size": int(vocab), "max_length": int(min(MAX_LENGTH, positions)),
-            "preset": None if (model is not None or model_name_or_path) else "tiny",
+            "preset": None if (model is not None or model_name_or_path) else model_preset,
+            "class": type(m).__name__,
             "n_positions": int(positions), "init_seed": seed, "model_name_or_path": model_name_or_path}
     return m.float().eval(), spec
 
@@ -135,7 +154,9 @@ def verify_accumulation(
     seed: int = 0,
     model_name_or_path: str | None = None,
     model=None,
+    model_preset: str = "tiny",
     partial_window: bool = True,
+    trainer_row: bool = True,
     loss_normalization: str = "tokens",
     rtol: float = DEFAULT_RTOL,
     atol: float = DEFAULT_ATOL,
@@ -163,9 +184,14 @@ def verify_accumulation(
         per_device_train_batch_size: examples per micro-batch per process.
         seed: seeds the examples and the preset model's initialisation.
         model_name_or_path: a local causal LM (``save_pretrained`` directory)
-            instead of the ``tiny`` preset.
+            instead of a preset.
         model: an unprepared causal LM module to verify instead (deep-copied, not modified).
+        model_preset: ``"tiny"`` (GPT-2 style) or ``"llama_tiny"`` (LlamaForCausalLM), both
+            randomly initialised from ``seed``; ignored when ``model`` is given.
         partial_window: add a partial last window of ``ceil(K / 2)`` micro-batches.
+        trainer_row: also run transformers' Trainer on the same windows (the
+            informational ``trainer`` row, :mod:`accum_kit.verify.trainer`; it
+            never decides ``passed``).
         loss_normalization: which row decides ``passed``: ``"tokens"`` or
             ``"mean"`` (the ``mean-of-means`` row).
         rtol, atol: float32 tolerance, elementwise ``|g - o| <= atol + rtol |o|``.
@@ -180,7 +206,8 @@ def verify_accumulation(
         ProcessCountError: the launcher and the Accelerator disagree on the process count.
     """
     t0 = time.perf_counter()
-    validate(gradient_accumulation_steps, per_device_train_batch_size, rtol, atol, loss_normalization)
+    validate(gradient_accumulation_steps, per_device_train_batch_size, rtol, atol, loss_normalization,
+             model_preset, model_name_or_path)
     if accelerator is None:
         K = resolve_accumulation_steps(gradient_accumulation_steps)
         accelerator = build_accelerator(K)
@@ -190,13 +217,16 @@ def verify_accumulation(
             raise UsageError("gradient_accumulation_steps", f"{gradient_accumulation_steps} differs from the "
                              f"accelerator's {K}", "omit it or build the accelerator with the same K")
     main = accelerator.is_main_process
-    base, spec = _build_model(model, model_name_or_path, seed)
+    with torch.random.fork_rng(devices=[]):  # a preset seeds torch before initialising its weights
+        base, spec = _build_model(model, model_name_or_path, seed, model_preset)
     spec["parameters"] = sum(p.numel() for p in base.parameters())
     oracle_model = copy.deepcopy(base) if main else None  # initial parameters, before prepare
+    trainer_model = copy.deepcopy(base) if trainer_row else None  # Trainer wraps its own copy
     settings = RunSettings(
         gradient_accumulation_steps=K, per_device_train_batch_size=per_device_train_batch_size,
         world_size=accelerator.num_processes, partial_micro_batches=partial_micro_batches(K, partial_window),
-        seed=seed, model=spec, partial_window=partial_window, loss_normalization=loss_normalization,
+        seed=seed, model=spec, partial_window=partial_window, trainer_row=trainer_row,
+        loss_normalization=loss_normalization,
         rtol=rtol, atol=atol, dataparallel=dataparallel, device=str(accelerator.device),
         distributed_type=str(accelerator.distributed_type).split(".")[-1])
     # Leave the caller's random state as it was: every DataLoader iteration draws a seed from torch's global
@@ -204,6 +234,8 @@ def verify_accumulation(
     # the caller prepares afterwards. Nothing verify computes depends on it (no dropout, seeded examples).
     with torch.random.fork_rng(devices=[]):
         captured = _capture(accelerator, base, settings)
+        if trainer_model is not None:
+            captured.trainer = _capture_trainer(accelerator, trainer_model, settings)
 
     payload = None
     if main:
@@ -219,10 +251,37 @@ def verify_accumulation(
     return report
 
 
+def _examples(s: RunSettings) -> list[dict]:
+    """The run's examples, the same on every process: (K + r) micro-batches x B examples x W processes."""
+    n = (s.gradient_accumulation_steps + s.partial_micro_batches) * s.per_device_train_batch_size * s.world_size
+    return make_examples(n, s.seed, s.model["vocab_size"], s.model["max_length"])
+
+
+def _capture_trainer(accelerator, model, s: RunSettings) -> dict:
+    """Every process: the Trainer row's run; the main process gets every rank's examples and gradient norms.
+
+    A failure inside Trainer (e.g. settings its own Accelerator cannot share
+    with the caller's) skips the row instead of failing the check, on every process.
+    """
+    try:
+        run = capture_trainer(accelerator, model, _examples(s), s.gradient_accumulation_steps,
+                              s.per_device_train_batch_size, s.seed)
+        error = None
+    except Exception as exc:  # informational row: report, do not fail
+        run, error = {"examples": [], "norms": []}, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    errors = gather_object([error])
+    if any(errors):
+        return {"skipped": next(e for e in errors if e)}
+    run["examples"] = gather_object([run["examples"]])
+    run["norms"] = accelerator.gather(torch.tensor(run["norms"], dtype=torch.float64,
+                                                   device=accelerator.device)).cpu().view(s.world_size, -1)
+    return run
+
+
 def _capture(accelerator, base, s: RunSettings) -> Captured:
     """Every process: run the three rows on prepared copies; gather examples and gradient norms."""
     K, B, W, r = s.gradient_accumulation_steps, s.per_device_train_batch_size, s.world_size, s.partial_micro_batches
-    examples = make_examples((K + r) * B * W, s.seed, s.model["vocab_size"], s.model["max_length"])
+    examples = _examples(s)
     loader = DataLoader(examples, batch_size=B, shuffle=False, collate_fn=pad_collate)
     capture = GradientCapture(base.named_parameters(), keep=accelerator.is_main_process)
     pmodel, popt, ploader = accelerator.prepare(base, capture, loader)
@@ -323,6 +382,8 @@ def _evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
         dp_row.skipped = (f"needs >= 2 CUDA GPUs, found {n_gpu} (on fewer, DataParallel runs the module "
                           "unchanged, so it would measure nothing)")
     rows.append(dp_row)
+    if cap.trainer is not None:
+        rows.append(_trainer_row(s, cap, oracle))
 
     return VerifyReport(
         world_size=s.world_size, distributed_type=s.distributed_type, gradient_accumulation_steps=K,
@@ -334,3 +395,29 @@ def _evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
                 "grad_norm": [w.oracle_grad_norm for w in windows],
                 "sum_grad_norm": [w.oracle_sum_grad_norm for w in windows]},
     )
+
+
+def _trainer_row(s: RunSettings, cap: Captured, oracle) -> Row:
+    """The informational ``trainer`` row from :func:`_capture_trainer`'s result (main process)."""
+    run = cap.trainer
+    row = Row("trainer", f"transformers {run.get('transformers', '')} Trainer, average_tokens_across_devices, "
+              "max_grad_norm=0".replace("  ", " "), "big-batch token mean", informational=True)
+    if "skipped" in run:
+        row.skipped = f"Trainer failed: {run['skipped']}"
+        return row
+    n_windows = len(run["grads"])
+    if n_windows != s.windows:
+        row.skipped = f"Trainer made {n_windows} optimizer steps, expected {s.windows}"
+        return row
+    windows = [[e for per_rank in run["examples"] for e in per_rank[w]] for w in range(n_windows)]
+    comps, summary = trainer_summary(run, windows, oracle)
+    for w, c in enumerate(comps):
+        row.add_window(w + 1, c)
+    per_rank = run["norms"]
+    row.rank_spread = float(((per_rank - per_rank[0]).abs() / per_rank[0].clamp(min=1e-30)).max())
+    row.conclude(s.rtol)
+    summary.update(same_examples_as_tokens_row=all(
+        windows[w] == cap.window_examples("tokens", w) for w in range(n_windows)),
+        loss_type=run["loss_type"], loss_shifts_labels=run["loss_shifts_labels"], model_class=run["model_class"])
+    row.summary = summary
+    return row

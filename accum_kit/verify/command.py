@@ -9,14 +9,14 @@ from accelerate import PartialState
 
 from ..errors import UsageError
 from ..outputs import atomic_write_json, check_output_dir
-from .check import DEFAULT_BATCH_SIZE, validate, verify_accumulation
+from .check import DEFAULT_BATCH_SIZE, MODEL_PRESETS, validate, verify_accumulation
 from .compare import DEFAULT_ATOL, DEFAULT_RTOL
 from .report import SELECTABLE
 
 DESCRIPTION = (
     "Check that the accumulated gradient (K micro-batches per process, all processes, a full and a partial "
-    "window) equals the gradient of one big batch on one process; report mean-of-means and the DDP "
-    "semantics of a sum loss. Run under accelerate launch on any number of processes. Exit 0 when the row "
+    "window) equals the gradient of one big batch on one process; report mean-of-means, the DDP "
+    "semantics of a sum loss and (informational) transformers' Trainer on the same windows. Run under accelerate launch on any number of processes. Exit 0 when the row "
     "selected by --loss_normalization passes, 1 when it fails, 2 on bad input.")
 
 
@@ -27,8 +27,10 @@ class VerifyArguments:
     gradient_accumulation_steps: int | None = field(default=None, metadata={"help": "Micro-batches per window (K); None: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 4."})
     per_device_train_batch_size: int = field(default=DEFAULT_BATCH_SIZE, metadata={"help": "Examples per micro-batch per process."})
     seed: int = field(default=0, metadata={"help": "Seed of the examples and of the preset model."})
-    model_name_or_path: str | None = field(default=None, metadata={"help": "Local causal LM (save_pretrained directory) instead of the tiny GPT-2 preset."})
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Local causal LM (save_pretrained directory) instead of a preset."})
+    model_preset: str = field(default="tiny", metadata={"help": f"Randomly initialised model, one of {list(MODEL_PRESETS)}: GPT-2 style (tiny) or LlamaForCausalLM (llama_tiny)."})
     loss_normalization: str = field(default="tokens", metadata={"help": f"The row that decides the exit code, one of {list(SELECTABLE)}: tokens, or mean (mean-of-means)."})
+    trainer_row: bool = field(default=True, metadata={"help": "Also run transformers' Trainer (average_tokens_across_devices, unclipped) on the same windows and compare its update's size and direction with the oracle (informational: never changes the exit code); --no_trainer_row: skip it."})
     partial_window: bool = field(default=True, metadata={"help": "Also verify a partial last window of ceil(K/2) micro-batches per process; --no_partial_window: one full window only."})
     rtol: float = field(default=DEFAULT_RTOL, metadata={"help": "Relative tolerance, float32: pass iff |g - g_oracle| <= atol + rtol |g_oracle| elementwise."})
     atol: float = field(default=DEFAULT_ATOL, metadata={"help": "Absolute tolerance, gradient units of the token-mean gradient (x N target tokens for the sum rows)."})
@@ -37,7 +39,7 @@ class VerifyArguments:
     def __post_init__(self):
         """Check ranges, choices and the --json path before any work; raises UsageError naming the flag."""
         validate(self.gradient_accumulation_steps, self.per_device_train_batch_size, self.rtol, self.atol,
-                 self.loss_normalization)
+                 self.loss_normalization, self.model_preset, self.model_name_or_path)
         if self.json is not None:
             if os.path.isdir(self.json):
                 raise UsageError("--json", f"{self.json} is a directory", "pass a file path, e.g. verify.json")
@@ -54,7 +56,9 @@ def run_command(args: VerifyArguments) -> int:
         per_device_train_batch_size=args.per_device_train_batch_size,
         seed=args.seed,
         model_name_or_path=args.model_name_or_path,
+        model_preset=args.model_preset,
         partial_window=args.partial_window,
+        trainer_row=args.trainer_row,
         loss_normalization=args.loss_normalization,
         rtol=args.rtol,
         atol=args.atol,

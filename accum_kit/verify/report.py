@@ -12,6 +12,11 @@ from .data import MIN_LENGTH
 SELECTABLE = {"tokens": "tokens", "mean": "mean-of-means"}
 
 
+#: Per-window figures of the ``trainer`` row, copied when present (see :func:`accum_kit.verify.trainer.trainer_summary`).
+_EXTRA_WINDOW_KEYS = ("cosine", "norm_ratio", "factor", "target_tokens", "labels_counted_before_shift",
+                      "predicted_if_unshifted")
+
+
 @dataclass
 class WindowInfo:
     """One verified accumulation window.
@@ -55,6 +60,11 @@ class Row:
         passed: within tolerance in every window and ranks agree.
         windows: per-window ``max_abs_error``, ``rel_error``, ``tolerance_used``, ``grad_norm``.
         skipped: why the row was not measured (None when it was).
+        informational: the row never decides ``passed`` (the ``trainer`` row);
+            the table shows ``info`` instead of PASS / FAIL.
+        summary: the ``trainer`` row's conclusion (``factor`` = <g, o> / <o, o>
+            over all windows, worst ``cosine``, ``cause``; see
+            :func:`accum_kit.verify.trainer.trainer_summary`), else None.
     """
 
     name: str
@@ -67,12 +77,15 @@ class Row:
     passed: bool | None = None
     windows: list = field(default_factory=list)
     skipped: str | None = None
+    informational: bool = False
+    summary: dict | None = None
 
     def add_window(self, index: int, comparison: dict) -> None:
         """Append window ``index`` (1-based) from a :func:`~accum_kit.verify.compare.compare_gradients` result."""
         self.windows.append({"window": index, "max_abs_error": comparison["max_abs_error"],
                              "rel_error": comparison["rel_error"], "tolerance_used": comparison["tolerance_used"],
-                             "grad_norm": comparison["got_norm"]})
+                             "grad_norm": comparison["got_norm"],
+                             **{k: comparison[k] for k in _EXTRA_WINDOW_KEYS if k in comparison}})
 
     def conclude(self, rtol: float | None = None) -> None:
         """Set the worst-over-windows errors and ``passed`` (ranks must agree within ``rtol`` when given)."""
@@ -186,14 +199,38 @@ class VerifyReport:
                 table.append(cells + ["-"] * (len(head) - 4) + ["skipped"])
                 notes.append(f"  {r.name} skipped: {r.skipped}")
             else:
+                verdict = "info" if r.informational else ("PASS" if r.passed else "FAIL")
                 table.append(cells + [f"{r.max_abs_error:.2e}", *[f"{x['rel_error']:.2e}" for x in r.windows],
-                                      f"{r.tolerance_used:.3g}", "PASS" if r.passed else "FAIL"])
+                                      f"{r.tolerance_used:.3g}", verdict])
+                if r.summary is not None:
+                    notes += self._trainer_notes(r)
         text = tabulate(table, headers=head, tablefmt="simple", disable_numparse=True)
         return ["  " + line for line in text.splitlines()] + notes
 
+    def _trainer_notes(self, r: Row) -> list[str]:
+        """The ``trainer`` row's size, direction and cause (informational: no effect on the verdict)."""
+        s, K = r.summary, self.gradient_accumulation_steps
+        per_window = ", ".join(
+            f"#{w['window']} x{w['factor']:.7f} (N/(N+examples) = {w['target_tokens']}/"
+            f"{w['labels_counted_before_shift']} = {w['predicted_if_unshifted']:.7f})" for w in r.windows)
+        lines = [f"  trainer (informational, exit code unaffected): update = oracle x{s['factor']:.7f} in size "
+                 f"(1 - x = {1 - s['factor']:.1e}), direction cosine >= {s['cosine']:.9f}",
+                 f"  trainer, per window: {per_window}",
+                 f"  trainer, why: {s['cause']}"]
+        partial = [w for w, info in zip(r.windows, self.windows) if info.partial]
+        if partial:
+            how = ("exact" if s["exact"] else "its own N / (N + examples), like the full windows"
+                   if s["labels_counted_before_shift"] else f"x{partial[0]['factor']:.7f}")
+            lines.append(f"  trainer, partial window: Trainer closes the epoch's last window after its "
+                         f"{self.windows[-1].micro_batches_per_process} of {K} micro-batches and divides it by its own "
+                         f"label count (not by K): {how}")
+        if not s.get("same_examples_as_tokens_row", True):
+            lines.append("  trainer: its windows held other examples than the tokens row's (compared with their own oracle)")
+        return lines
+
     def _conclusion_lines(self) -> list[str]:
         W = self.world_size
-        measured = [r for r in self.rows if r.rank_spread is not None]  # the DDP rows
+        measured = [r for r in self.rows if r.rank_spread is not None]  # the DDP rows (and Trainer's)
         lines = [f"  {self.ddp_statement()}"]
         if self.dataparallel_sum_ratio is not None:
             lines.append(f"  DataParallel sums the replicas' gradients: sum-loss gradient = big-batch sum gradient x 1 "
