@@ -17,6 +17,15 @@ the boundary all-reduce; docs/design.md compares it with look-ahead). ``N`` is s
 look-ahead and nothing blocks earlier micro-batches. A last partial window of
 an epoch simply has a smaller ``N``: it is never divided by K.
 
+Loss-scale headroom (fp16 with a GradScaler): each summed loss is divided by
+a constant ``c`` before its backward, and ``c`` goes back into the boundary
+rescale (``K W c / N``). ``c`` is a power of two close to the mean target
+tokens per micro-batch, identical on every process and for every micro-batch
+of a window, so the backward sees mean-sized gradients instead of ones about
+(tokens per micro-batch) times larger. Because ``c`` is a power of two,
+dividing by it and multiplying back are exact in binary floating point (no
+rounding, barring underflow), so fp32 results are unchanged bit for bit.
+
 References: the mean-of-means problem and its fix are described in the
 transformers blog post "Fixing Gradient Accumulation" (Oct 2024, Trainer's
 ``num_items_in_batch``) and torchtune PR 1875; scaling the gradients once
@@ -26,6 +35,7 @@ PR 1917 (its ``scale_grads_``).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping
 
 import torch
@@ -57,6 +67,15 @@ def scale_grads_(parameters, scale: float) -> None:
             groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
     for grads in groups.values():
         torch._foreach_mul_(grads, scale)
+
+
+def power_of_two(x: float) -> float:
+    """The power of two nearest to ``x`` on a log scale (1.0 for ``x <= 1``).
+
+    Dividing a float by it and multiplying back is exact (only the exponent
+    changes), which is why :class:`WindowNormalizer` rounds ``c`` to one.
+    """
+    return 2.0 ** round(math.log2(x)) if x > 1.0 else 1.0
 
 
 def causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,10 +121,15 @@ class WindowNormalizer:
         ValueError: unknown ``mode``.
         NotImplementedError: ``tokens`` under DeepSpeed (not supported).
 
-    Note: ``tokens`` back-propagates summed losses, so gradients before the
-    boundary rescale are about (tokens per micro-batch) times those of a mean
-    loss. With fp16 and a GradScaler the first steps may overflow and be
-    skipped while the scale backs off; bf16 and fp32 are unaffected.
+    Note: ``tokens`` back-propagates ``S / c`` with ``c`` (:attr:`loss_divisor`)
+    a power of two near the mean target tokens per micro-batch and per
+    process: the previous window's (from the all-reduce :meth:`finish` does
+    anyway), and for the first window the first micro-batch's token count
+    averaged over processes (one extra scalar all-reduce per normalizer). The
+    boundary rescale is ``K W c / N``. So the gradients before the rescale
+    have the size of a mean loss's, and an fp16 GradScaler does not overflow
+    where the summed loss would (tests/test_mixed_precision.py); in fp32 and
+    bf16 the result is the same as without ``c`` (powers of two scale exactly).
     """
 
     def __init__(self, accelerator, mode: str = "tokens"):
@@ -116,6 +140,7 @@ class WindowNormalizer:
             raise NotImplementedError("loss_normalization='tokens' is not supported under DeepSpeed; use 'mean'")
         self.accelerator, self.mode = accelerator, mode
         self._reset()
+        self.loss_divisor: float | None = None  # c; None until the first micro-batch
 
     def _reset(self) -> None:
         # Local running sums kept as tensors: converting per micro-batch would
@@ -135,10 +160,21 @@ class WindowNormalizer:
             num_items: number of items (target tokens) in it, int or scalar tensor.
         """
         n = torch.as_tensor(num_items, device=summed_loss.device)
-        loss = summed_loss if self.mode == "tokens" else summed_loss / n.clamp(min=1)
-        step = torch.stack([loss.detach().double(), n.double(), torch.ones_like(n, dtype=torch.float64)])
+        if self.mode == "tokens":
+            if self.loss_divisor is None:
+                self.loss_divisor = self._first_divisor(n)
+            loss, logged = summed_loss / self.loss_divisor, summed_loss
+        else:
+            loss = logged = summed_loss / n.clamp(min=1)
+        step = torch.stack([logged.detach().double(), n.double(), torch.ones_like(n, dtype=torch.float64)])
         self._stats = step if self._stats is None else self._stats + step
         return loss
+
+    def _first_divisor(self, n: torch.Tensor) -> float:
+        """``c`` of the first window: the first micro-batch's tokens, averaged over processes (one all-reduce)."""
+        acc = self.accelerator
+        total = acc.reduce(n.detach().double().reshape(1).to(acc.device), reduction="sum")
+        return power_of_two(float(total) / acc.num_processes)
 
     @torch.no_grad()
     def finish(self, model: torch.nn.Module) -> tuple[float, int]:
@@ -159,10 +195,13 @@ class WindowNormalizer:
         stats = acc.reduce(stats.to(acc.device), reduction="sum").cpu()
         loss_sum, tokens, micro = stats.tolist()
         if self.mode == "tokens":
-            # grads hold sum(S) / (K W) after backward's /K and DDP's mean: make them sum(S) / N.
-            scale = acc.gradient_accumulation_steps * acc.num_processes / max(tokens, 1.0)
+            # grads hold sum(S / c) / (K W) after backward's /K and DDP's mean: make them sum(S) / N.
+            c = self.loss_divisor if self.loss_divisor is not None else 1.0
+            scale = acc.gradient_accumulation_steps * acc.num_processes * c / max(tokens, 1.0)
             scale_grads_(model.parameters(), scale)
             window_loss = loss_sum / max(tokens, 1.0)
+            # Next window's c: this window's mean tokens per micro-batch per process (same on every process).
+            self.loss_divisor = power_of_two(tokens / max(micro, 1.0))
         else:
             window_loss = loss_sum / max(micro, 1.0)
         self._reset()

@@ -12,10 +12,11 @@ SPEC.json (written by the test)::
      "examples": [{"input_ids": [...], "labels": [...]}, ...],
      "scenarios": [{"name": str, "K": int, "B": int, "mode": "tokens"|"mean",
                     "sync_each_batch": bool, "epochs": int, "max_train_steps": int|null,
-                    "max_grad_norm": float|null}, ...]}
+                    "max_grad_norm": float|null, "mixed_precision": "no"|"bf16"}, ...]}
 
 (``epochs``, ``max_train_steps`` and ``max_grad_norm`` are passed to train_loop as
-``num_train_epochs``, ``max_train_steps`` and ``max_grad_norm``; missing keys mean 1, None, None.)
+``num_train_epochs``, ``max_train_steps`` and ``max_grad_norm``; missing keys mean 1, None, None;
+``mixed_precision`` goes to the Accelerator, missing means "no".)
 
 For every scenario it writes under OUT_DIR/<name>/:
 
@@ -41,6 +42,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import accum_kit
 from job_helpers import pad_collate  # the worker runs as a script from tests/
+from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs
 
 
@@ -84,9 +86,16 @@ class Recorder:
 
 
 def run_scenario(spec: dict, sc: dict, out_dir: Path) -> None:
+    precision = sc.get("mixed_precision", "no")
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision") != precision:
+        # AcceleratorState is a per-process singleton that refuses a new mixed_precision; forget it (the
+        # process group, held by PartialState, stays), as Accelerate's own tests do between configurations.
+        AcceleratorState._reset_state()
     accelerator = accum_kit.build_accelerator(
         sc["K"],
         sync_each_batch=sc["sync_each_batch"],
+        mixed_precision=precision,
         # Small buckets: several all-reduces per synchronised backward (the test must not assume one).
         kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=0.01)],
     )
@@ -128,6 +137,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path) -> None:
         "distributed_type": str(accelerator.distributed_type),
         "comm_hook_registered": hooked,
         "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+        "mixed_precision": accelerator.mixed_precision,
         "len_dataloader": len(loader),
         "train_loss": result.train_loss,
         "step_tokens": result.step_tokens,

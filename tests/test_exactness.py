@@ -76,9 +76,11 @@ MODEL_CONFIG = dict(
 MAX_GRAD_NORM = 0.05  # below the unclipped big-batch gradient norm (checked in the clipping test)
 
 
-def _sc(name, K, mode="tokens", sync_each_batch=False, epochs=1, max_train_steps=None, max_grad_norm=None):
+def _sc(name, K, mode="tokens", sync_each_batch=False, epochs=1, max_train_steps=None, max_grad_norm=None,
+        mixed_precision="no"):
     return {"name": name, "K": K, "B": B, "mode": mode, "sync_each_batch": sync_each_batch,
-            "epochs": epochs, "max_train_steps": max_train_steps, "max_grad_norm": max_grad_norm}
+            "epochs": epochs, "max_train_steps": max_train_steps, "max_grad_norm": max_grad_norm,
+            "mixed_precision": mixed_precision}
 
 
 SCENARIOS = {
@@ -107,8 +109,9 @@ SCENARIOS = {
 
 
 def _is_base(sc) -> bool:
-    """One full epoch, no clipping: the scenarios of the original tests (2) and (3)."""
-    return sc["epochs"] == 1 and sc["max_train_steps"] is None and sc["max_grad_norm"] is None
+    """One full epoch, no clipping, fp32: the scenarios of the original tests (2) and (3)."""
+    return (sc["epochs"] == 1 and sc["max_train_steps"] is None and sc["max_grad_norm"] is None
+            and sc["mixed_precision"] == "no")
 
 
 def make_examples(n=N_EXAMPLES, seed=1234):
@@ -129,6 +132,10 @@ def make_examples(n=N_EXAMPLES, seed=1234):
 
 
 EXAMPLES = make_examples()
+
+# bf16 autocast (Accelerator(mixed_precision="bf16"), CPU): a full window and the epoch's partial one; see (5).
+SCENARIOS[1].append(_sc("bf16_k4", 4, mixed_precision="bf16"))  # windows of 4, 4, 2 micro-batches
+SCENARIOS[2].append(_sc("bf16_k3", 3, mixed_precision="bf16"))  # windows of 3, 2 micro-batches per process
 
 
 # --------------------------------------------------------------------------- launching
@@ -590,3 +597,77 @@ def test_oracle_is_sensitive(runs, world, name, wrong_rule):
         f"W={world} {name}: the {wrong_rule!r} oracle is within {diff:.2e} of the saved parameters; "
         "the tolerance cannot tell the arithmetics apart"
     )
+
+
+# --------------------------------------------------------------------------- (5) bf16 autocast vs the fp32 oracle
+
+# Tolerance of a bf16 run, derived from bf16's precision. Which quantities are rounded: under autocast every
+# matmul-type op (GPT-2's Conv1D addmm, the attention matmuls, lm_head) takes bf16 inputs and returns a bf16
+# output, and elementwise ops on bf16 activations (GELU, residual branches) return bf16; each such rounding
+# has relative error <= u = 2^-8 (bf16 keeps 8 significant bits). The GEMMs accumulate in fp32 inside the
+# kernel, and layer norm, softmax and the cross-entropy run in fp32 (autocast's fp32 list;
+# causal_lm_loss upcasts the logits): their errors are O(2^-24), negligible. Backward rounds the activation
+# gradients the same way, and each weight gradient once more when it is cast back to the fp32 parameter.
+# How many accumulations: a weight's gradient depends on at most m = 64 bf16 roundings of this 2-layer model
+# (about 12 per block forward, 12 back, plus the lm_head, the embeddings and the final casts: < 64).
+# Everything after backward is fp32: .grad sums the K micro-batches, DDP sums W processes, the window
+# rescale multiplies once; that adds O((K + W) 2^-24), again negligible. Why the bound holds: to first
+# order the gradient's relative error is the sum of the m rounding errors propagated to the output; treating
+# them as independent, zero-mean (the probabilistic rounding-error model of Higham and Mary, "A New Approach
+# to Probabilistic Rounding Error Analysis", SIAM J. Sci. Comput. 41(5), 2019) they add in quadrature:
+# ||g_bf16 - g|| / ||g|| <= sqrt(m) u = 8 u = 2^-5 ~ 3.1e-2 (normwise, per optimizer step). A per-element
+# relative bound would be meaningless (elements near zero lose all relative accuracy), so the test checks
+# the norm, and the largest element error against sqrt(m) u times the largest gradient element.
+# Compared per step, each at the run's own parameters before that step: bf16 differences would otherwise
+# compound over steps. Measured: about 3e-3 (~0.8 u) normwise; mean-of-means misses by 6e-2 to 0.25.
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+BF16_ROUNDINGS = 64
+BF16_RTOL = math.sqrt(BF16_ROUNDINGS) * BF16_UNIT_ROUNDOFF  # 2^-5
+
+
+def _update(before: dict, after: dict) -> dict:
+    """The gradient an SGD step applied: (before - after) / LR, float64, per parameter."""
+    return {k: (before[k].double() - after[k].double()) / LR for k in before}
+
+
+def _normwise(got: dict, want: dict) -> tuple[float, float]:
+    """(||got - want|| / ||want|| over all parameters, max |got - want| / max |want|)."""
+    err = math.sqrt(sum(float((got[k] - want[k]).pow(2).sum()) for k in want))
+    ref = math.sqrt(sum(float(want[k].pow(2).sum()) for k in want))
+    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    return err / ref, worst / max(float(want[k].abs().max()) for k in want)
+
+
+@pytest.mark.parametrize("world,name", _cases_where(lambda sc: sc["mixed_precision"] == "bf16"))
+def test_bf16_update_matches_fp32_oracle_each_step(runs, world, name):
+    """Each step's update of a bf16 autocast run (full windows and the partial one) equals the fp32 big-batch
+    token-mean gradient at the same parameters within sqrt(m) u (BF16_RTOL), and bf16 really ran."""
+    run = runs[world][name]
+    sc = run["scenario"]
+    label = f"W={world} {name}"
+    windows = windows_for(world, sc["K"])
+    assert len(windows[-1]) < sc["K"] * world, f"{label}: scenario lacks a partial window"
+    assert len(run["steps"]) == len(windows), f"{label}: saved steps"
+    for info in run["ranks"]:
+        assert info["num_processes"] == world and info["mixed_precision"] == "bf16", info
+    before, errors = run["init"], []
+    for s, window in enumerate(windows):
+        after = run["steps"][s]
+        oracle_params, losses = oracle_run(before, [window], "tokens", sc["K"], world)
+        want = _update(before, oracle_params[0])
+        rel, worst = _normwise(_update(before, after), want)
+        errors.append(rel)
+        assert rel <= BF16_RTOL and worst <= BF16_RTOL, (
+            f"{label} step {s + 1} ({len(window)} micro-batches): normwise {rel:.2e}, largest element "
+            f"{worst:.2e} of the largest gradient element; tolerance sqrt(m) u = {BF16_RTOL:.2e}")
+        for info in run["ranks"]:
+            assert info["step_tokens"][s] == losses[0]["tokens_count"], f"{label}: window token counts"
+            assert info["train_loss"][s] == pytest.approx(losses[0]["tokens"], rel=BF16_RTOL), label
+        if s == 0:  # the tolerance still tells the arithmetics apart
+            wrong, _ = oracle_run(before, [window], "mean_of_means", sc["K"], world)
+            miss, _ = _normwise(_update(before, wrong[0]), want)
+            assert miss > 2 * BF16_RTOL, f"{label}: mean-of-means misses by only {miss:.2e}"
+        before = after
+    print(f"{label}: bf16 normwise deviation per step {['%.2e' % e for e in errors]}, tolerance {BF16_RTOL:.2e}")
+    # fp32 lands near 1e-7 (test (2)); a deviation this small would mean autocast did not run.
+    assert max(errors) > 1e-5, f"{label}: deviations {errors} look like fp32: did bf16 autocast run?"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +117,35 @@ def test_a_hung_launch_ends_at_its_timeout():
         launch(_hangs, num_processes=2, timeout=2)
     assert 2 <= time.monotonic() - t0 < 15
     assert "still running after timeout=2 s" in str(info.value)
+
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "notebooks" / "accumulation.ipynb"
+
+
+@pytest.fixture(scope="module")
+def user_notebook():
+    """examples/notebooks/accumulation.ipynb executed afresh in a real kernel (outputs as text per cell)."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    env_keep = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT") if k in os.environ}
+    try:
+        nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    finally:
+        os.environ.update(env_keep)
+    texts = []
+    for cell in nb.cells:
+        outs = cell.get("outputs", [])
+        assert not any(o.output_type == "error" for o in outs), [o for o in outs if o.output_type == "error"]
+        texts.append("".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in outs))
+    return "\n".join(texts)
+
+
+def test_user_notebook_trains_on_two_processes_and_measures_the_saving(user_notebook):
+    out = user_notebook
+    assert "world size 2 (DistributedType.MULTI_CPU)" in out, out[-3000:]
+    before, after = map(float, re.search(r"eval loss ([\d.]+) -> ([\d.]+) nats", out).groups())
+    assert after < before - 0.5
+    speedup = float(re.search(r"no_sync speedup: ([\d.]+)x", out).group(1))
+    assert speedup > 1.0, out[-3000:]
+    assert "verdict: tokens (--loss_normalization tokens) PASSES" in out
+    assert re.search(r"effective batch size\s+256", out), out[-2000:]  # 8 x 4 x 8 processes (2 nodes x 4 GPUs)

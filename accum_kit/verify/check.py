@@ -27,7 +27,8 @@ from ..launch import build_accelerator, resolve_accumulation_steps
 from ..loop import train_loop
 from ..models import LLAMA_PRESETS, PRESETS, build_llama_model, build_model, load_model
 from .capture import EvalMode, ExampleRecorder, GradientCapture
-from .compare import DEFAULT_ATOL, DEFAULT_RTOL, compare_gradients, scaled_residual
+from .compare import (DEFAULT_ATOL, DEFAULT_RTOL, MIXED_PRECISIONS, compare_gradients, mixed_precision_rtol,
+                      scaled_residual)
 from .data import MAX_LENGTH, make_examples, pad_collate, partial_micro_batches
 from .oracle import big_batch_gradient, dataparallel_sum_gradient
 from .report import SELECTABLE, Row, VerifyReport, WindowInfo
@@ -47,13 +48,13 @@ HOW = {
 
 
 def validate(gradient_accumulation_steps, per_device_train_batch_size, rtol, atol, loss_normalization,
-             model_preset: str = "tiny", model_name_or_path: str | None = None) -> None:
+             mixed_precision=None, model_preset: str = "tiny", model_name_or_path: str | None = None) -> None:
     """Range and choice checks of verify's settings (command line and Python API alike).
 
     Raises:
         UsageError: naming the flag (``--gradient_accumulation_steps``,
             ``--per_device_train_batch_size``, ``--rtol``, ``--atol``, ``--loss_normalization``,
-            ``--model_preset``).
+            ``--mixed_precision``, ``--model_preset``).
     """
     checks.one_of("--model_preset", model_preset, MODEL_PRESETS)
     if model_name_or_path and model_preset != "tiny":
@@ -62,9 +63,13 @@ def validate(gradient_accumulation_steps, per_device_train_batch_size, rtol, ato
     if gradient_accumulation_steps is not None:
         checks.at_least("--gradient_accumulation_steps", gradient_accumulation_steps)
     checks.at_least("--per_device_train_batch_size", per_device_train_batch_size)
-    checks.positive("--rtol", rtol, fix=f"pass e.g. {DEFAULT_RTOL:g}")
-    checks.non_negative("--atol", atol, fix=f"pass e.g. {DEFAULT_ATOL:g}")
+    if rtol is not None:  # None: the tolerance of the precision (compare.mixed_precision_rtol)
+        checks.positive("--rtol", rtol, fix=f"pass e.g. {DEFAULT_RTOL:g}")
+    if atol is not None:
+        checks.non_negative("--atol", atol, fix=f"pass e.g. {DEFAULT_ATOL:g}")
     checks.one_of("--loss_normalization", loss_normalization, SELECTABLE)
+    if mixed_precision is not None:
+        checks.one_of("--mixed_precision", mixed_precision, MIXED_PRECISIONS)
 
 
 @dataclass
@@ -85,6 +90,9 @@ class RunSettings:
     dataparallel: bool | None  # None: when >= 2 CUDA GPUs
     device: str
     distributed_type: str
+    mixed_precision: str = "no"  # the Accelerator's: "no", "bf16" or "fp16"
+    normwise: bool = False  # tolerance criterion: normwise rel_error <= rtol (autocast) or elementwise
+    autocast: bool = False  # the Accelerator really autocasts (no fp16 autocast on CPU)
 
     @property
     def windows(self) -> int:
@@ -158,9 +166,10 @@ def verify_accumulation(
     partial_window: bool = True,
     trainer_row: bool = True,
     loss_normalization: str = "tokens",
-    rtol: float = DEFAULT_RTOL,
-    atol: float = DEFAULT_ATOL,
+    rtol: float | None = None,
+    atol: float | None = None,
     dataparallel: bool | None = None,
+    mixed_precision: str | None = None,
 ) -> VerifyReport:
     """Compare the toolkit's accumulated gradient with a single-process big batch.
 
@@ -194,9 +203,15 @@ def verify_accumulation(
             never decides ``passed``).
         loss_normalization: which row decides ``passed``: ``"tokens"`` or
             ``"mean"`` (the ``mean-of-means`` row).
-        rtol, atol: float32 tolerance, elementwise ``|g - o| <= atol + rtol |o|``.
+        rtol, atol: tolerance; None takes the precision's: float32 elementwise
+            ``|g - o| <= atol + rtol |o|`` (rtol 1e-4, atol 1e-6), or under
+            bf16 / fp16 normwise ``||g - o|| / ||o|| <= rtol`` with ``rtol =
+            sqrt(m) u`` (:func:`~accum_kit.verify.compare.mixed_precision_rtol`; atol unused).
         dataparallel: measure ``torch.nn.DataParallel``; None: when
             ``torch.cuda.device_count() >= 2``.
+        mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"`` for the Accelerator
+            this builds (None: ``"no"``); with ``accelerator`` given, its own
+            (a different value is an error).
 
     Returns:
         :class:`VerifyReport` (``passed``, ``rows``, ``ddp_sum_ratio``, ``to_dict()``, ``format()``).
@@ -207,15 +222,22 @@ def verify_accumulation(
     """
     t0 = time.perf_counter()
     validate(gradient_accumulation_steps, per_device_train_batch_size, rtol, atol, loss_normalization,
-             model_preset, model_name_or_path)
+             mixed_precision, model_preset, model_name_or_path)
     if accelerator is None:
         K = resolve_accumulation_steps(gradient_accumulation_steps)
-        accelerator = build_accelerator(K)
+        accelerator = build_accelerator(K, mixed_precision=mixed_precision or "no")
     else:
+        if mixed_precision is not None and mixed_precision != accelerator.mixed_precision:
+            raise UsageError("mixed_precision", f"{mixed_precision} differs from the accelerator's "
+                             f"{accelerator.mixed_precision}", "omit it or build the accelerator with it")
         K = accelerator.gradient_accumulation_steps
         if gradient_accumulation_steps is not None and gradient_accumulation_steps != K:
             raise UsageError("gradient_accumulation_steps", f"{gradient_accumulation_steps} differs from the "
                              f"accelerator's {K}", "omit it or build the accelerator with the same K")
+    precision = accelerator.mixed_precision
+    normwise = precision != "no"  # autocast: normwise criterion, sqrt(m) u
+    rtol = rtol if rtol is not None else (mixed_precision_rtol(precision) if normwise else DEFAULT_RTOL)
+    atol = atol if atol is not None else (0.0 if normwise else DEFAULT_ATOL)
     main = accelerator.is_main_process
     with torch.random.fork_rng(devices=[]):  # a preset seeds torch before initialising its weights
         base, spec = _build_model(model, model_name_or_path, seed, model_preset)
@@ -228,7 +250,8 @@ def verify_accumulation(
         seed=seed, model=spec, partial_window=partial_window, trainer_row=trainer_row,
         loss_normalization=loss_normalization,
         rtol=rtol, atol=atol, dataparallel=dataparallel, device=str(accelerator.device),
-        distributed_type=str(accelerator.distributed_type).split(".")[-1])
+        distributed_type=str(accelerator.distributed_type).split(".")[-1], mixed_precision=precision,
+        normwise=normwise, autocast=bool(getattr(accelerator, "native_amp", False)))
     # Leave the caller's random state as it was: every DataLoader iteration draws a seed from torch's global
     # generator (torch.utils.data.DataLoader), which would shift e.g. the shuffling of a training DataLoader
     # the caller prepares afterwards. Nothing verify computes depends on it (no dropout, seeded examples).
@@ -354,7 +377,7 @@ def _evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
                 want, row_atol = sum_grad, s.atol * n_tok
             else:
                 want, row_atol = {k: v / max(n_tok, 1) for k, v in sum_grad.items()}, s.atol
-            c = compare_gradients(cap.grads[name][w], want, s.rtol, row_atol)
+            c = compare_gradients(cap.grads[name][w], want, s.rtol, row_atol, s.normwise)
             if name == "sum":
                 sum_pairs.append((cap.grads[name][w], want, c))
             row.add_window(w + 1, c)
@@ -373,7 +396,8 @@ def _evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
         for w in range(n_windows):
             ex = cap.window_examples("tokens", w)
             want, n_tok = oracle(ex)
-            c = compare_gradients(dataparallel_sum_gradient(oracle_model, ex), want, s.rtol, s.atol * n_tok)
+            c = compare_gradients(dataparallel_sum_gradient(oracle_model, ex), want, s.rtol, s.atol * n_tok,
+                                  s.normwise)
             dots, sqs = dots + c["dot"], sqs + c["want_sq"]
             dp_row.add_window(w + 1, c)
         dp_row.conclude()
@@ -390,7 +414,8 @@ def _evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
         per_device_train_batch_size=s.per_device_train_batch_size, seed=s.seed, model=s.model,
         partial_window=s.partial_window, windows=windows, rows=rows, rtol=s.rtol, atol=s.atol,
         selected=s.loss_normalization, ddp_sum_ratio=ratio, ddp_sum_residual=residual,
-        dataparallel_sum_ratio=dp_ratio,
+        dataparallel_sum_ratio=dp_ratio, mixed_precision=s.mixed_precision, normwise=s.normwise,
+        autocast=s.autocast,
         oracle={"dtype": "float64", "device": str(device),
                 "grad_norm": [w.oracle_grad_norm for w in windows],
                 "sum_grad_norm": [w.oracle_sum_grad_norm for w in windows]},

@@ -10,7 +10,7 @@ from accelerate import PartialState
 from ..errors import UsageError
 from ..outputs import atomic_write_json, check_output_dir
 from .check import DEFAULT_BATCH_SIZE, MODEL_PRESETS, validate, verify_accumulation
-from .compare import DEFAULT_ATOL, DEFAULT_RTOL
+from .compare import DEFAULT_ATOL, DEFAULT_RTOL, MIXED_PRECISIONS
 from .report import SELECTABLE
 
 DESCRIPTION = (
@@ -32,14 +32,15 @@ class VerifyArguments:
     loss_normalization: str = field(default="tokens", metadata={"help": f"The row that decides the exit code, one of {list(SELECTABLE)}: tokens, or mean (mean-of-means)."})
     trainer_row: bool = field(default=True, metadata={"help": "Also run transformers' Trainer (average_tokens_across_devices, unclipped) on the same windows and compare its update's size and direction with the oracle (informational: never changes the exit code); --no_trainer_row: skip it."})
     partial_window: bool = field(default=True, metadata={"help": "Also verify a partial last window of ceil(K/2) micro-batches per process; --no_partial_window: one full window only."})
-    rtol: float = field(default=DEFAULT_RTOL, metadata={"help": "Relative tolerance, float32: pass iff |g - g_oracle| <= atol + rtol |g_oracle| elementwise."})
-    atol: float = field(default=DEFAULT_ATOL, metadata={"help": "Absolute tolerance, gradient units of the token-mean gradient (x N target tokens for the sum rows)."})
+    rtol: float | None = field(default=None, metadata={"help": f"Relative tolerance. Default: float32 {DEFAULT_RTOL:g}, pass iff |g - g_oracle| <= atol + rtol |g_oracle| elementwise; bf16/fp16: sqrt(64) x unit roundoff (bf16 2^-5), pass iff ||g - g_oracle|| / ||g_oracle|| <= rtol per window."})
+    atol: float | None = field(default=None, metadata={"help": f"Absolute tolerance of the elementwise float32 criterion ({DEFAULT_ATOL:g}), gradient units of the token-mean gradient (x N target tokens for the sum rows); unused under bf16/fp16."})
+    mixed_precision: str = field(default="no", metadata={"help": f"Build the Accelerator with this mixed_precision, one of {list(MIXED_PRECISIONS)}; the tolerance switches to the precision's (see --rtol)."})
     json: str | None = field(default=None, metadata={"help": "Also write the report as JSON to this file (main process, atomically)."})
 
     def __post_init__(self):
         """Check ranges, choices and the --json path before any work; raises UsageError naming the flag."""
         validate(self.gradient_accumulation_steps, self.per_device_train_batch_size, self.rtol, self.atol,
-                 self.loss_normalization, self.model_preset, self.model_name_or_path)
+                 self.loss_normalization, self.mixed_precision, self.model_preset, self.model_name_or_path)
         if self.json is not None:
             if os.path.isdir(self.json):
                 raise UsageError("--json", f"{self.json} is a directory", "pass a file path, e.g. verify.json")
@@ -62,6 +63,7 @@ def run_command(args: VerifyArguments) -> int:
         loss_normalization=args.loss_normalization,
         rtol=args.rtol,
         atol=args.atol,
+        mixed_precision=args.mixed_precision,
     )
     state = PartialState()
     if state.is_main_process:

@@ -116,6 +116,9 @@ class VerifyReport:
     dataparallel_sum_ratio: float | None = None
     oracle: dict = field(default_factory=dict)
     seconds: float = 0.0
+    mixed_precision: str = "no"  # the Accelerator's --mixed_precision
+    normwise: bool = False  # tolerance: normwise rel_error <= rtol (autocast) instead of elementwise
+    autocast: bool = False  # the forward/backward really ran under autocast
 
     def row(self, name: str) -> Row:
         """The row called ``name`` (StopIteration if none)."""
@@ -166,7 +169,8 @@ class VerifyReport:
             "accum-kit verify: accumulated gradient vs one big batch on one process",
             f"  processes {W} ({self.distributed_type}), gradient_accumulation_steps K={K}, "
             f"per_device_train_batch_size {B}, seed {self.seed}",
-            f"  model: {m['description']}, {m['parameters']:,} parameters, float32, dropout off (eval mode)",
+            f"  model: {m['description']}, {m['parameters']:,} parameters, float32, {self._compute()}, "
+            "dropout off (eval mode)",
             f"  data: {sum(w.examples for w in self.windows)} random token sequences of {MIN_LENGTH}-{m['max_length']} "
             "tokens, right-padded per micro-batch, labels -100 on padding",
         ]
@@ -183,11 +187,25 @@ class VerifyReport:
             f"  oracle: plain PyTorch, one process, {self.oracle['dtype']} on {self.oracle['device']}: one "
             "forward/backward per window over all processes' examples padded together; gradient of the summed "
             "token loss / the window's target tokens N (token mean), or of the summed loss (sum)",
-            f"  tolerance (float32): pass iff |g - g_oracle| <= atol + rtol |g_oracle| for every element, "
-            f"rtol {self.rtol:g}, atol {self.atol:g} (x N for sum rows); worst/tol = the largest "
-            "|g - g_oracle| / (atol + rtol |g_oracle|)",
+            self._tolerance_line(),
         ]
         return lines
+
+    def _compute(self) -> str:
+        if self.mixed_precision == "no":
+            return "float32 compute"
+        if not self.autocast:
+            return f"--mixed_precision {self.mixed_precision} but no autocast on {self.oracle.get('device')} (float32 compute)"
+        return f"{self.mixed_precision} autocast"
+
+    def _tolerance_line(self) -> str:
+        if not self.normwise:
+            return (f"  tolerance (float32): pass iff |g - g_oracle| <= atol + rtol |g_oracle| for every element, "
+                    f"rtol {self.rtol:g}, atol {self.atol:g} (x N for sum rows); worst/tol = the largest "
+                    "|g - g_oracle| / (atol + rtol |g_oracle|)")
+        return (f"  tolerance ({self.mixed_precision}): pass iff ||g - g_oracle|| / ||g_oracle|| <= rtol {self.rtol:.3g} "
+                "per window (normwise; rtol = sqrt(m) u, u the unit roundoff, m = 64 roundings, independent errors "
+                "adding in quadrature; see accum_kit.verify.compare); worst/tol = the largest rel err / rtol")
 
     def _table_lines(self) -> list[str]:
         head = ["normalisation", "computed by", "compared with", "max abs err",
