@@ -282,7 +282,7 @@ def scheduled_run(world: int, sc, reset_counter=True):
 def expected_schedule(world: int, sc):
     """Per local micro-batch of the whole run: (epoch, boundary). Each epoch restarts the windows;
     the run stops right after the max_train_steps-th boundary."""
-    if sc["schedule"]:
+    if sc.get("schedule"):
         return [(epoch, j == w[-1]) for epoch, w, _ in scheduled_run(world, sc) for j in w]
     per_process = N_EXAMPLES // (B * world)
     epoch_flags = expected_boundaries(per_process, sc["K"])
@@ -298,7 +298,7 @@ def expected_schedule(world: int, sc):
 
 def run_windows(world: int, sc, reset_counter=True):
     """The windows of the whole run: the epoch's windows once per epoch, cut after max_train_steps."""
-    if sc["schedule"]:
+    if sc.get("schedule"):
         global_batches = [EXAMPLES[i : i + B] for i in range(0, len(EXAMPLES), B)]
         return [[global_batches[j * world + r] for j in w for r in range(world)]
                 for _, w, _ in scheduled_run(world, sc, reset_counter)]
