@@ -36,6 +36,8 @@ class LoopState:
     loss: float = float("nan")  # loss of the last finished window, nats
     window_tokens: int = 0  # target tokens of the last finished window, all processes
     grad_norm: object = None  # global gradient norm before clipping (a tensor), when the loop clips
+    accumulation_steps: int = 0  # K of the last finished window (an accumulation schedule may change it)
+    effective_batch_size: int | None = None  # examples per full window of that K over all processes (B x K x P)
 
 
 class LoopCallback:

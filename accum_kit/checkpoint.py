@@ -50,6 +50,7 @@ from .callbacks import LoopCallback
 from .compat import shuffle_generators
 from .errors import UsageError
 from .outputs import atomic_write_json
+from .planning.schedule import accumulation_steps_at
 
 logger = get_logger("accum_kit.checkpoint")
 
@@ -208,8 +209,10 @@ def resolve_checkpoint(value: str, output_dir: str | os.PathLike) -> Path:
 
 
 def check_resumable(path, *, gradient_accumulation_steps: int, world_size: int, per_device_batch_size: int | None,
-                    batches_per_epoch: int | None = None) -> dict:
+                    batches_per_epoch: int | None = None, accumulation_schedule=None) -> dict:
     """The checkpoint's loop state, after checking that this run would read the same examples.
+
+    With ``accumulation_schedule`` (``{step: K}``) the K compared is the schedule's K at the saved step.
 
     Raises:
         UsageError: K, world size, per-device batch size or batches per epoch
@@ -217,8 +220,12 @@ def check_resumable(path, *, gradient_accumulation_steps: int, world_size: int, 
             other examples); the message names the flag to change.
     """
     saved = read_loop_state(path)
+    k_flag = "--gradient_accumulation_steps"
+    if accumulation_schedule is not None:
+        k_flag, gradient_accumulation_steps = "--accumulation_schedule", accumulation_steps_at(
+            accumulation_schedule, saved["optimizer_steps"])
     checks = [
-        ("--gradient_accumulation_steps", "gradient_accumulation_steps", gradient_accumulation_steps),
+        (k_flag, "gradient_accumulation_steps", gradient_accumulation_steps),
         ("--per_device_train_batch_size", "per_device_batch_size", per_device_batch_size),
         ("--num_processes", "world_size", world_size),
         ("--train_file", "batches_per_epoch", batches_per_epoch),
@@ -228,6 +235,8 @@ def check_resumable(path, *, gradient_accumulation_steps: int, world_size: int, 
             what = key.replace("_", " ")
             fix = (f"resume with {flag} {saved[key]}" if key != "batches_per_epoch"
                    else "resume with the same data flags (--train_file/--dataset_name, --max_train_samples, --block_size)")
+            if flag == "--accumulation_schedule":
+                fix = f"resume with a schedule whose K after step {saved['optimizer_steps']} is {saved[key]}"
             if key == "world_size":
                 fix = f"launch {saved[key]} processes (accelerate launch --num_processes {saved[key]})"
             raise UsageError(flag, f"{path} was saved with {what} {saved[key]} but this run has {now}, so its data "
@@ -258,7 +267,9 @@ def check_writable(output_dir: str | os.PathLike, flag: str = "--output_dir") ->
 
 
 def _encode_history(result) -> dict:
-    return {"train_loss": result.train_loss, "step_tokens": result.step_tokens, "step_seconds": result.step_seconds}
+    return {"train_loss": result.train_loss, "step_tokens": result.step_tokens, "step_seconds": result.step_seconds,
+            "step_accumulation_steps": result.step_accumulation_steps,
+            "accumulation_schedule": result.accumulation_schedule}
 
 
 def loop_state(accelerator, cursor: DataCursor, result, micro_batches: int) -> dict:
@@ -321,12 +332,12 @@ def save_checkpoint(accelerator, output_dir, name: str, state: dict, data_rng: d
     return final
 
 
-def load_checkpoint(accelerator, path, cursor: DataCursor) -> dict:
+def load_checkpoint(accelerator, path, cursor: DataCursor, accumulation_schedule=None) -> dict:
     """``load_state`` from a checkpoint and point ``cursor`` at its data position; return its loop state.
 
     Call on every process, after ``accelerator.prepare`` of the same objects in
     the same order as in the saved run. Checks compatibility first
-    (:func:`check_resumable`).
+    (:func:`check_resumable`; under ``accumulation_schedule`` against its K at the saved step).
     """
     t0 = time.perf_counter()
     dl = cursor.dataloader
@@ -334,7 +345,7 @@ def load_checkpoint(accelerator, path, cursor: DataCursor) -> dict:
     saved = check_resumable(path, gradient_accumulation_steps=accelerator.gradient_accumulation_steps,
                             world_size=accelerator.num_processes,
                             per_device_batch_size=total // accelerator.num_processes if total else None,
-                            batches_per_epoch=cursor.batches_per_epoch)
+                            batches_per_epoch=cursor.batches_per_epoch, accumulation_schedule=accumulation_schedule)
     accelerator.load_state(str(path))
     rng_now = torch.get_rng_state()
     epoch_rng = torch.load(Path(path) / f"data_rng_{accelerator.process_index}.pt", weights_only=True)

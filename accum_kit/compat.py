@@ -45,6 +45,34 @@ def restart_window_counter(accelerator) -> None:
     accelerator.step = 0
 
 
+def set_accumulation_steps(accelerator, steps: int) -> None:
+    """Switch K between windows (accumulation schedules) and make the next micro-batch open a window.
+
+    The ``gradient_accumulation_steps`` setter of accelerate 1.15 only
+    updates ``gradient_state.plugin_kwargs["num_steps"]``, which
+    ``accumulate()`` reads on every call; its micro-batch counter
+    ``accelerator.step`` runs on, so after two windows of 3 (step 6) a switch
+    to 4 would sync at step 8, a window of 2. The counter is reset here too
+    (:func:`restart_window_counter`). Call it only at a window boundary.
+    """
+    accelerator.gradient_accumulation_steps = int(steps)
+    restart_window_counter(accelerator)
+
+
+def scheduler_base_lrs(lr_scheduler) -> list | None:
+    """The ``base_lrs`` list of a (prepared) PyTorch LR scheduler, to scale in place; None if it has none.
+
+    ``LRScheduler.step`` recomputes every group's learning rate from
+    ``base_lrs`` (``LambdaLR``, which transformers' ``get_scheduler``
+    returns: ``base_lr x lambda(step)``), so a learning-rate change that must
+    last is made there. Accelerate's ``AcceleratedScheduler`` keeps the
+    wrapped scheduler in ``.scheduler`` (accelerate 1.15).
+    """
+    inner = getattr(lr_scheduler, "scheduler", lr_scheduler)
+    base = getattr(inner, "base_lrs", None)
+    return base if isinstance(base, list) else None
+
+
 def release_dataloader(accelerator, dataloader) -> None:
     """Unregister a prepared dataloader that was left before its end.
 

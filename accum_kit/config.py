@@ -13,6 +13,8 @@ from .data import check_data_flags
 from .errors import UsageError
 from .loss import NORMALIZATIONS
 from .models import PRESETS
+from .planning.lr import LR_RULES
+from .planning.schedule import parse_accumulation_schedule
 from .tracking import TRACKERS
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -35,6 +37,8 @@ class TrainConfig:
     per_device_train_batch_size: int = field(default=4, metadata={"help": "Micro-batch size per process, examples."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Evaluation batch size per process, examples."})
     gradient_accumulation_steps: int | None = field(default=None, metadata={"help": "Micro-batches per optimizer step (K); None: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 4."})
+    accumulation_schedule: str | None = field(default=None, metadata={"help": "Batch-size warm-up: STEP:K pairs, e.g. 0:1,100:2,300:4 (K micro-batches per window from that many optimizer steps on; must start at 0). Conflicts with --gradient_accumulation_steps unless that equals the K at step 0."})
+    lr_scaling: str = field(default="none", metadata={"help": f"With --accumulation_schedule: scale the learning rate with the effective batch relative to the K at step 0, one of {LR_RULES} (linear: Goyal et al. 2017; sqrt: Krizhevsky 2014)."})
     learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate (AdamW)."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not applied to biases and LayerNorm weights)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": f"One of {SCHEDULERS}."})
@@ -88,6 +92,24 @@ class TrainConfig:
                 raise UsageError("--checkpointing_steps", f"must be a positive integer or 'epoch' (got {self.checkpointing_steps!r})",
                                  "pass e.g. 100 or epoch")
             self.checkpointing_steps = int(self.checkpointing_steps)
+        self._check_schedule()
         for flag in ("checkpoints_total_limit", "ddp_timeout"):
             if getattr(self, flag) is not None:
                 checks.at_least(f"--{flag}", getattr(self, flag))
+
+    def _check_schedule(self) -> None:
+        """Parse --accumulation_schedule into ``{step: K}``; it sets K unless --gradient_accumulation_steps agrees."""
+        checks.one_of("--lr_scaling", self.lr_scaling, LR_RULES)
+        if self.accumulation_schedule is None:
+            if self.lr_scaling != "none":
+                raise UsageError("--lr_scaling", "scales the learning rate when K changes, but no "
+                                 "--accumulation_schedule was given", "add --accumulation_schedule or drop --lr_scaling")
+            return
+        if not isinstance(self.accumulation_schedule, dict):
+            self.accumulation_schedule = parse_accumulation_schedule(self.accumulation_schedule)
+        first = self.accumulation_schedule[0]
+        if self.gradient_accumulation_steps is not None and self.gradient_accumulation_steps != first:
+            raise UsageError("--gradient_accumulation_steps", f"{self.gradient_accumulation_steps} conflicts with "
+                             f"--accumulation_schedule, whose K at step 0 is {first}",
+                             "drop --gradient_accumulation_steps (the schedule sets K) or make them agree")
+        self.gradient_accumulation_steps = first

@@ -23,7 +23,8 @@ from .checkpoint import DataCursor, load_checkpoint
 from .compat import release_dataloader, restart_window_counter, sync_each_batch
 from .errors import UsageError
 from .loss import NORMALIZATIONS, LossFn, WindowNormalizer, causal_lm_loss
-from .planning import optimizer_steps_per_epoch
+from .planning.schedule import schedule_pairs
+from .schedule import WindowSchedule
 
 
 @dataclass
@@ -36,6 +37,9 @@ class LoopResult:
         step_seconds: wall-clock seconds of each optimizer step (from the end of
             the previous step; the first includes start-up).
         step_tokens: target tokens of each window, summed over processes.
+        step_accumulation_steps: K of each window (per process; the last
+            window of an epoch may hold fewer micro-batches).
+        accumulation_schedule: the schedule as ``[[step, K], ...]`` (None: constant K).
         micro_batches: micro-batches run by this process.
         resumed_from_step: optimizer steps restored from a checkpoint (None:
             not resumed); the lists above then hold the restored steps first.
@@ -44,6 +48,8 @@ class LoopResult:
     train_loss: list = field(default_factory=list)
     step_seconds: list = field(default_factory=list)
     step_tokens: list = field(default_factory=list)
+    step_accumulation_steps: list = field(default_factory=list)
+    accumulation_schedule: list | None = None
     micro_batches: int = 0
     epochs: int = 0
     resumed_from_step: int | None = None
@@ -52,12 +58,16 @@ class LoopResult:
         """Take over the history of a checkpoint's loop state (see :mod:`accum_kit.checkpoint`)."""
         self.train_loss, self.step_tokens = list(saved["train_loss"]), list(saved["step_tokens"])
         self.step_seconds, self.resumed_from_step = list(saved["step_seconds"]), saved["optimizer_steps"]
+        # checkpoints written before schedules existed ran one K throughout
+        self.step_accumulation_steps = list(saved.get("step_accumulation_steps")
+                                            or [saved["gradient_accumulation_steps"]] * len(self.train_loss))
 
-    def record(self, loss: float, tokens: int, since: float) -> float:
-        """Append one optimizer step that started at ``since`` (perf_counter seconds); return now."""
+    def record(self, loss: float, tokens: int, k: int, since: float) -> float:
+        """Append one optimizer step of K ``k`` that started at ``since`` (perf_counter seconds); return now."""
         now = time.perf_counter()
         self.train_loss.append(loss)
         self.step_tokens.append(tokens)
+        self.step_accumulation_steps.append(k)
         self.step_seconds.append(now - since)
         return now
 
@@ -74,6 +84,13 @@ class LoopResult:
     @property
     def median_step_seconds(self) -> float:
         return statistics.median(self.step_seconds) if self.step_seconds else float("nan")
+
+
+def _examples_per_micro_batch(accelerator, dataloader) -> int | None:
+    """Examples of one micro-batch over all processes (``B x P``), from a prepared dataloader."""
+    total = getattr(dataloader, "total_batch_size", None)
+    batch = getattr(dataloader, "batch_size", None)
+    return total or (batch * accelerator.num_processes if batch else None)
 
 
 def _validate(train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization):
@@ -105,6 +122,8 @@ def train_loop(
     profiler=None,
     checkpointer=None,
     resume_from=None,
+    accumulation_schedule=None,
+    lr_scaling: str = "none",
 ) -> LoopResult:
     """Train with gradient accumulation that skips DDP syncs and is exact.
 
@@ -137,13 +156,25 @@ def train_loop(
             restored, and training continues at the saved data position, so
             losses and parameters equal those of an uninterrupted run. Prepare
             the same objects in the same order as the saved run.
+        accumulation_schedule: batch-size warm-up, ``{optimizer step: K}``
+            with an entry for step 0, e.g. ``{0: 1, 100: 2, 300: 4}``: the
+            window after N optimizer steps holds the K of the largest key <= N
+            micro-batches per process. K changes only at window boundaries;
+            every window is normalised with its own K and token count, so each
+            step stays equal to one big batch. None: the Accelerator's K.
+            Epoch-based runs count their steps under the schedule
+            (:func:`accum_kit.planning.schedule.scheduled_steps`).
+        lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: multiply the
+            learning rate by the rule's factor for K / (K at step 0) whenever K
+            changes (the scheduler's base rates, see :mod:`accum_kit.schedule`).
 
     Returns:
         :class:`LoopResult` with per-step losses, times and token counts.
 
     Raises:
         UsageError: invalid argument (the message names the flag), or a
-            checkpoint saved with another K, world size or batch size.
+            checkpoint saved with another K (under a schedule: the schedule's
+            K at the saved step), world size or batch size.
         accum_kit.checkpoint.Preempted: a signal stopped the run after saving.
         TypeError: a callback defines no hook or a misspelled one.
         RuntimeError: the dataloader ended inside a window, which happens when
@@ -154,11 +185,13 @@ def train_loop(
     # profiler first: it must see a step before others react to it; the checkpointer last: it saves what they did
     hooks = CallbackList([profiler, *callbacks, checkpointer])
     norm = WindowNormalizer(accelerator, loss_normalization)
-    per_epoch = optimizer_steps_per_epoch(len(train_dataloader), accelerator.gradient_accumulation_steps)
-    total = max_train_steps or num_train_epochs * per_epoch
-    state, result, cursor = LoopState(), LoopResult(), DataCursor(train_dataloader)
-    if resume_from is not None:
-        saved = load_checkpoint(accelerator, resume_from, cursor)  # load_state, then the data position
+    windows = WindowSchedule(accelerator, accumulation_schedule, optimizer, lr_scheduler, lr_scaling,
+                             _examples_per_micro_batch(accelerator, train_dataloader))
+    total = max_train_steps or windows.total_steps(len(train_dataloader), num_train_epochs)
+    state, cursor = LoopState(), DataCursor(train_dataloader)
+    result = LoopResult(accumulation_schedule=schedule_pairs(windows.schedule))
+    if resume_from is not None:  # load_state, then the data position
+        saved = load_checkpoint(accelerator, resume_from, cursor, accumulation_schedule=windows.schedule)
         result.restore(saved)
         state.step, state.micro_step = saved["optimizer_steps"], saved["micro_batches"]
     if checkpointer is not None:
@@ -169,6 +202,7 @@ def train_loop(
                disable=not (progress and accelerator.is_main_process))
     model.train()
     restart_window_counter(accelerator)  # an earlier loop may have stopped mid-window; load_state restores it too
+    windows.start(state)  # the schedule's K for the steps done (0, or the resumed step)
     hooks("on_train_begin", state)
     last = time.perf_counter()
     try:
@@ -193,10 +227,11 @@ def train_loop(
                             lr_scheduler.step()
                         optimizer.zero_grad()
                         state.step += 1
-                        last = result.record(state.loss, state.window_tokens, since=last)
+                        windows.after_step(state)  # after finish: the closed window used its own K
+                        last = result.record(state.loss, state.window_tokens, state.accumulation_steps, since=last)
                         hooks("on_step_end", state)  # the checkpointer saves here: .grad is empty
                         bar.update(1)
-                        bar.set_postfix(loss=f"{state.loss:.4f}")
+                        bar.set_postfix(loss=f"{state.loss:.4f}", K=state.accumulation_steps)
                 if state.step >= total:
                     break
             if norm.pending:

@@ -49,6 +49,9 @@ class TrackerLogger(LoopCallback):
     - ``train/tokens_per_second``: target tokens of the window over all
       processes / wall seconds since the previous step;
     - ``train/window_tokens``: target tokens of the window, all processes.
+    - ``train/gradient_accumulation_steps``: the window's K (an accumulation schedule changes it);
+    - ``train/effective_batch_size``: examples per full window of that K, all
+      processes (``B x K x P``; when the loop knows the dataloader's batch size).
 
     With a :class:`accum_kit.profiler.CommProfiler` (``profiler=``), also
     ``comm/allreduce_calls``, ``comm/allreduce_bytes`` (gradient buckets
@@ -78,7 +81,9 @@ class TrackerLogger(LoopCallback):
         seconds, self._t = now - self._t, now
         values = {"train/loss": state.loss, "train/learning_rate": self._lr,
                   "train/tokens_per_second": state.window_tokens / seconds if seconds > 0 else math.nan,
-                  "train/window_tokens": state.window_tokens}
+                  "train/window_tokens": state.window_tokens, "train/gradient_accumulation_steps": state.accumulation_steps}
+        if state.effective_batch_size is not None:
+            values["train/effective_batch_size"] = state.effective_batch_size
         if state.grad_norm is not None:
             values["train/grad_norm"] = float(state.grad_norm)
         if self.profiler is not None:

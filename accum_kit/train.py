@@ -27,6 +27,7 @@ from .launch import build_accelerator, resolve_accumulation_steps
 from .loop import train_loop
 from .models import build_model, count_parameters, load_model
 from .planning import optimizer_steps_per_epoch
+from .planning.schedule import schedule_pairs, scheduled_steps
 from .outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
 from .profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
 from .tracking import TrackerLogger, check_trackers, quiet_other_processes
@@ -125,7 +126,8 @@ def run(cfg: TrainConfig) -> dict:
     resume = _resume_path(cfg)
     if resume is not None:  # before any work: the data position must mean the same examples
         check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
-                        per_device_batch_size=cfg.per_device_train_batch_size)
+                        per_device_batch_size=cfg.per_device_train_batch_size,
+                        accumulation_schedule=cfg.accumulation_schedule)
     set_seed(cfg.seed)
     tokenizer = build_tokenizer(cfg.model_name_or_path)
     train_ds, eval_ds, source = _datasets(cfg, tokenizer, accelerator, k)
@@ -143,7 +145,8 @@ def run(cfg: TrainConfig) -> dict:
     eval_dl = DataLoader(eval_ds, collate_fn=collate, batch_size=cfg.per_device_eval_batch_size)
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, _optimizer(model, cfg), train_dl, eval_dl)
 
-    steps = cfg.max_train_steps or cfg.num_train_epochs * optimizer_steps_per_epoch(len(train_dl), k)
+    schedule = cfg.accumulation_schedule  # {step: K} or None (K constant)
+    steps = cfg.max_train_steps or scheduled_steps(len(train_dl), schedule or {0: k}, cfg.num_train_epochs)
     # A prepared scheduler steps once per process per optimizer step (Accelerate's convention).
     lr_scheduler = accelerator.prepare(get_scheduler(
         cfg.lr_scheduler_type, optimizer=optimizer,
@@ -152,8 +155,9 @@ def run(cfg: TrainConfig) -> dict:
     ))
     n_params = count_parameters(model)
     effective_batch = cfg.per_device_train_batch_size * k * accelerator.num_processes
-    logger.info("%d processes (%s), K=%d, effective batch %d examples, %d optimizer steps, %.2fM parameters, data %s",
-                accelerator.num_processes, accelerator.distributed_type, k,
+    logger.info("%d processes (%s), K=%s, effective batch %d examples, %d optimizer steps, %.2fM parameters, data %s",
+                accelerator.num_processes, accelerator.distributed_type,
+                k if schedule is None else f"{k} at first (schedule {schedule_pairs(schedule)}, lr_scaling {cfg.lr_scaling})",
                 effective_batch, steps, n_params / 1e6, source)
 
     profiler, switches = _profiling(cfg, accelerator, model, steps)
@@ -163,12 +167,12 @@ def run(cfg: TrainConfig) -> dict:
         accelerator.init_trackers("accum_kit", config={
             "gradient_accumulation_steps": k, "world_size": accelerator.num_processes,
             "per_device_train_batch_size": cfg.per_device_train_batch_size, "effective_batch_size": effective_batch,
-            "loss_normalization": cfg.loss_normalization,
-        "mixed_precision": accelerator.mixed_precision,
-        "tracking": cfg.report_to if cfg.with_tracking else None, "learning_rate": cfg.learning_rate,
+            "loss_normalization": cfg.loss_normalization, "lr_scaling": cfg.lr_scaling,
+            "accumulation_schedule": str(schedule_pairs(schedule)) if schedule else "none",
+            "tracking": cfg.report_to if cfg.with_tracking else None, "learning_rate": cfg.learning_rate,
             "mixed_precision": accelerator.mixed_precision, "model": cfg.model_name_or_path or cfg.model_preset,
             "block_size": cfg.block_size, "seed": cfg.seed})
-        callbacks.append(TrackerLogger(accelerator, optimizer, profiler))
+        callbacks.append(TrackerLogger(accelerator, optimizer, profiler))  # logs K and the effective batch per step
     eval_before, ppl_before = evaluate_loss(accelerator, model, eval_dl)
     logger.info("eval loss before training: %.4f (perplexity %.2f)", eval_before, ppl_before)
     accelerator.log({"eval/loss": eval_before, "eval/perplexity": ppl_before}, step=0)
@@ -179,6 +183,7 @@ def run(cfg: TrainConfig) -> dict:
             max_grad_norm=cfg.max_grad_norm, loss_normalization=cfg.loss_normalization,
             callbacks=callbacks, profiler=profiler,
             checkpointer=checkpointer, resume_from=resume,
+            accumulation_schedule=schedule, lr_scaling=cfg.lr_scaling,
         )
     except Preempted:
         accelerator.end_training()
@@ -196,6 +201,11 @@ def run(cfg: TrainConfig) -> dict:
         "gradient_accumulation_steps": k,
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "effective_batch_size": effective_batch,
+        "accumulation_schedule": schedule_pairs(schedule),
+        "lr_scaling": cfg.lr_scaling,
+        "gradient_accumulation_steps_per_step": result.step_accumulation_steps,
+        "effective_batch_size_per_step": [cfg.per_device_train_batch_size * s * accelerator.num_processes
+                                          for s in result.step_accumulation_steps],
         "optimizer_steps": result.optimizer_steps,
         "resumed_from_step": result.resumed_from_step,
         "resumed_from": str(resume) if resume is not None else None,

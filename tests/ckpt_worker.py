@@ -6,7 +6,8 @@
 
 SPEC.json: ``{"pad_id": int, "scenarios": [{"name", "model_config": {...GPT2Config kwargs}, "examples": [...],
 "K", "B", "epochs", "max_train_steps", "optimizer": "adamw"|"sgd", "lr", "scheduler": "cosine"|"constant",
-"max_grad_norm", "shuffle", "generator": bool, "resume_from": [step, ...]}]}``.
+"max_grad_norm", "shuffle", "generator": bool, "resume_from": [step, ...],
+optional "schedule": [[step, K], ...] and "lr_scaling"}]}`` (a schedule's first K is ``K``).
 
 Per scenario, an uninterrupted ``train_loop`` with a ``Checkpointer`` saving every
 step, then, for every step in ``resume_from``, a fresh Accelerator, model,
@@ -30,11 +31,15 @@ from transformers import GPT2Config, GPT2LMHeadModel, get_scheduler
 import accum_kit
 import job_helpers as jh  # the worker runs as a script from tests/
 from accum_kit.checkpoint import Checkpointer
+from accum_kit.planning.schedule import scheduled_steps
 
 
 class Steps(accum_kit.LoopCallback):
-    def __init__(self, raw):
-        self.raw, self.steps = raw, []
+    def __init__(self, raw, optimizer):
+        self.raw, self.optimizer, self.steps, self.lrs = raw, optimizer, [], []
+
+    def on_step_begin(self, state):
+        self.lrs.append(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
 
     def on_step_end(self, state):
         self.steps.append({k: v.detach().clone() for k, v in self.raw.state_dict().items()})
@@ -54,18 +59,22 @@ def run(spec, sc, ckpt_dir: Path, resume_from=None) -> dict:
     dl = DataLoader(sc["examples"], batch_size=sc["B"], shuffle=sc["shuffle"], generator=gen,
                     collate_fn=jh.pad_collate(spec["pad_id"]))
     model, opt, dl = acc.prepare(model, opt, dl)
-    steps = sc["max_train_steps"] or sc["epochs"] * accum_kit.optimizer_steps_per_epoch(len(dl), sc["K"])
+    schedule = {s: k for s, k in sc["schedule"]} if sc.get("schedule") else None
+    steps = sc["max_train_steps"] or scheduled_steps(len(dl), schedule or {0: sc["K"]}, sc["epochs"])
     sched = acc.prepare(get_scheduler(sc["scheduler"], opt, num_warmup_steps=2 * acc.num_processes,
                                       num_training_steps=steps * acc.num_processes))
-    rec = Steps(acc.unwrap_model(model))
+    rec = Steps(acc.unwrap_model(model), opt)
     ckpt = Checkpointer(acc, ckpt_dir, checkpointing_steps=1, signals=()) if resume_from is None else None
     result = accum_kit.train_loop(acc, model, opt, dl, lr_scheduler=sched, num_train_epochs=sc["epochs"],
                                   max_train_steps=sc["max_train_steps"], max_grad_norm=sc["max_grad_norm"], callbacks=[rec],
-                                  checkpointer=ckpt, resume_from=resume_from, progress=False)
+                                  checkpointer=ckpt, resume_from=resume_from, progress=False,
+                                  accumulation_schedule=schedule, lr_scaling=sc.get("lr_scaling", "none"))
     acc.wait_for_everyone()
     return {"train_loss": result.train_loss, "steps": rec.steps, "final": rec.steps[-1] if rec.steps else None,
             "resumed_from_step": result.resumed_from_step, "micro_batches": result.micro_batches,
-            "step_tokens": result.step_tokens, "init": init, "rank": acc.process_index}
+            "step_tokens": result.step_tokens, "init": init, "rank": acc.process_index,
+            "step_accumulation_steps": result.step_accumulation_steps,
+            "lrs": rec.lrs, "base_lrs": list(sched.scheduler.base_lrs)}
 
 
 def main(argv) -> int:

@@ -14,6 +14,7 @@ import job_helpers as jh  # noqa: E402
 EXAMPLES_TIMEOUT_S = 420
 RAW_DDP_STEPS = 6  # raw_ddp_loop's --max_train_steps in the shared launch
 PROFILE_COMM_STEPS = 8  # profile_comm's: 1 warm-up, 2 x 2 A/B windows, 3 more
+SCHEDULE = "0:1,2:2,5:4"  # by_feature/schedule.py's --accumulation_schedule (8 steps: K 1, 1, 2, 2, 2, 4, 4, 4)
 
 
 def example_specs(corpus: Path) -> list[dict]:
@@ -30,6 +31,8 @@ def example_specs(corpus: Path) -> list[dict]:
         {"name": "profile_comm", "path": str(ex / "by_feature" / "profile_comm.py"),
          "argv": [*corpus_flags, "--max_train_steps", str(PROFILE_COMM_STEPS), "--ab_steps", "2"]},
         *checkpointing_specs(ex, corpus_flags, corpus.parent / "checkpointing"),
+        {"name": "schedule", "path": str(ex / "by_feature" / "schedule.py"),
+         "argv": [*corpus_flags, "--max_train_steps", "8", "--accumulation_schedule", SCHEDULE, "--lr_scaling", "linear"]},
     ]
 
 

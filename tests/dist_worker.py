@@ -12,10 +12,12 @@ SPEC.json (written by the test)::
      "examples": [{"input_ids": [...], "labels": [...]}, ...],
      "scenarios": [{"name": str, "K": int, "B": int, "mode": "tokens"|"mean",
                     "sync_each_batch": bool, "epochs": int, "max_train_steps": int|null,
-                    "max_grad_norm": float|null, "mixed_precision": "no"|"bf16"}, ...]}
+                    "max_grad_norm": float|null, "mixed_precision": "no"|"bf16",
+                    "schedule": [[step, K], ...]|null}, ...]}
 
-(``epochs``, ``max_train_steps`` and ``max_grad_norm`` are passed to train_loop as
-``num_train_epochs``, ``max_train_steps`` and ``max_grad_norm``; missing keys mean 1, None, None;
+(``epochs``, ``max_train_steps``, ``max_grad_norm`` and ``schedule`` are passed to train_loop as
+``num_train_epochs``, ``max_train_steps``, ``max_grad_norm`` and ``accumulation_schedule``;
+missing keys mean 1, None, None, None. With a schedule, ``K`` is the Accelerator's K at build time.
 ``mixed_precision`` goes to the Accelerator, missing means "no".)
 
 For every scenario it writes under OUT_DIR/<name>/:
@@ -124,6 +126,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path) -> None:
         loss_normalization=sc["mode"],
         callbacks=[rec],
         progress=False,
+        accumulation_schedule={s: k for s, k in sc["schedule"]} if sc.get("schedule") else None,
     )
 
     d = out_dir / sc["name"]
@@ -141,6 +144,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path) -> None:
         "len_dataloader": len(loader),
         "train_loss": result.train_loss,
         "step_tokens": result.step_tokens,
+        "step_accumulation_steps": result.step_accumulation_steps,
         "micro_batches": result.micro_batches,
         "optimizer_steps": result.optimizer_steps,
         "epochs": result.epochs,

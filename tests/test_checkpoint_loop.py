@@ -24,6 +24,7 @@ import test_exactness as ex
 WORKER = jh.REPO / "tests" / "ckpt_worker.py"
 TIMEOUT_S = 300
 DROPOUT = dict(ex.MODEL_CONFIG, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+SCHEDULE = [[0, 1], [1, 3], [5, 2]]
 
 
 def _sc(name, *, K=3, epochs=2, max_train_steps=None, resume_from=(), **kw):
@@ -45,6 +46,9 @@ SCENARIOS = {
         # the oracle scenario: test_exactness's data and model, SGD, no shuffling, no clipping
         _sc("oracle_sgd", model_config=ex.MODEL_CONFIG, examples=ex.EXAMPLES, optimizer="sgd", lr=ex.LR,
             scheduler="constant", max_grad_norm=None, shuffle=False, resume_from=(1, 2)),
+        # batch-size warm-up (K 1, 3, 2) with linear LR scaling: resumed inside the K=3 phase (2), right
+        # after the switch to K=2 at an epoch start (5: 11 micro-batches = 1 + 3 + 3 + 3 + 1), and mid-phase (6)
+        _sc("schedule_lr", K=1, schedule=SCHEDULE, lr_scaling="linear", resume_from=(2, 5, 6)),
     ],
     # one process: the RandomSampler has no generator and seeds each epoch from the global torch RNG
     1: [_sc("one_process", resume_from=(4, 8))],
@@ -110,3 +114,23 @@ def test_resumed_sgd_run_matches_single_process_oracle(runs, step):
     assert len(windows) == 4 and len(windows[1]) < sc["K"] * 2  # 2 epochs of windows 3, 2 (partial)
     ex.assert_params_match(resumed["steps"], params[step:], f"resumed from step {step}")
     assert resumed["train_loss"] == pytest.approx([l["tokens"] for l in losses], rel=ex.LOSS_RTOL)
+
+
+def test_schedule_resume_follows_the_schedule_and_scales_the_learning_rate(runs):
+    """K per step follows the schedule, restored history included; the linear rule multiplies the
+    cosine schedule's rate by K / K_first from the switch on, in the uninterrupted and the resumed runs."""
+    import math
+
+    full = runs[2]["schedule_lr"]["full"]
+    # 11 micro-batches per epoch: windows 1, 3, 3, 3, 1 (epoch 0; K=3 from step 1), then K=2 from step 5
+    assert full["step_accumulation_steps"] == [1, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2]
+    assert full["micro_batches"] == 22
+    steps, warmup = len(full["lrs"]), 2  # the worker's num_warmup_steps; one scheduler step per process
+    for s, (k, lr) in enumerate(zip(full["step_accumulation_steps"], full["lrs"])):
+        shape = s / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
+        assert lr == pytest.approx(1e-2 * k * shape, rel=1e-9, abs=1e-15), f"step {s + 1}: lr {lr}, K {k}"
+    for step in (2, 5, 6):
+        resumed = runs[2]["schedule_lr"][f"resumed_{step}"]
+        assert resumed["step_accumulation_steps"] == full["step_accumulation_steps"]
+        assert resumed["lrs"] == full["lrs"][step:]
+        assert resumed["base_lrs"] == full["base_lrs"] == [pytest.approx(2e-2)]  # 1e-2 x K 2 / K 1 at the end

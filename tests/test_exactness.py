@@ -22,6 +22,11 @@ own. ``max_train_steps`` stops the run after that many windows (possibly in the
 middle of an epoch, or in a later epoch than ``num_train_epochs``). With
 ``max_grad_norm`` the exact big-batch gradient is clipped as by
 ``torch.nn.utils.clip_grad_norm_`` before the SGD step.
+
+An accumulation schedule (``{optimizer step: K}``) changes K only at window
+boundaries: the window after N optimizer steps holds the K of the largest key
+<= N micro-batches per process, or what is left of the epoch. The oracle cuts
+those windows here from the schedule alone (:func:`scheduled_run`).
 """
 
 from __future__ import annotations
@@ -76,11 +81,16 @@ MODEL_CONFIG = dict(
 MAX_GRAD_NORM = 0.05  # below the unclipped big-batch gradient norm (checked in the clipping test)
 
 
+#: Batch-size warm-up: K=1 for the first step, 3 for steps 2-3, then 2. On 2 processes (5 micro-batches
+#: per epoch) the windows are 1, 3, 1 (partial) | 2, 2, 1 (partial); on one (10): 1, 3, 3, 2, 1 | 2 x 5.
+SCHEDULE = [[0, 1], [1, 3], [3, 2]]
+
+
 def _sc(name, K, mode="tokens", sync_each_batch=False, epochs=1, max_train_steps=None, max_grad_norm=None,
-        mixed_precision="no"):
+        mixed_precision="no", schedule=None):
     return {"name": name, "K": K, "B": B, "mode": mode, "sync_each_batch": sync_each_batch,
             "epochs": epochs, "max_train_steps": max_train_steps, "max_grad_norm": max_grad_norm,
-            "mixed_precision": mixed_precision}
+            "mixed_precision": mixed_precision, "schedule": schedule}
 
 
 SCENARIOS = {
@@ -92,6 +102,7 @@ SCENARIOS = {
         _sc("tok_k3_2ep", 3, epochs=2),  # epoch: windows of 3, 3, 3, 1 micro-batches
         _sc("tok_k3_max2", 3, max_train_steps=2),  # 2 of the epoch's 4 steps
         _sc("tok_k4_clip", 4, max_grad_norm=MAX_GRAD_NORM),
+        _sc("tok_sched_2ep", 1, epochs=2, schedule=SCHEDULE),
     ],
     2: [
         _sc("tok_k1", 1),
@@ -104,14 +115,15 @@ SCENARIOS = {
         _sc("tok_k2_max2", 2, max_train_steps=2),  # 2 of the epoch's 3 steps; 1 micro-batch left
         _sc("tok_k3_max3", 3, max_train_steps=3),  # overrides num_train_epochs=1: stops inside epoch 2
         _sc("tok_k3_clip", 3, max_grad_norm=MAX_GRAD_NORM),
+        _sc("tok_sched_2ep", 1, epochs=2, schedule=SCHEDULE),  # K of the Accelerator at build time: the first
     ],
 }
 
 
 def _is_base(sc) -> bool:
-    """One full epoch, no clipping, fp32: the scenarios of the original tests (2) and (3)."""
+    """One full epoch, no clipping, fp32, one K: the scenarios of the original tests (2) and (3)."""
     return (sc["epochs"] == 1 and sc["max_train_steps"] is None and sc["max_grad_norm"] is None
-            and sc["mixed_precision"] == "no")
+            and sc["mixed_precision"] == "no" and not sc["schedule"])
 
 
 def make_examples(n=N_EXAMPLES, seed=1234):
@@ -248,9 +260,35 @@ def _epochs(sc):
     return itertools.count() if sc["max_train_steps"] else range(sc["epochs"])
 
 
+def scheduled_run(world: int, sc, reset_counter=True):
+    """The windows of a run under ``sc["schedule"]``: ``[(epoch, [local micro-batch indices], K)]``.
+
+    Written from the schedule's definition only: after ``s`` optimizer steps the next window takes the
+    K of the largest key <= s, up to the end of the epoch (a partial window is still a step).
+    ``reset_counter=False`` is WRONG on purpose: Accelerate's micro-batch counter running on across a
+    K switch (it is reset only at the end of the dataloader), so a window ends when counter % K == 0.
+    """
+    keys = dict((int(a), int(b)) for a, b in sc["schedule"])
+    per_process = N_EXAMPLES // (B * world)
+    out = []
+    for epoch in range(sc["epochs"]):
+        window, counter = [], 0
+        for j in range(per_process):
+            k = keys[max(key for key in keys if key <= len(out))]
+            window.append(j)
+            counter += 1
+            full = (counter % k == 0) if not reset_counter else len(window) == k
+            if full or j == per_process - 1:
+                out.append((epoch, window, k))
+                window = []
+    return out
+
+
 def expected_schedule(world: int, sc):
     """Per local micro-batch of the whole run: (epoch, boundary). Each epoch restarts the windows;
     the run stops right after the max_train_steps-th boundary."""
+    if sc.get("schedule"):
+        return [(epoch, j == w[-1]) for epoch, w, _ in scheduled_run(world, sc) for j in w]
     per_process = N_EXAMPLES // (B * world)
     epoch_flags = expected_boundaries(per_process, sc["K"])
     schedule, steps = [], 0
@@ -263,8 +301,12 @@ def expected_schedule(world: int, sc):
     return schedule
 
 
-def run_windows(world: int, sc):
+def run_windows(world: int, sc, reset_counter=True):
     """The windows of the whole run: the epoch's windows once per epoch, cut after max_train_steps."""
+    if sc.get("schedule"):
+        global_batches = [EXAMPLES[i : i + B] for i in range(0, len(EXAMPLES), B)]
+        return [[global_batches[j * world + r] for j in w for r in range(world)]
+                for _, w, _ in scheduled_run(world, sc, reset_counter)]
     epoch_windows = windows_for(world, sc["K"])
     windows = []
     for _ in _epochs(sc):
@@ -509,7 +551,7 @@ def test_micro_batch_schedule(runs, world, name):
     assert len(run["steps"]) == len(run_windows(world, sc)), f"W={world} {name}: saved steps"
 
 
-@pytest.mark.parametrize("world,name", _cases_where(lambda sc: sc["epochs"] > 1))
+@pytest.mark.parametrize("world,name", _cases_where(lambda sc: sc["epochs"] > 1 and not sc["schedule"]))
 def test_epochs_restart_windows_and_match_big_batch(runs, world, name):
     """Epoch 2 repeats epoch 1's windows; epoch 1's partial window is a step of its own."""
     run = runs[world][name]
@@ -565,6 +607,10 @@ def _wrong_oracle(run, world, wrong):
         kwargs = {}
     elif wrong == "clip_before_rescale":
         kwargs["clip_before_rescale"] = True
+    elif wrong == "counter_not_reset":  # Accelerate's micro-batch counter not reset when K changes
+        windows = run_windows(world, sc, reset_counter=False)
+    elif wrong == "first_k_only":  # the schedule ignored: K of step 0 throughout
+        windows = run_windows(world, {**sc, "schedule": [[0, sc["schedule"][0][1]]]})
     else:
         rule = wrong
     params, _ = oracle_run(run["init"], windows, rule, sc["K"], world, **kwargs)
@@ -587,6 +633,10 @@ def _wrong_oracle(run, world, wrong):
         (2, "tok_k3_clip", "no_clip"),
         (1, "tok_k4_clip", "clip_before_rescale"),
         (2, "tok_k3_clip", "clip_before_rescale"),
+        (1, "tok_sched_2ep", "counter_not_reset"),
+        (2, "tok_sched_2ep", "counter_not_reset"),
+        (1, "tok_sched_2ep", "first_k_only"),
+        (2, "tok_sched_2ep", "first_k_only"),
     ],
 )
 def test_oracle_is_sensitive(runs, world, name, wrong_rule):
@@ -671,3 +721,43 @@ def test_bf16_update_matches_fp32_oracle_each_step(runs, world, name):
     print(f"{label}: bf16 normwise deviation per step {['%.2e' % e for e in errors]}, tolerance {BF16_RTOL:.2e}")
     # fp32 lands near 1e-7 (test (2)); a deviation this small would mean autocast did not run.
     assert max(errors) > 1e-5, f"{label}: deviations {errors} look like fp32: did bf16 autocast run?"
+
+
+# --------------------------------------------------------------------------- (6) accumulation schedule
+
+_SCHEDULED = _cases_where(lambda sc: bool(sc["schedule"]))
+
+
+@pytest.mark.parametrize("world,name", _SCHEDULED)
+def test_schedule_windows_have_the_schedules_sizes(runs, world, name):
+    """The run's windows follow the schedule: K per step, partial windows at epoch ends, and sizes that differ."""
+    run = runs[world][name]
+    sc = run["scenario"]
+    planned = scheduled_run(world, sc)
+    ks = [k for _, _, k in planned]
+    sizes = [len(w) for _, w, _ in planned]
+    assert len(set(ks)) == len(sc["schedule"]) and any(n < k for n, k in zip(sizes, ks)), "scenario too simple"
+    if world == 2:
+        assert sizes == [1, 3, 1, 2, 2, 1], sizes  # the layout SCHEDULE's comment promises
+    for info in run["ranks"]:
+        assert info["step_accumulation_steps"] == ks, f"W={world} rank {info['rank']}: K per step"
+        assert info["gradient_accumulation_steps"] == ks[-1], "the Accelerator ends on the last window's K"
+
+
+@pytest.mark.parametrize("world,name", _SCHEDULED)
+def test_schedule_matches_big_batch_each_step(runs, world, name):
+    """Every window (sizes 1, 3, 2 and partial ones) equals one big batch on one process; prints the
+    largest parameter deviation per phase of the schedule."""
+    run = runs[world][name]
+    sc = run["scenario"]
+    losses = _check_run_against_oracle(run, world)
+    params, _ = oracle_run(run["init"], run_windows(world, sc), "tokens", sc["K"], world)
+    planned = scheduled_run(world, sc)
+    phases: dict = {}
+    for s, ((_, w, k), got, want) in enumerate(zip(planned, run["steps"], params)):
+        diff, _ = max_excess(got, want)
+        key = max(a for a, _ in sc["schedule"] if a <= s)
+        phases[(key, k)] = max(phases.get((key, k), 0.0), diff)
+    print(f"\nW={world} {name}: largest |param - oracle| per phase (from step, K): "
+          + ", ".join(f"{key}: {d:.2e}" for key, d in sorted(phases.items())))
+    assert len(losses) == len(planned)

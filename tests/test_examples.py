@@ -158,3 +158,24 @@ def test_checkpointing_resume_replays_the_uninterrupted_run(example_results):
         assert r["final_parameters_sha256"] == f["final_parameters_sha256"]
     assert full[0]["final_parameters_sha256"] == full[1]["final_parameters_sha256"]  # DDP replicas agree
     assert full[0]["eval_loss_after"] < full[0]["eval_loss_before"] - 0.1
+
+
+def test_schedule_windows_follow_the_schedule(example_results):
+    """by_feature/schedule.py: each step's K, micro-batches and window tokens, from the schedule text alone.
+
+    Packed blocks of 128 tokens are all targets but the first (127 per example); a window of K
+    micro-batches of 4 examples on each of 2 processes therefore counts K x 4 x 2 x 127 tokens.
+    """
+    from conftest import SCHEDULE
+
+    r0, r1 = ok(example_results["schedule"])
+    pairs = sorted((int(a), int(b)) for a, b in (p.split(":") for p in SCHEDULE.split(",")))
+    ks = [max((s, k) for s, k in pairs if s <= step)[1] for step in range(8)]
+    assert ks == [1, 1, 2, 2, 2, 4, 4, 4]
+    for r in (r0, r1):
+        assert r["world_size"] == 2 and len(r["train_loss"]) == 8
+        assert r["step_accumulation_steps"] == ks
+        assert r["micro_batches"] == sum(ks)  # per process: the windows grew as scheduled
+        assert r["step_tokens"] == [k * 4 * 2 * 127 for k in ks]
+    assert r0["train_loss"] == r1["train_loss"]
+    assert r0["eval_loss_after"] < r0["eval_loss_before"] - 0.1, r0

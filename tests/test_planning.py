@@ -416,3 +416,74 @@ def test_python_m_accum_kit_plan(capsys):
     assert cli.main(argv) == 0
     assert proc.stdout == capsys.readouterr().out
     assert "PARTIAL: 1 of 3 micro-batches" in proc.stdout
+
+
+# ---------------------------------------------------------------- accumulation schedule (batch-size warm-up)
+
+
+def test_cli_schedule_phases_with_tokens_and_epochs(capsys):
+    # B=8, P=2, N=4000: M = 4000 / 16 = 250 micro-batches per process per epoch; 3 epochs.
+    code, out, err = run(capsys, "--per_device_train_batch_size", "8", "--num_processes", "2",
+                         "--num_examples", "4000", "--accumulation_schedule", "0:1,100:2,300:4",
+                         "--block_size", "1024", "--num_train_epochs", "3", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    phases = data["schedule"]
+    # epoch 0: steps 0-99 K=1 (100 mb), 150 mb left at K=2 -> 75 steps (175 done).
+    # epoch 1: K=2 steps 175-299 = 125 steps (250 mb, the whole epoch; 300 done).
+    # epoch 2: K=4: ceil(250 / 4) = 63 steps (62 full + a partial window of 2); 363 done.
+    assert [(p["start_step"], p["end_step"], p["gradient_accumulation_steps"]) for p in phases] == [
+        (0, 100, 1), (100, 300, 2), (300, 363, 4)]
+    assert [p["steps"] for p in phases] == [100, 200, 63]
+    assert [p["micro_batches_per_process"] for p in phases] == [100, 400, 250]
+    assert [p["examples_per_step"] for p in phases] == [16, 32, 64]  # B x K x P
+    assert [p["tokens_per_step"] for p in phases] == [16 * 1024, 32 * 1024, 64 * 1024]
+    assert [p["epochs"] for p in phases] == [pytest.approx(0.4), pytest.approx(1.6), pytest.approx(1.0)]
+    assert data["batch"]["gradient_accumulation_steps"] == 1  # the schedule's K at step 0
+
+
+def test_cli_schedule_text_without_examples_says_what_is_missing(capsys):
+    code, out, _ = run(capsys, "--per_device_train_batch_size", "4", "--accumulation_schedule", "0:1,10:2,30:4")
+    assert code == 0
+    assert "Accumulation schedule" in out and "to the end" in out
+    assert "pass --block_size for tokens per step" in out and "pass --num_examples" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0-", "10-", "30-"))]
+    assert rows == [["0-10", "1", "4", "10"], ["10-30", "2", "8", "20"], ["30-", "4", "16", "to", "the", "end"]]
+
+
+@pytest.mark.parametrize("argv,flag,detail", [
+    (["--accumulation_schedule", "10:2"], "--accumulation_schedule", "no K for step 0"),
+    (["--accumulation_schedule", "0:1,5"], "--accumulation_schedule", "'5' is not a STEP:K pair"),
+    (["--accumulation_schedule", "0:0"], "--accumulation_schedule (K at step 0)", "got 0"),
+    (["--accumulation_schedule", "0:1,-3:2"], "--accumulation_schedule (step)", "got -3"),
+    (["--accumulation_schedule", "0:1,4:2,4:3"], "--accumulation_schedule", "step 4 appears twice"),
+    (["--accumulation_schedule", "0:2", "--gradient_accumulation_steps", "3"], "--gradient_accumulation_steps",
+     "--accumulation_schedule"),
+    (["--accumulation_schedule", "0:2", "--target_batch_size", "64"], "--target_batch_size", "sets K"),
+])
+def test_cli_schedule_bad_input_exit_2(capsys, argv, flag, detail):
+    code, out, err = run(capsys, "--per_device_train_batch_size", "4", *argv)
+    assert code == 2 and out == ""
+    assert err.startswith(f"error: {flag}: ") and detail in err, err
+
+
+def test_scheduled_steps_equals_a_micro_batch_by_micro_batch_count():
+    """The phase-jumping count against the definition, walked one micro-batch at a time."""
+    import itertools
+
+    from accum_kit.planning import optimizer_steps_per_epoch, scheduled_steps
+
+    def walk(m, schedule, epochs):
+        steps = 0
+        for _ in range(epochs):
+            size = 0
+            for j in range(m):
+                k = schedule[max(s for s in schedule if s <= steps)]
+                size += 1
+                if size == k or j == m - 1:
+                    steps, size = steps + 1, 0
+        return steps
+
+    for m, schedule, epochs in itertools.product((1, 5, 7, 23), ({0: 1, 1: 3, 3: 2}, {0: 4, 2: 1}, {0: 3}), (1, 3)):
+        assert scheduled_steps(m, schedule, epochs) == walk(m, schedule, epochs), (m, schedule, epochs)
+    assert scheduled_steps(23, {0: 4}, 3) == 3 * optimizer_steps_per_epoch(23, 4)

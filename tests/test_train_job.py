@@ -271,6 +271,31 @@ def test_single_process_padded_epoch(inproc, capsys, tmp_path, corpus):
     assert jh.staging_leftovers(out) == []
 
 
+def test_single_process_schedule_reports_k_batch_and_scaled_lr_per_step(inproc, capsys, tmp_path, corpus):
+    """--accumulation_schedule 0:1,2:2,4:3 --lr_scaling linear, constant LR: per step K 1,1,2,2,3,3, so
+    window tokens K x 2 x 63, effective batch 2K and learning rate 3e-3 x K, in the summary and TensorBoard."""
+    out = tmp_path / "scheduled"
+    code, _, err = run_main(capsys, job_flags(
+        out, "--accumulation_schedule", "0:1,2:2,4:3", "--lr_scaling", "linear", "--lr_scheduler_type", "constant",
+        "--max_train_steps", 6, "--per_device_train_batch_size", 2, "--max_train_samples", MAX_TRAIN,
+        "--max_eval_samples", MAX_EVAL, "--with_tracking", "--report_to", "tensorboard", train_file=corpus))
+    assert code == 0, err[-4000:]
+    ks = [1, 1, 2, 2, 3, 3]
+    s = load_summary(out)
+    assert s["accumulation_schedule"] == [[0, 1], [2, 2], [4, 3]] and s["lr_scaling"] == "linear"
+    assert s["gradient_accumulation_steps"] == 1  # K at step 0
+    assert s["gradient_accumulation_steps_per_step"] == ks
+    assert s["effective_batch_size_per_step"] == [2 * k for k in ks]
+    assert s["micro_batches_per_process"] == sum(ks) < MAX_TRAIN // 2  # the epoch never ends
+    tb = tensorboard_scalars(out / "accum_kit")
+    for step, k in enumerate(ks, start=1):
+        assert tb["train/gradient_accumulation_steps"][step] == k
+        assert tb["train/effective_batch_size"][step] == 2 * k
+        assert tb["train/window_tokens"][step] == k * 2 * (BLOCK - 1)  # full packed blocks: 63 targets each
+        assert tb["train/learning_rate"][step] == pytest.approx(3e-3 * k, rel=1e-6)
+    assert s["tokens_per_second"] * s["train_seconds"] == pytest.approx(sum(ks) * 2 * (BLOCK - 1), rel=1e-9)
+
+
 def test_finetune_from_saved_ddp_model(inproc, capsys, tmp_path, ddp_run, corpus):
     """--model_name_or_path: the 2-process job's output loads, and evaluates to the loss it reported."""
     _, ddp_out = ddp_run
@@ -317,6 +342,11 @@ BAD_INPUT = {
                                 "no-such-user/no-such-dataset"),
     "missing_model_path": (["--model_name_or_path", "{tmp}/no_such_model"], "--model_name_or_path", "no_such_model"),
     "output_dir_is_a_file": (["--output_dir", "{tmp}/stdlib_corpus_copy.txt"], "--output_dir", "not a directory"),
+    # the argv of these cases already has --gradient_accumulation_steps 2
+    "schedule_disagrees_with_k": (["--accumulation_schedule", "0:1,4:2"], "--gradient_accumulation_steps",
+                                  "--accumulation_schedule, whose K at step 0 is 1"),
+    "schedule_without_step_0": (["--accumulation_schedule", "3:2"], "--accumulation_schedule", "no K for step 0"),
+    "lr_scaling_without_schedule": (["--lr_scaling", "linear"], "--lr_scaling", "no --accumulation_schedule"),
 }
 
 

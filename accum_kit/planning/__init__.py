@@ -21,7 +21,12 @@ Three questions answered before a run, without a GPU (and without importing torc
    measurement, and the K that keeps communication under a share;
    :mod:`.whatif_bench` compares it with a ``bench.json`` (``--compare_bench``).
 
-:func:`make_plan` answers all four from keywords named like the flags and
+5. **Accumulation schedule** (:mod:`.schedule`, ``--accumulation_schedule``):
+   batch-size warm-up ``{step: K}``; K at a step, steps of a run
+   (:func:`scheduled_steps`) and a phase table of K, examples, tokens,
+   steps and epochs (:func:`schedule_phases`).
+
+:func:`make_plan` answers all of them from keywords named like the flags and
 :func:`format_plan` prints them (:mod:`.report`); every result is a dataclass,
 and ``--json`` prints the same fields. The command line contract
 (``ARGUMENTS``, ``DESCRIPTION``, ``run_command``) is in :mod:`.command`.
@@ -41,6 +46,14 @@ from .lr import (
     scale_learning_rate,
 )
 from .report import PlanReport, format_plan, make_plan
+from .schedule import (
+    SchedulePhase,
+    accumulation_steps_at,
+    check_accumulation_schedule,
+    parse_accumulation_schedule,
+    schedule_phases,
+    scheduled_steps,
+)
 from .solve import AccumulationSolution, solve_accumulation_steps
 
 __all__ = [
@@ -53,9 +66,15 @@ __all__ = [
     "PlanArguments",
     "PlanReport",
     "SOURCES",
+    "SchedulePhase",
     "WARMUP_EPOCHS",
     "WARMUP_MULTIPLIER_THRESHOLD",
     "WARMUP_SOURCE",
+    "accumulation_steps_at",
+    "check_accumulation_schedule",
+    "parse_accumulation_schedule",
+    "schedule_phases",
+    "scheduled_steps",
     "effective_batch_size",
     "format_plan",
     "make_plan",

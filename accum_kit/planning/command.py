@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from .. import checks
 from .lr import LEARNING_RATE_FIX, LR_RULES
-from .report import check_learning_rate_flags, check_target_flags, format_plan, make_plan
+from .report import check_learning_rate_flags, check_schedule_flags, check_target_flags, format_plan, make_plan
+from .schedule import parse_accumulation_schedule
 from .whatif import DEFAULT_ACCUMULATION_STEPS, DEFAULT_MAX_COMM_SHARE, INTERCONNECTS, check_whatif_flags
 
 DESCRIPTION = (
@@ -61,6 +62,13 @@ class PlanArguments:
     compare_bench: str | None = field(default=None, metadata={
         "help": "What-if: a bench.json of `accum-kit bench` on the profiled machine: print predicted vs "
                 "measured step times per K."})
+    accumulation_schedule: str | None = field(default=None, metadata={
+        "help": "Batch-size warm-up, STEP:K pairs from step 0, e.g. 0:1,100:2,300:4 (as train takes it): print "
+                "each phase's K, examples, tokens and steps; K is its K at step 0."})
+    block_size: int | None = field(default=None, metadata={
+        "help": "Tokens per example, for tokens per optimizer step in the schedule table."})
+    num_train_epochs: int = field(default=1, metadata={
+        "help": "With --accumulation_schedule and --num_examples: epochs of the run whose steps are counted."})
     json: bool = field(default=False, metadata={"help": "Print JSON instead of the text table."})
 
     def __post_init__(self):
@@ -70,6 +78,12 @@ class PlanArguments:
             if getattr(self, flag) is not None:
                 checks.at_least(f"--{flag}", getattr(self, flag))
         check_target_flags(self.target_batch_size, self.gradient_accumulation_steps)
+        for flag in ("block_size", "num_train_epochs"):
+            if getattr(self, flag) is not None:
+                checks.at_least(f"--{flag}", getattr(self, flag))
+        if self.accumulation_schedule is not None and not isinstance(self.accumulation_schedule, dict):
+            self.accumulation_schedule = parse_accumulation_schedule(self.accumulation_schedule)
+        check_schedule_flags(self.accumulation_schedule, self.gradient_accumulation_steps, self.target_batch_size)
         if self.base_learning_rate is not None:
             checks.positive("--base_learning_rate", self.base_learning_rate, fix=LEARNING_RATE_FIX)
         if self.base_batch_size is not None:
@@ -109,6 +123,9 @@ def run_command(args: PlanArguments) -> int:
         accumulation_steps=args.accumulation_steps,
         max_comm_share=args.max_comm_share,
         compare_bench=args.compare_bench,
+        accumulation_schedule=args.accumulation_schedule,
+        block_size=args.block_size,
+        num_train_epochs=args.num_train_epochs,
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_plan(report))
     return 0

@@ -9,6 +9,7 @@ from tabulate import tabulate
 from ..errors import UsageError
 from ..settings import resolve_accumulation_steps
 from .batch import BatchPlan, plan_batch
+from .schedule import SchedulePhase, schedule_phases
 from .lr import LR_RULES, WARMUP_EPOCHS, WARMUP_MULTIPLIER_THRESHOLD, WARMUP_SOURCE, LearningRateScaling, scale_learning_rate
 from .solve import AccumulationSolution, solve_accumulation_steps
 from .whatif import (
@@ -26,12 +27,14 @@ from .whatif_bench import compare_with_bench, format_comparison
 @dataclass(frozen=True)
 class PlanReport:
     """Everything ``accum-kit plan`` prints: ``solution`` only with a target,
-    ``learning_rates`` only with a base learning rate, ``whatif`` only with a profile."""
+    ``learning_rates`` only with a base learning rate, ``whatif`` only with a profile,
+    ``schedule`` (one row per phase) only with an accumulation schedule."""
 
     batch: BatchPlan
     solution: AccumulationSolution | None = None
     learning_rates: tuple[LearningRateScaling, ...] = ()
     whatif: WhatIfReport | None = None
+    schedule: tuple[SchedulePhase, ...] = ()
 
     def to_dict(self) -> dict:
         """The report as plain JSON-ready dicts (what ``--json`` prints)."""
@@ -40,6 +43,7 @@ class PlanReport:
             "solution": asdict(self.solution) if self.solution else None,
             "learning_rates": [asdict(s) for s in self.learning_rates],
             "whatif": self.whatif.to_dict() if self.whatif else None,
+            "schedule": [asdict(p) for p in self.schedule] or None,
         }
 
 
@@ -58,6 +62,25 @@ def check_learning_rate_flags(base_learning_rate: float | None, base_batch_size:
     if lr_scaling is not None and base_learning_rate is None:
         raise UsageError("--lr_scaling", "needs --base_learning_rate and --base_batch_size",
                          "pass both, e.g. --base_learning_rate 1e-4 --base_batch_size 256")
+
+
+def check_schedule_flags(accumulation_schedule, gradient_accumulation_steps: int | None,
+                         target_batch_size: int | None) -> None:
+    """A schedule sets K: ``--gradient_accumulation_steps`` must agree with its K at step 0, and no target.
+
+    Raises:
+        UsageError: naming ``--gradient_accumulation_steps`` (disagrees) or ``--target_batch_size`` (given).
+    """
+    if accumulation_schedule is None:
+        return
+    first = accumulation_schedule[0]
+    if gradient_accumulation_steps is not None and gradient_accumulation_steps != first:
+        raise UsageError("--gradient_accumulation_steps", f"{gradient_accumulation_steps} conflicts with "
+                         f"--accumulation_schedule, whose K at step 0 is {first}",
+                         "drop --gradient_accumulation_steps (the schedule sets K) or make them agree")
+    if target_batch_size is not None:
+        raise UsageError("--target_batch_size", "cannot be combined with --accumulation_schedule, which sets K",
+                         "omit one of them")
 
 
 def check_target_flags(target_batch_size: int | None, gradient_accumulation_steps: int | None) -> None:
@@ -92,6 +115,9 @@ def make_plan(
     accumulation_steps=DEFAULT_ACCUMULATION_STEPS,
     max_comm_share: float = DEFAULT_MAX_COMM_SHARE,
     compare_bench: str | None = None,
+    accumulation_schedule=None,
+    block_size: int | None = None,
+    num_train_epochs: int = 1,
 ) -> PlanReport:
     """All of ``accum-kit plan`` from keyword arguments named like its flags.
 
@@ -104,11 +130,18 @@ def make_plan(
     or with ``from_profile`` the profile's world size. ``from_profile`` adds
     the what-if section (:func:`accum_kit.planning.whatif.make_whatif`, which
     documents the other what-if keywords), its arithmetic shown for this K.
+    ``accumulation_schedule`` (``{step: K}``, checked) sets K to its K at step 0
+    and adds one row per phase: K, examples (and with ``block_size`` input
+    tokens) per step, steps, and with ``num_examples`` micro-batches and epochs
+    over ``num_train_epochs`` epochs (:func:`accum_kit.planning.schedule.schedule_phases`).
 
     Raises:
         UsageError: bad or inconsistent values; the message names the flag.
     """
     check_target_flags(target_batch_size, gradient_accumulation_steps)
+    check_schedule_flags(accumulation_schedule, gradient_accumulation_steps, target_batch_size)
+    if accumulation_schedule is not None:
+        gradient_accumulation_steps = accumulation_schedule[0]
     check_whatif_flags(from_profile, num_machines, num_processes, interconnect, busbw_GBps, accumulation_steps,
                        max_comm_share, compare_bench)
     if num_processes is None:
@@ -140,7 +173,12 @@ def make_plan(
             p = whatif.profile
             whatif = replace(whatif, comparison=compare_with_bench(
                 compare_bench, p, p.compute_seconds, whatif.exposed_comm_seconds, p.other_seconds, num_processes))
-    return PlanReport(batch, solution, rates, whatif)
+    phases = ()
+    if accumulation_schedule is not None:
+        phases = tuple(schedule_phases(accumulation_schedule, B, num_processes, block_size=block_size,
+                                       micro_batches_per_epoch=batch.micro_batches_per_process,
+                                       num_train_epochs=num_train_epochs))
+    return PlanReport(batch, solution, rates, whatif, phases)
 
 
 def _g(x: float) -> str:
@@ -226,12 +264,35 @@ def _learning_rate_lines(rates: tuple[LearningRateScaling, ...]) -> list[str]:
     return lines
 
 
+def _schedule_lines(phases: tuple[SchedulePhase, ...]) -> list[str]:
+    known = phases[0].micro_batches_per_process is not None
+    tokens = phases[0].tokens_per_step is not None
+    headers = ["steps done", "K", "examples/step", *(["tokens/step"] if tokens else []), "optimizer steps",
+               *(["micro-batches/process", "epochs"] if known else [])]
+    rows = []
+    for p in phases:
+        span = f"{p.start_step}-{p.end_step}" if p.end_step is not None else f"{p.start_step}-"
+        rows.append([span, p.gradient_accumulation_steps, p.examples_per_step,
+                     *([p.tokens_per_step] if tokens else []), p.steps if p.steps is not None else "to the end",
+                     *([p.micro_batches_per_process, f"{p.epochs:.3g}"] if known else [])])
+    scope = (f"{sum(p.epochs for p in phases):.3g} epoch(s) of --num_examples; an epoch's last window may be partial" if known
+             else "pass --num_examples for the steps of the last phase and the epochs")
+    lines = ["", f"Accumulation schedule (the batch plan above is for the K at step 0; K changes at window "
+                 f"boundaries; {scope})",
+             _indent(tabulate(rows, headers=headers, tablefmt="plain", disable_numparse=True))]
+    if not tokens:
+        lines.append("  note: examples only; pass --block_size for tokens per step")
+    return lines
+
+
 def format_plan(report: PlanReport) -> str:
     """The text ``accum-kit plan`` prints: the solution (with a target), the batch
     plan as a two-column table, the learning-rate rules as a table (with a base rate) and
     the what-if predictions (with a profile)."""
     lines = _solution_lines(report.solution) if report.solution is not None else []
     lines += _batch_lines(report.batch)
+    if report.schedule:
+        lines += _schedule_lines(report.schedule)
     if report.learning_rates:
         lines += _learning_rate_lines(report.learning_rates)
     if report.whatif is not None:

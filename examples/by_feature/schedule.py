@@ -1,0 +1,81 @@
+"""examples/custom_loop.py plus a batch-size warm-up (diff marked ``# New Code #``).
+
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml examples/by_feature/schedule.py \
+        --accumulation_schedule 0:1,10:2,20:4 --lr_scaling linear
+
+``train_loop(..., accumulation_schedule={0: 1, 10: 2, 20: 4})`` runs the
+windows of optimizer steps 1-10 with 1 micro-batch per process, steps 11-20
+with 2 and later ones with 4: the effective batch grows 1x, 2x, 4x while the
+per-device batch (memory) stays the same. K changes only at window
+boundaries, every window is normalised with its own K and token count (each
+step is still one exact big batch), and DDP still all-reduces once per
+window. ``lr_scaling`` multiplies the learning rate by K / K_first (linear,
+Goyal et al. 2017) or its square root whenever K changes.
+"""
+
+import argparse
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import get_scheduler
+
+from accum_kit import build_accelerator, train_loop
+from accum_kit.data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
+from accum_kit.evaluation import evaluate_loss
+from accum_kit.models import build_model
+# New Code #
+from accum_kit.planning.schedule import parse_accumulation_schedule
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--train_file", default=None, help="local .txt/.json/.csv file; default: the Python stdlib sources")
+    p.add_argument("--model_preset", default="tiny", help="accum_kit.models.PRESETS key")
+    p.add_argument("--per_device_train_batch_size", type=int, default=4, help="examples per micro-batch per process")
+    p.add_argument("--block_size", type=int, default=128, help="tokens per example")
+    p.add_argument("--max_train_steps", type=int, default=30, help="optimizer steps")
+    p.add_argument("--learning_rate", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    # New Code # (no --gradient_accumulation_steps: the schedule sets K)
+    p.add_argument("--accumulation_schedule", default="0:1,10:2,20:4", help="STEP:K pairs, from step 0")
+    p.add_argument("--lr_scaling", default="none", choices=("none", "linear", "sqrt"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    # New Code #
+    schedule = parse_accumulation_schedule(args.accumulation_schedule)  # {step: K}, checked
+    accelerator = build_accelerator(schedule[0])  # cpu=True when needed, process-count check
+    tokenizer = build_tokenizer()  # bytes: no files needed
+    with accelerator.main_process_first():
+        raw, _ = load_raw_datasets(train_file=args.train_file)
+        data = tokenize_datasets(raw, tokenizer, block_size=args.block_size)
+    collate = build_collator(tokenizer)
+    train_dl = DataLoader(data["train"], batch_size=args.per_device_train_batch_size, shuffle=True, collate_fn=collate)
+    eval_dl = DataLoader(data["validation"].select(range(min(64, len(data["validation"])))), batch_size=8,
+                         collate_fn=collate)
+    model = build_model(args.model_preset, len(tokenizer), n_positions=args.block_size, seed=args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    # A prepared scheduler steps once per process per optimizer step: scale its lengths.
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0,
+                              num_training_steps=args.max_train_steps * accelerator.num_processes)
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+
+    before, _ = evaluate_loss(accelerator, model, eval_dl)
+    # New Code #
+    result = train_loop(accelerator, model, optimizer, train_dl, lr_scheduler=scheduler,
+                        max_train_steps=args.max_train_steps, max_grad_norm=1.0,
+                        accumulation_schedule=schedule, lr_scaling=args.lr_scaling)
+    after, _ = evaluate_loss(accelerator, model, eval_dl)
+    accelerator.print(f"eval loss {before:.3f} -> {after:.3f}; median {result.median_step_seconds:.3f} s/step, "
+                      f"{result.tokens_per_second:.0f} tokens/s on {accelerator.num_processes} processes")
+    # New Code #
+    return {"world_size": accelerator.num_processes, "eval_loss_before": before, "eval_loss_after": after,
+            "train_loss": result.train_loss, "step_accumulation_steps": result.step_accumulation_steps,
+            "step_tokens": result.step_tokens, "micro_batches": result.micro_batches}
+
+
+if __name__ == "__main__":
+    main()
