@@ -148,6 +148,20 @@ def text_lines(path: Path) -> list[str]:
     return [line for line in lines if line.strip()]
 
 
+def isolate_in_process(monkeypatch, datasets_cache) -> None:
+    """For a job run inside the test process: no launcher variables, offline hub, a private datasets cache,
+    and Accelerate's process-wide singletons forgotten (call :func:`reset_accelerate_state` again after)."""
+    import datasets
+    import huggingface_hub.constants
+
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", datasets_cache)
+    reset_accelerate_state()
+
+
 def reset_accelerate_state() -> None:
     """Forget Accelerate's process-wide singletons (what accelerate's own tests do between cases)."""
     from accum_kit.compat import reset_accelerate_state

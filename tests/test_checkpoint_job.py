@@ -171,15 +171,7 @@ def test_resumed_chain_equals_uninterrupted_run(jobs, work):
 
 @pytest.fixture
 def inproc(work, monkeypatch):
-    import datasets
-    import huggingface_hub.constants
-
-    for name in jh.LAUNCHER_VARS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", work / "hf_inproc")
-    jh.reset_accelerate_state()
+    jh.isolate_in_process(monkeypatch, work / "hf_inproc")
     yield monkeypatch
     jh.reset_accelerate_state()
 

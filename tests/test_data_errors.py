@@ -21,15 +21,7 @@ from accum_kit.data import first_invalid_utf8, json_problem, load_raw_datasets
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
     """No launcher variables, offline hub, a private datasets cache; Accelerate's singletons reset after."""
-    import datasets
-    import huggingface_hub.constants
-
-    for name in jh.LAUNCHER_VARS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets_cache")
-    jh.reset_accelerate_state()
+    jh.isolate_in_process(monkeypatch, tmp_path / "hf_datasets_cache")
     yield tmp_path
     jh.reset_accelerate_state()
 

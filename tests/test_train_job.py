@@ -61,15 +61,7 @@ def inproc(work, monkeypatch):
 
     Accelerate keeps process-wide singleton state; it is reset after every test.
     """
-    import datasets
-    import huggingface_hub.constants
-
-    for name in jh.LAUNCHER_VARS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", work / "hf_datasets_cache")
-    jh.reset_accelerate_state()
+    jh.isolate_in_process(monkeypatch, work / "hf_datasets_cache")
     yield monkeypatch
     jh.reset_accelerate_state()
 
