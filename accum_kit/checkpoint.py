@@ -32,7 +32,6 @@ against a power loss (no ``fsync`` of the large files, as in Accelerate).
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re

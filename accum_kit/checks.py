@@ -7,7 +7,9 @@ and exits 2. None of them imports torch.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Iterable
 
 from .errors import UsageError
@@ -79,3 +81,18 @@ def distinct_choices(flag: str, values: list, choices: Iterable) -> None:
         one_of(flag, v, choices)
     if len(set(values)) != len(values):
         raise UsageError(flag, f"repeated value in {values}", "give each value once")
+
+
+def json_file(flag: str, path, fix: str):
+    """The parsed contents of the JSON file ``path`` given to ``flag``.
+
+    Raises:
+        UsageError: the file is missing, unreadable or not JSON (the fix says what to pass).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(flag, f"no such file: {path}", fix)
+    try:
+        return json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(flag, f"{path} is not readable JSON ({e})", fix) from None

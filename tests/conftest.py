@@ -74,6 +74,18 @@ def example_results(tmp_path_factory):
     return results
 
 
+@pytest.fixture
+def accelerator(monkeypatch):
+    """A factory ``k -> build_accelerator(k, cpu=True)`` for one in-process run; Accelerate's state reset around it."""
+    from accum_kit import build_accelerator
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):
+        monkeypatch.delenv(var, raising=False)
+    jh.reset_accelerate_state()
+    yield lambda k: build_accelerator(k, cpu=True)
+    jh.reset_accelerate_state()
+
+
 def ok(results: list[dict]) -> list[dict]:
     """Fail with the example's traceback if any rank raised."""
     for r in results:

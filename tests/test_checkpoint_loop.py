@@ -11,9 +11,7 @@ single-process oracle of tests/test_exactness.py (one big batch per window).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import time
 
 import pytest
 import torch

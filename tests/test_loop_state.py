@@ -9,17 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import job_helpers as jh
-from accum_kit import build_accelerator, train_loop
-
-
-@pytest.fixture
-def accelerator(monkeypatch):
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):
-        monkeypatch.delenv(var, raising=False)
-    jh.reset_accelerate_state()
-    yield lambda k: build_accelerator(k, cpu=True)
-    jh.reset_accelerate_state()
+from accum_kit import train_loop
 
 
 def _prepared(acc, n_examples=8):

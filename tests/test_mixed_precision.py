@@ -23,7 +23,6 @@ accum_kit/verify/compare.py and tests/test_exactness.py).
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import random

@@ -14,20 +14,10 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import job_helpers as jh
-from accum_kit import build_accelerator, train_loop
+from accum_kit import train_loop
 from accum_kit.checkpoint import check_resumable
 from accum_kit.errors import UsageError
 from accum_kit.outputs import atomic_write_json
-
-
-@pytest.fixture
-def accelerator(monkeypatch):
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):
-        monkeypatch.delenv(var, raising=False)
-    jh.reset_accelerate_state()
-    yield lambda k: build_accelerator(k, cpu=True)
-    jh.reset_accelerate_state()
 
 
 def _prepared(acc, n_examples, lr=0.1):

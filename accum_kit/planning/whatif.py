@@ -50,10 +50,8 @@ and ``o`` are the profiled machine's: profile on the hardware you plan for.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from .. import checks
 from ..errors import UsageError
@@ -119,13 +117,7 @@ def load_profile(path: str) -> MeasuredProfile:
             without an all-reduce, or no no-sync micro-batch (K of 1 or
             ``--sync_each_batch``), so that c or the overlap cannot be measured.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError("--from_profile", f"no such file: {path}", PROFILE_FIX)
-    try:
-        summary = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError("--from_profile", f"{path} is not readable JSON ({e})", PROFILE_FIX) from None
+    summary = checks.json_file("--from_profile", path, PROFILE_FIX)
     comm = summary.get("comm") if isinstance(summary, dict) else None
     if not isinstance(comm, dict):
         raise UsageError("--from_profile", f"{path} has no comm block",

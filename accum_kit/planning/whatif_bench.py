@@ -10,11 +10,9 @@ of ``accum-kit plan``.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from tabulate import tabulate
 
+from .. import checks
 from ..errors import UsageError
 from ..stats import median
 from .whatif import MeasuredProfile, predict
@@ -24,13 +22,7 @@ BENCH_FIX = "pass the bench.json written by `accum-kit bench`"
 
 
 def _load(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError("--compare_bench", f"no such file: {path}", BENCH_FIX)
-    try:
-        bench = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError("--compare_bench", f"{path} is not readable JSON ({e})", BENCH_FIX) from None
+    bench = checks.json_file("--compare_bench", path, BENCH_FIX)
     if not isinstance(bench, dict) or not bench.get("rows") or not isinstance(bench.get("presets"), dict):
         raise UsageError("--compare_bench", f"{path} has no measured rows", BENCH_FIX)
     return bench
