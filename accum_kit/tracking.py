@@ -56,8 +56,10 @@ class TrackerLogger(LoopCallback):
     With a :class:`accum_kit.profiler.CommProfiler` (``profiler=``), also
     ``comm/allreduce_calls``, ``comm/allreduce_bytes`` (gradient buckets
     all-reduced by this process in that step) and ``comm/exposed_seconds`` (the
-    step's synchronised backward passes minus the median no-sync backward so
-    far: all-reduce time not hidden behind compute).
+    step's synchronised backward passes minus the median no-sync backward of
+    the latest window that had one: all-reduce time not hidden behind compute).
+    Each step reads only the records added since the previous step, so the
+    cost per step does not grow with the run.
 
     Args:
         accelerator: built with ``log_with=...``; call ``init_trackers`` first.
@@ -69,6 +71,8 @@ class TrackerLogger(LoopCallback):
         self.accelerator, self.optimizer, self.profiler = accelerator, optimizer, profiler
         self._t = None
         self._lr = None
+        self._seen_calls = self._seen_micro = 0  # profiler records already read
+        self._no_sync = None  # median no-sync backward seconds of the latest window with one
 
     def on_train_begin(self, state):
         self._t = time.perf_counter()
@@ -91,11 +95,12 @@ class TrackerLogger(LoopCallback):
         self.accelerator.log(values, step=state.step)
 
     def _comm(self, step: int) -> dict:
-        rec = self.profiler.records()
-        calls = [c for c in rec.calls if c.step == step]
-        no_sync = median(m.backward_seconds for m in rec.micro_batches if not m.sync)
-        synced = [m.backward_seconds for m in rec.micro_batches if m.step == step and m.sync]
-        exposed = sum(max(b - no_sync, 0.0) for b in synced) if (no_sync is not None and calls) else 0.0
+        calls = [c for c in self.profiler.calls[self._seen_calls:] if c.step == step]
+        micro = [m for m in self.profiler.micro_batches[self._seen_micro:] if m.step == step]
+        self._seen_calls, self._seen_micro = len(self.profiler.calls), len(self.profiler.micro_batches)
+        self._no_sync = median(m.backward_seconds for m in micro if not m.sync) or self._no_sync
+        synced = [m.backward_seconds for m in micro if m.sync]
+        exposed = sum(max(b - self._no_sync, 0.0) for b in synced) if (self._no_sync is not None and calls) else 0.0
         return {"comm/allreduce_calls": len(calls), "comm/allreduce_bytes": sum(c.bytes for c in calls),
                 "comm/exposed_seconds": exposed}
 

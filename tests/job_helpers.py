@@ -197,3 +197,18 @@ def pad_collate(pad_id: int):
         }
 
     return collate
+
+
+def prepared_tiny_lm(accelerator, n_examples: int = 8, lr: float = 0.1):
+    """A 1-layer GPT-2 (seed 0), SGD and a DataLoader of ``n_examples`` random 8-token rows (batch 2), prepared."""
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                       bos_token_id=None, eos_token_id=None))
+    data = [{"input_ids": torch.randint(0, 50, (8,))} for _ in range(n_examples)]
+    for d in data:
+        d["labels"] = d["input_ids"].clone()
+    return accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=lr), DataLoader(data, batch_size=2))

@@ -10,24 +10,12 @@ tests/test_exactness.py, resume in tests/test_checkpoint_loop.py.
 import math
 
 import pytest
-import torch
-from torch.utils.data import DataLoader
-from transformers import GPT2Config, GPT2LMHeadModel
 
+import job_helpers as jh
 from accum_kit import train_loop
 from accum_kit.checkpoint import check_resumable
 from accum_kit.errors import UsageError
 from accum_kit.outputs import atomic_write_json
-
-
-def _prepared(acc, n_examples, lr=0.1):
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-                                       bos_token_id=None, eos_token_id=None))
-    data = [{"input_ids": torch.randint(0, 50, (8,))} for _ in range(n_examples)]
-    for d in data:
-        d["labels"] = d["input_ids"].clone()
-    return acc.prepare(model, torch.optim.SGD(model.parameters(), lr=lr), DataLoader(data, batch_size=2))
 
 
 class Record:
@@ -66,7 +54,7 @@ def test_windows_and_learning_rate_follow_the_schedule(accelerator, rule, factor
     # 8 micro-batches per epoch, 2 epochs; K 2 -> 3 after 2 steps -> 1 after 4 (K goes down as well)
     schedule = {0: 2, 2: 3, 4: 1}
     acc = accelerator(2)
-    model, opt, dl = _prepared(acc, 16)
+    model, opt, dl = jh.prepared_tiny_lm(acc, 16)
     rec = Record(opt)
     result = train_loop(acc, model, opt, dl, num_train_epochs=2, callbacks=[rec], progress=False,
                         accumulation_schedule=schedule, lr_scaling=rule)
@@ -82,7 +70,7 @@ def test_windows_and_learning_rate_follow_the_schedule(accelerator, rule, factor
 
 def test_epoch_count_without_a_schedule_is_unchanged(accelerator):
     acc = accelerator(3)
-    model, opt, dl = _prepared(acc, 14)  # 7 micro-batches: ceil(7 / 3) = 3 steps per epoch
+    model, opt, dl = jh.prepared_tiny_lm(acc, 14)  # 7 micro-batches: ceil(7 / 3) = 3 steps per epoch
     result = train_loop(acc, model, opt, dl, num_train_epochs=2, progress=False)
     assert result.step_accumulation_steps == [3] * 6
 
@@ -91,7 +79,7 @@ def test_epoch_count_without_a_schedule_is_unchanged(accelerator):
                                            ({0: 1, -1: 2}, "--accumulation_schedule (step)")])
 def test_bad_schedule_names_the_flag(accelerator, schedule, flag):
     acc = accelerator(1)
-    model, opt, dl = _prepared(acc, 4)
+    model, opt, dl = jh.prepared_tiny_lm(acc, 4)
     with pytest.raises(UsageError) as err:
         train_loop(acc, model, opt, dl, progress=False, accumulation_schedule=schedule)
     assert err.value.flag == flag
