@@ -171,10 +171,10 @@ def build_accelerator(
         sync_each_batch: all-reduce gradients on every micro-batch instead of
             only on the window's boundary (Accelerate's ``GradientAccumulationPlugin``
             option of the same name); the same as ``accumulation_policy="sync_each_batch"``.
-        accumulation_policy: one of :data:`accum_kit.sharding.POLICIES`
+        accumulation_policy: one of :data:`accum_kit.policies.POLICIES`
             (``no_sync``, the default; ``sync_each_batch``; under FSDP2 also
             ``no_sync_no_reshard_after_backward`` and ``no_sync_no_reshard``),
-            see :mod:`accum_kit.sharding`.
+            see :mod:`accum_kit.policies`.
         cpu: force CPU; None means "CPU when several processes were launched
             and no GPU exists", which is what makes gloo DDP work.
         ddp_timeout: seconds any collective (and the initial rendezvous) may
@@ -211,7 +211,8 @@ def build_accelerator(
         ProcessCountError: launched and visible process counts differ.
     """
     from .faults import install_collective_failure_hook
-    from .sharding import AccumulationAccelerator, fsdp_plugin_for, fsdp_requested, resolve_policy
+    from .policies import resolve_policy
+    from .sharding import AccumulationAccelerator, fsdp_plugin_for, fsdp_requested
 
     steps = resolve_accumulation_steps(gradient_accumulation_steps)
     policy = resolve_policy(accumulation_policy, sync_each_batch)
