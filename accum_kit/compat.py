@@ -125,6 +125,43 @@ def shuffle_generators(dataloader) -> list:
         if gen is not None and not any(gen is g for g in found):
             found.append(gen)
     return found
+
+
+def enable_fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
+    """Make a CPU (gloo) Accelerator prepare models with FSDP2, as it would on GPUs.
+
+    Accelerate turns FSDP on only for GPU-type distributed types: with
+    ``cpu=True`` (the only way several CPU processes form one gloo group, see
+    :mod:`accum_kit.launch`) an FSDP config or plugin is silently ignored and
+    ``prepare`` wraps the model in DDP (``AcceleratorState.__init__``,
+    accelerate 1.15). The FSDP2 code path itself has nothing GPU-specific:
+    ``fully_shard`` runs on gloo with CPU tensors. Setting
+    ``distributed_type = DistributedType.FSDP`` in the shared state of
+    ``AcceleratorState`` and ``PartialState`` (both are singletons shared by
+    every Accelerator of the process) and ``fsdp_plugin`` in the former is what
+    the GPU branch of ``AcceleratorState.__init__`` does; after it,
+    ``accelerator.is_fsdp2`` is True, ``prepare`` applies ``fully_shard`` per
+    the plugin's wrap policy, ``accumulate``/``no_sync`` call
+    ``set_requires_gradient_sync``, and ``clip_grad_norm_``, ``save_state``,
+    ``load_state`` and ``get_state_dict`` take their FSDP2 branches (all
+    checked on 2 gloo processes, accelerate 1.15, torch 2.13). The mixed
+    precision policy is set on the plugin beforehand by
+    :func:`accum_kit.sharding.fsdp_plugin_for`, which the GPU branch would
+    otherwise fill in.
+
+    Call right after building the Accelerator, before ``prepare``.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    AcceleratorState._shared_state["fsdp_plugin"] = fsdp_plugin
+    AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if not accelerator.is_fsdp2:  # a later Accelerate keeps the switch elsewhere: fail here, not in prepare
+        raise RuntimeError("accelerate no longer reads its FSDP switch from the shared state; "
+                           "see accum_kit.compat.enable_fsdp_on_cpu")
+
+
 def reset_accelerate_state() -> None:
     """Forget Accelerate's process-wide singletons so the next ``Accelerator()`` starts afresh.
 

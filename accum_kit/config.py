@@ -15,6 +15,7 @@ from .loss import NORMALIZATIONS
 from .models import PRESETS
 from .planning.lr import LR_RULES
 from .planning.schedule import parse_accumulation_schedule
+from .policies import POLICIES, resolve_policy
 from .tracking import TRACKERS
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -47,7 +48,8 @@ class TrainConfig:
     num_train_epochs: int = field(default=1, metadata={"help": "Passes over the train split when --max_train_steps is not set."})
     max_grad_norm: float | None = field(default=1.0, metadata={"help": "Clip the gradient norm to this; 0 or less: no clipping."})
     loss_normalization: str = field(default="tokens", metadata={"help": f"One of {NORMALIZATIONS}: exact token-mean over the window, or Accelerate's per-micro-batch mean / K."})
-    sync_each_batch: bool = field(default=False, metadata={"help": "All-reduce gradients on every micro-batch (slower; for A/B comparisons)."})
+    sync_each_batch: bool = field(default=False, metadata={"help": "All-reduce gradients on every micro-batch (slower; for A/B comparisons); the same as --accumulation_policy sync_each_batch."})
+    accumulation_policy: str | None = field(default=None, metadata={"help": f"What a window skips and keeps, one of {list(POLICIES)}; the last two need FSDP2 (accelerate_configs/cpu_fsdp.yaml) and keep parameters gathered (docs/fsdp.md). Default: no_sync."})
     profile_comm: bool = field(default=False, metadata={"help": "Record every gradient all-reduce and phase times; adds a 'comm' block to train_summary.json."})
     profile_ab_steps: int = field(default=0, metadata={"help": "Measure the no_sync saving: alternate N windows with and N without no_sync (after 1 warm-up step); implies --profile_comm."})
     profile_overhead_steps: int = field(default=0, metadata={"help": "Measure the profiler's own cost: after the A/B windows, alternate N windows with it recording and N without; implies --profile_comm."})
@@ -93,6 +95,7 @@ class TrainConfig:
                                  "pass e.g. 100 or epoch")
             self.checkpointing_steps = int(self.checkpointing_steps)
         self._check_schedule()
+        self.accumulation_policy = resolve_policy(self.accumulation_policy, self.sync_each_batch).name
         for flag in ("checkpoints_total_limit", "ddp_timeout"):
             if getattr(self, flag) is not None:
                 checks.at_least(f"--{flag}", getattr(self, flag))

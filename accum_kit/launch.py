@@ -26,7 +26,8 @@ from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, get_int_from_env
 
 from . import checks
-from .errors import ProcessCountError
+from .compat import enable_fsdp_on_cpu
+from .errors import ProcessCountError, UsageError
 # The default-K rule lives in the torch-free settings module (``accum-kit plan`` uses it too);
 # re-exported here for callers of ``accum_kit.launch.resolve_accumulation_steps``.
 from .settings import DEFAULT_GRADIENT_ACCUMULATION_STEPS, resolve_accumulation_steps  # noqa: F401
@@ -156,11 +157,12 @@ def build_accelerator(
     gradient_accumulation_steps: int | None = None,
     *,
     sync_each_batch: bool = False,
+    accumulation_policy: str | None = None,
     cpu: bool | None = None,
     ddp_timeout: float | None = None,
     **accelerator_kwargs,
 ) -> Accelerator:
-    """Build an Accelerator for gradient accumulation that is safe on CPU-only machines.
+    """Build an Accelerator for gradient accumulation that is safe on CPU-only machines, with DDP or FSDP2.
 
     Args:
         gradient_accumulation_steps: micro-batches per optimizer step (K); None
@@ -168,7 +170,11 @@ def build_accelerator(
             (see :func:`resolve_accumulation_steps`).
         sync_each_batch: all-reduce gradients on every micro-batch instead of
             only on the window's boundary (Accelerate's ``GradientAccumulationPlugin``
-            option of the same name); for A/B comparisons only, it is slower.
+            option of the same name); the same as ``accumulation_policy="sync_each_batch"``.
+        accumulation_policy: one of :data:`accum_kit.policies.POLICIES`
+            (``no_sync``, the default; ``sync_each_batch``; under FSDP2 also
+            ``no_sync_no_reshard_after_backward`` and ``no_sync_no_reshard``),
+            see :mod:`accum_kit.policies`.
         cpu: force CPU; None means "CPU when several processes were launched
             and no GPU exists", which is what makes gloo DDP work.
         ddp_timeout: seconds any collective (and the initial rendezvous) may
@@ -179,7 +185,15 @@ def build_accelerator(
             ``all_reduce``, ``barrier`` and DDP's gradient all-reduce (measured,
             torch 2.13: "Timed out waiting 5000ms for recv operation").
         **accelerator_kwargs: passed to ``accelerate.Accelerator`` (e.g.
-            ``mixed_precision``, ``log_with``, ``kwargs_handlers``).
+            ``mixed_precision``, ``log_with``, ``kwargs_handlers``, ``fsdp_plugin``).
+
+    FSDP2: when ``accelerate launch`` ran with an FSDP config
+    (``ACCELERATE_USE_FSDP=true``, e.g. accelerate_configs/cpu_fsdp.yaml) or a
+    ``fsdp_plugin`` is passed, the plugin is checked and completed by
+    :func:`accum_kit.sharding.fsdp_plugin_for` and, on a machine without a
+    GPU, FSDP2 is switched on for the gloo group
+    (:func:`accum_kit.compat.enable_fsdp_on_cpu`; Accelerate itself would
+    silently fall back to DDP there).
 
     In a multi-process CPU run that torch elastic may restart, the gloo group is
     formed by :func:`init_restartable_process_group` first (Accelerate reuses it);
@@ -191,21 +205,41 @@ def build_accelerator(
         The Accelerator, already checked with :func:`check_process_count`.
 
     Raises:
-        UsageError: K below 1, or ``ddp_timeout`` not a positive number.
+        UsageError: K below 1, ``ddp_timeout`` not a positive number, an
+            unknown policy, an FSDP-only policy without FSDP, FSDP1, or FSDP on
+            CPU with one process.
         ProcessCountError: launched and visible process counts differ.
     """
     from .faults import install_collective_failure_hook
+    from .policies import resolve_policy
+    from .sharding import AccumulationAccelerator, fsdp_plugin_for, fsdp_requested
 
     steps = resolve_accumulation_steps(gradient_accumulation_steps)
+    policy = resolve_policy(accumulation_policy, sync_each_batch)
+    fsdp = fsdp_requested(accelerator_kwargs.get("fsdp_plugin"))
+    if policy.fsdp_only and not fsdp:
+        raise UsageError("--accumulation_policy", f"{policy.name} keeps FSDP2 parameters gathered, but this run "
+                         "is not sharded", "launch with an FSDP2 config (accelerate_configs/cpu_fsdp.yaml or "
+                         "gpu_fsdp.yaml), or use no_sync")
+    if fsdp:
+        accelerator_kwargs["fsdp_plugin"] = fsdp_plugin_for(policy, accelerator_kwargs.get("fsdp_plugin"),
+                                                            accelerator_kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION"))
     handlers, timeout = _with_timeout(list(accelerator_kwargs.pop("kwargs_handlers", None) or []), ddp_timeout)
     if cpu is None:
         cpu = launcher_world_size() > 1 and not _has_gpu()
+    if cpu and fsdp and launcher_world_size() < 2:
+        raise UsageError("--num_processes", "FSDP on CPU needs at least 2 processes (one process has nothing to "
+                         "shard with, and Accelerate would run it unsharded)",
+                         "launch 2 or more processes, or use accelerate_configs/cpu_single.yaml")
     if cpu and launcher_world_size() > 1:
         init_restartable_process_group(timeout)
-    plugin = GradientAccumulationPlugin(num_steps=steps, sync_each_batch=sync_each_batch)
-    accelerator = Accelerator(cpu=cpu, gradient_accumulation_plugin=plugin, kwargs_handlers=handlers or None,
-                              **accelerator_kwargs)
+    plugin = GradientAccumulationPlugin(num_steps=steps, sync_each_batch=policy.sync_each_batch)
+    accelerator = AccumulationAccelerator(cpu=cpu, gradient_accumulation_plugin=plugin,
+                                          kwargs_handlers=handlers or None, **accelerator_kwargs)
+    accelerator.accumulation_policy = policy
     check_process_count(accelerator)
+    if fsdp and cpu:  # on GPUs Accelerate switches FSDP2 on itself
+        enable_fsdp_on_cpu(accelerator, accelerator_kwargs["fsdp_plugin"])
     if accelerator.num_processes > 1:
         install_collective_failure_hook()
     return accelerator

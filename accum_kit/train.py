@@ -30,6 +30,7 @@ from .planning import optimizer_steps_per_epoch
 from .planning.schedule import schedule_pairs, scheduled_steps
 from .outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
 from .profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
+from .sharding import fsdp_summary
 from .tracking import TrackerLogger, check_trackers, quiet_other_processes
 
 logger = get_logger("accum_kit.train")  # logs on the main process only
@@ -121,7 +122,8 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.with_tracking:
         check_trackers(cfg.report_to, cfg.output_dir)
     tracking = dict(log_with=cfg.report_to, project_dir=cfg.output_dir) if cfg.with_tracking else {}
-    accelerator = build_accelerator(k, sync_each_batch=cfg.sync_each_batch, ddp_timeout=cfg.ddp_timeout, **tracking)
+    accelerator = build_accelerator(k, accumulation_policy=cfg.accumulation_policy, ddp_timeout=cfg.ddp_timeout,
+                                    **tracking)
     quiet_other_processes(accelerator)
     resume = _resume_path(cfg)
     if resume is not None:  # before any work: the data position must mean the same examples
@@ -230,7 +232,9 @@ def run(cfg: TrainConfig) -> dict:
         "loss_normalization": cfg.loss_normalization,
         "mixed_precision": accelerator.mixed_precision,
         "tracking": cfg.report_to if cfg.with_tracking else None,
-        "sync_each_batch": cfg.sync_each_batch,
+        "sync_each_batch": cfg.accumulation_policy == "sync_each_batch",
+        "accumulation_policy": cfg.accumulation_policy,
+        "fsdp": fsdp_summary(accelerator),
         "learning_rate": cfg.learning_rate,
         "seed": cfg.seed,
         "versions": library_versions(),
@@ -238,9 +242,10 @@ def run(cfg: TrainConfig) -> dict:
     if comm is not None:
         summary["comm"] = comm
     accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)  # collective under FSDP: the full, unsharded parameters
     if accelerator.is_main_process:
         with staged_output_dir(cfg.output_dir) as staging:
-            accelerator.unwrap_model(model).save_pretrained(staging)
+            accelerator.unwrap_model(model).save_pretrained(staging, state_dict=state_dict)
             tokenizer.save_pretrained(staging)
             atomic_write_json(staging / "train_summary.json", summary)
         logger.info("saved model and train_summary.json to %s", cfg.output_dir)

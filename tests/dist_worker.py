@@ -13,12 +13,21 @@ SPEC.json (written by the test)::
      "scenarios": [{"name": str, "K": int, "B": int, "mode": "tokens"|"mean",
                     "sync_each_batch": bool, "epochs": int, "max_train_steps": int|null,
                     "max_grad_norm": float|null, "mixed_precision": "no"|"bf16",
-                    "schedule": [[step, K], ...]|null}, ...]}
+                    "schedule": [[step, K], ...]|null, "policy": str|null,
+                    "resume_from": [step, ...]}, ...]}
 
 (``epochs``, ``max_train_steps``, ``max_grad_norm`` and ``schedule`` are passed to train_loop as
 ``num_train_epochs``, ``max_train_steps``, ``max_grad_norm`` and ``accumulation_schedule``;
 missing keys mean 1, None, None, None. With a schedule, ``K`` is the Accelerator's K at build time.
-``mixed_precision`` goes to the Accelerator, missing means "no".)
+``mixed_precision`` goes to the Accelerator, missing means "no"; ``policy`` is
+``build_accelerator(accumulation_policy=...)``.)
+
+Launched with accelerate_configs/cpu_fsdp.yaml the model is sharded with FSDP2:
+the worker then counts, per micro-batch, the calls of ``torch.distributed``'s
+reduce-scatter and all-gather (the collectives FSDP2 issues, wrapped here, not
+in accum_kit), saves full (gathered) parameters after each step, and for each
+step ``s`` in ``resume_from`` (the run saves a checkpoint after every step)
+trains again in a fresh Accelerator from ``step_<s>`` into ``resumed_<s>/``.
 
 For every scenario it writes under OUT_DIR/<name>/:
 
@@ -26,7 +35,8 @@ For every scenario it writes under OUT_DIR/<name>/:
 - ``steps.pt`` (rank 0): a list with the model's state_dict after each optimizer step.
 - ``rank<r>.json`` (every rank): the LoopResult numbers, and per micro-batch the
   loop's ``epoch`` / ``boundary`` / ``sync`` values and the number of DDP comm-hook calls
-  (gradient bucket all-reduces) that happened while that micro-batch ran.
+  (gradient bucket all-reduces) that happened while that micro-batch ran, or under
+  FSDP2 the reduce-scatter and all-gather calls.
 
 The worker only runs accum_kit; all expected values are computed by the test.
 """
@@ -34,6 +44,7 @@ The worker only runs accum_kit; all expected values are computed by the test.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,10 +57,22 @@ import accum_kit
 from job_helpers import pad_collate  # the worker runs as a script from tests/
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs
+from accum_kit.checkpoint import Checkpointer
+
+
+def full_state_dict(model) -> dict:
+    """The model's parameters and buffers as plain tensors; DTensor shards are gathered (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
 
 
 class Recorder:
-    """LoopState callback + DDP comm hook: which micro-batch each gradient all-reduce happened in."""
+    """LoopState callback + DDP comm hook: which micro-batch each gradient all-reduce happened in.
+
+    Under FSDP2 it wraps ``torch.distributed.reduce_scatter_single`` and
+    ``all_gather_single`` instead (:meth:`count_fsdp_collectives`).
+    """
 
     def __init__(self, raw_model, save_steps: bool):
         self.raw_model, self.save_steps = raw_model, save_steps
@@ -57,6 +80,27 @@ class Recorder:
         self.micro = []  # one dict per micro-batch
         self.steps = []  # state_dicts after each optimizer step
         self.stray_calls = 0  # all-reduces outside any micro-batch (must stay 0)
+        self.fsdp = False
+
+    def count_fsdp_collectives(self):
+        """Count FSDP2's collectives per micro-batch; returns a function that restores torch.distributed."""
+        import torch.distributed as dist
+
+        self.fsdp = True
+        originals = {name: getattr(dist, name) for name in ("reduce_scatter_single", "all_gather_single")}
+
+        def counting(name, key):
+            def call(*args, **kwargs):
+                if self.current is not None:
+                    self.micro[self.current][key] += 1
+                elif key == "reduce_scatter_calls":
+                    self.stray_calls += 1
+                return originals[name](*args, **kwargs)
+            return call
+
+        dist.reduce_scatter_single = counting("reduce_scatter_single", "reduce_scatter_calls")
+        dist.all_gather_single = counting("all_gather_single", "all_gather_calls")
+        return lambda: [setattr(dist, name, fn) for name, fn in originals.items()]
 
     # --- comm hook -------------------------------------------------------
     def hook(self, process_group, bucket):
@@ -70,11 +114,13 @@ class Recorder:
 
     # --- loop callbacks --------------------------------------------------
     def on_micro_batch_begin(self, state):
-        self.current = state.micro_step
-        assert len(self.micro) == state.micro_step, (len(self.micro), state.micro_step)
+        if not self.micro:
+            self.offset = state.micro_step  # > 0 when resumed from a checkpoint
+        self.current = state.micro_step - self.offset
+        assert len(self.micro) == self.current, (len(self.micro), state.micro_step, self.offset)
         self.micro.append(
             {"micro": state.micro_step, "epoch": state.epoch, "boundary": bool(state.boundary),
-             "sync": bool(state.sync), "allreduce_calls": 0}
+             "sync": bool(state.sync), "allreduce_calls": 0, "reduce_scatter_calls": 0, "all_gather_calls": 0}
         )
 
     def on_backward_end(self, state):
@@ -83,20 +129,27 @@ class Recorder:
         self.current = None
 
     def on_step_end(self, state):
-        if self.save_steps:
+        if self.fsdp:
+            full = full_state_dict(self.raw_model)  # collective: every rank
+            if self.save_steps:
+                self.steps.append(full)
+        elif self.save_steps:
             self.steps.append({k: v.detach().clone() for k, v in self.raw_model.state_dict().items()})
 
 
-def run_scenario(spec: dict, sc: dict, out_dir: Path) -> None:
+def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = None) -> None:
     precision = sc.get("mixed_precision", "no")
     state = AcceleratorState._shared_state
-    if state and state.get("_mixed_precision") != precision:
-        # AcceleratorState is a per-process singleton that refuses a new mixed_precision; forget it (the
-        # process group, held by PartialState, stays), as Accelerate's own tests do between configurations.
-        AcceleratorState._reset_state()
+    if state and (state.get("_mixed_precision") != precision or os.environ.get("ACCELERATE_USE_FSDP") == "true"):
+        # AcceleratorState is a per-process singleton that refuses a new mixed_precision and keeps its first
+        # FSDP plugin; forget it (the process group, held by PartialState, stays), as Accelerate's own tests
+        # do between configurations. Under FSDP the partial state (which keeps the process group) is
+        # reset too: it holds the FSDP distributed type that accum_kit set for the previous scenario.
+        AcceleratorState._reset_state(reset_partial_state=os.environ.get("ACCELERATE_USE_FSDP") == "true")
     accelerator = accum_kit.build_accelerator(
         sc["K"],
         sync_each_batch=sc["sync_each_batch"],
+        accumulation_policy=sc.get("policy"),
         mixed_precision=precision,
         # Small buckets: several all-reduces per synchronised backward (the test must not assume one).
         kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=0.01)],
@@ -115,6 +168,11 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path) -> None:
     hooked = isinstance(model, DistributedDataParallel)
     if hooked:
         model.register_comm_hook(None, rec.hook)  # state None: the default (WORLD) group
+    restore = rec.count_fsdp_collectives() if accelerator.is_fsdp2 else (lambda: None)
+    d = out_dir / sc["name"] / (f"resumed_{resume_from}" if resume_from is not None else "")
+    checkpointer = None
+    if sc.get("resume_from") and resume_from is None:  # the uninterrupted run saves after every step
+        checkpointer = Checkpointer(accelerator, out_dir / sc["name"] / "ckpts", checkpointing_steps=1, signals=())
     result = accum_kit.train_loop(
         accelerator,
         model,
@@ -127,9 +185,11 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path) -> None:
         callbacks=[rec],
         progress=False,
         accumulation_schedule={s: k for s, k in sc["schedule"]} if sc.get("schedule") else None,
+        checkpointer=checkpointer,
+        resume_from=out_dir / sc["name"] / "ckpts" / f"step_{resume_from}" if resume_from is not None else None,
     )
+    restore()
 
-    d = out_dir / sc["name"]
     d.mkdir(parents=True, exist_ok=True)
     if accelerator.is_main_process:
         torch.save(init, d / "init.pt")
@@ -139,6 +199,10 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path) -> None:
         "num_processes": world,
         "distributed_type": str(accelerator.distributed_type),
         "comm_hook_registered": hooked,
+        "is_fsdp2": bool(accelerator.is_fsdp2),
+        "model_class": type(model).__name__,
+        "accumulation_policy": accelerator.accumulation_policy.name,
+        "resumed_from_step": result.resumed_from_step,
         "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
         "mixed_precision": accelerator.mixed_precision,
         "len_dataloader": len(loader),
@@ -162,6 +226,8 @@ def main(argv) -> int:
     torch.set_num_threads(1)
     for sc in spec["scenarios"]:
         run_scenario(spec, sc, out_dir)
+        for step in sc.get("resume_from", []):
+            run_scenario(spec, sc, out_dir, resume_from=step)
     return 0
 
 

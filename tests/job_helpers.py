@@ -54,12 +54,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_launch_cmd(*args: str, num_processes: int = 2) -> list[str]:
-    """``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml ...`` from this venv."""
+def accelerate_launch_cmd(*args: str, num_processes: int = 2, config: str | Path = DDP_CONFIG) -> list[str]:
+    """``accelerate launch --config_file <config> ...`` from this venv (default accelerate_configs/cpu_ddp.yaml)."""
     script = Path(sys.executable).with_name("accelerate")
     prog = [str(script), "launch"] if script.exists() else [sys.executable, "-m", "accelerate.commands.launch"]
-    return [*prog, "--config_file", str(DDP_CONFIG), "--num_processes", str(num_processes),
-            "--main_process_port", str(free_port()), *args]
+    return [*prog, "--config_file", str(config), "--num_processes", str(num_processes),
+            "--main_process_port", str(free_port()), *[str(a) for a in args]]
 
 
 @dataclass

@@ -231,6 +231,68 @@ def test_ddp_job_leaves_no_staging(ddp_run):
     assert "Traceback" not in res.stderr
 
 
+# --------------------------------------------------------------------------- 2 processes, FSDP2
+
+
+FSDP_POLICY = "no_sync_no_reshard"  # the policy that changes FSDP2's defaults most
+FSDP_CKPT_STEP = 4
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(work, corpus):
+    """The DDP job's flags under accelerate_configs/cpu_fsdp.yaml, saving every 4 steps; then the same job
+    resumed from step_4 into a second output directory. Returns ``(uninterrupted, resumed)`` (result, dir)."""
+    flags = dict(max_train_steps=STEPS, per_device_train_batch_size=B, gradient_accumulation_steps=K,
+                 max_train_samples=MAX_TRAIN, max_eval_samples=MAX_EVAL, accumulation_policy=FSDP_POLICY)
+    extra = [x for k, v in flags.items() for x in (f"--{k}", v)]
+    env = jh.clean_env(HF_DATASETS_CACHE=str(work / "hf_datasets_cache"))
+    config = jh.REPO / "accelerate_configs" / "cpu_fsdp.yaml"
+    out = work / "fsdp_out"
+    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "train", *job_flags(out, *extra, "--checkpointing_steps",
+                                   FSDP_CKPT_STEP, train_file=corpus), config=config)
+    full = jh.run(cmd, env, work, "fsdp", timeout=300)
+    assert full.returncode == 0, full.describe()
+    resumed_out = work / "fsdp_resumed"
+    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "train", *job_flags(
+        resumed_out, *extra, "--resume_from_checkpoint", out / f"step_{FSDP_CKPT_STEP}", train_file=corpus),
+        config=config)
+    resumed = jh.run(cmd, env, work, "fsdp_resumed", timeout=300)
+    assert resumed.returncode == 0, resumed.describe()
+    return (full, out), (resumed, resumed_out)
+
+
+def test_fsdp_job_trains_as_the_ddp_job_and_says_it_was_sharded(fsdp_runs, ddp_run):
+    """Same flags, same seed: FSDP2 (parameters sharded, kept gathered per window) and DDP compute the same
+    losses; the summary records the sharding; the full model saved from the shards loads and matches."""
+    from transformers import AutoModelForCausalLM
+
+    (_, out), _ = fsdp_runs
+    s, ddp = load_summary(out), load_summary(ddp_run[1])
+    assert s["distributed_type"] == "DistributedType.FSDP" and s["world_size"] == WORLD
+    assert s["fsdp"] == {"version": 2, "accumulation_policy": FSDP_POLICY, "reshard_after_forward": False,
+                         "state_dict_type": "SHARDED_STATE_DICT", "mixed_precision_policy": None}
+    assert s["accumulation_policy"] == FSDP_POLICY and ddp["accumulation_policy"] == "no_sync" and not ddp["fsdp"]
+    assert s["train_loss"] == pytest.approx(ddp["train_loss"], rel=1e-5)
+    assert s["model_parameters"] == ddp["model_parameters"]
+    sharded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    replicated = AutoModelForCausalLM.from_pretrained(ddp_run[1]).state_dict()
+    assert sharded.keys() == replicated.keys()
+    for k in replicated:
+        torch.testing.assert_close(sharded[k], replicated[k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_fsdp_job_resumes_from_its_sharded_checkpoint_exactly(fsdp_runs):
+    (_, out), (resumed, resumed_out) = fsdp_runs
+    ckpt = out / f"step_{FSDP_CKPT_STEP}"
+    assert {"pytorch_model_fsdp_0", "optimizer_0", "checkpoint_complete", "loop_state.json"} <= {
+        p.name for p in ckpt.iterdir()}, "not a sharded (torch distributed checkpoint) save"
+    full, again = load_summary(out), load_summary(resumed_out)
+    assert again["resumed_from_step"] == FSDP_CKPT_STEP
+    assert again["train_loss"] == full["train_loss"]  # bitwise: restored history and recomputed steps
+    assert again["eval_loss_after"] == full["eval_loss_after"]
+    assert "Traceback" not in resumed.stderr
+
+
 # --------------------------------------------------------------------------- 1 process, in-process
 
 

@@ -1,0 +1,285 @@
+"""Exact accumulation under FSDP2 (fully_shard) on 2 gloo processes, for every accumulation policy.
+
+One ``accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml`` of
+tests/dist_worker.py runs every scenario; the worker counts, per micro-batch,
+the reduce-scatters and all-gathers FSDP2 issues by wrapping
+``torch.distributed.reduce_scatter_single`` / ``all_gather_single`` (not
+accum_kit code), and saves the gathered parameters after each optimizer step.
+Everything expected comes from the plain single-process oracle of
+tests/test_exactness.py (one big batch per window, SGD), on the same
+variable-length examples with masked prompts; each epoch (5 micro-batches per
+process) ends with a partial window for K=3.
+
+The refusals (FSDP1, policies that cannot work) are checked in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+import job_helpers as jh
+import test_exactness as ex
+
+FSDP_CONFIG = jh.REPO / "accelerate_configs" / "cpu_fsdp.yaml"
+TIMEOUT_S = 300
+W = 2
+POLICIES = ("no_sync", "sync_each_batch", "no_sync_no_reshard_after_backward", "no_sync_no_reshard")
+
+
+def _sc(name, K=3, policy="no_sync", **kw):
+    return {**ex._sc(name, K, **kw), "policy": policy}
+
+
+SCENARIOS = [
+    *[_sc(f"tok_k3_{p}", policy=p) for p in POLICIES],  # windows of 3 and 2 micro-batches per process
+    _sc("mean_k3", mode="mean"),
+    _sc("tok_k3_clip", max_grad_norm=ex.MAX_GRAD_NORM),
+    _sc("tok_sched_2ep", K=1, epochs=2, schedule=ex.SCHEDULE, policy="no_sync_no_reshard"),
+    _sc("bf16_k3", mixed_precision="bf16"),
+    # the uninterrupted run saves a sharded checkpoint after every step; fresh runs resume from two of them
+    {**_sc("resume_2ep", epochs=2, policy="no_sync_no_reshard_after_backward"), "resume_from": [1, 3]},
+]
+BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{name: {"scenario", "init", "steps", "ranks", "resumed": {step: {"steps", "ranks"}}}}``."""
+    root = tmp_path_factory.mktemp("fsdp")
+    spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
+            "examples": ex.EXAMPLES, "scenarios": SCENARIOS}
+    (root / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG),
+           "--main_process_port", str(jh.free_port()), str(ex.WORKER), str(root / "spec.json"), str(root / "out")]
+    res = jh.run(cmd, jh.clean_env(), root / "logs", "fsdp", timeout=TIMEOUT_S)
+    if res.returncode != 0:
+        pytest.fail(f"FSDP worker failed\n{res.describe()}", pytrace=False)
+
+    def load(d):
+        return {"steps": torch.load(d / "steps.pt", weights_only=True),
+                "ranks": [json.loads((d / f"rank{r}.json").read_text()) for r in range(W)]}
+
+    out = {}
+    for sc in SCENARIOS:
+        d = root / "out" / sc["name"]
+        out[sc["name"]] = {"scenario": sc, "init": torch.load(d / "init.pt", weights_only=True), **load(d),
+                           "resumed": {s: load(d / f"resumed_{s}") for s in sc.get("resume_from", [])}}
+    return out
+
+
+def _largest_deviation(run, rule="tokens", **kw) -> float:
+    sc = run["scenario"]
+    params, _ = ex.oracle_run(run["init"], ex.run_windows(W, sc), rule, sc["K"], W, **kw)
+    return max(ex.max_excess(got, want)[0] for got, want in zip(run["steps"], params))
+
+
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_model_is_sharded_with_fsdp2_and_the_policy_applied(runs, name):
+    for info in runs[name]["ranks"]:
+        assert info["num_processes"] == W and info["is_fsdp2"], info["distributed_type"]
+        assert "FSDP" in info["distributed_type"] and info["model_class"].startswith("FSDP"), info
+        assert not info["comm_hook_registered"], "a DDP wrapper was prepared"
+        assert info["accumulation_policy"] == BY_NAME[name]["policy"]
+
+
+# --------------------------------------------------------------------------- collectives per micro-batch
+
+
+def _windows_of(micro):
+    """Split the per-micro-batch records into windows (each ends on a boundary)."""
+    out, cur = [], []
+    for m in micro:
+        cur.append(m)
+        if m["boundary"]:
+            out.append(cur)
+            cur = []
+    return out
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_reduce_scatters_only_where_the_policy_says(runs, policy):
+    """no_sync policies reduce-scatter on the boundary micro-batch only, sync_each_batch on every one;
+    every synchronised backward sends the same number (one per FSDP parameter group)."""
+    run = runs[f"tok_k3_{policy}"]
+    per_rank = []
+    for info in run["ranks"]:
+        micro = info["micro"]
+        calls = [m["reduce_scatter_calls"] for m in micro]
+        expect_sync = [True] * len(micro) if policy == "sync_each_batch" else [m["boundary"] for m in micro]
+        assert [c > 0 for c in calls] == expect_sync, f"{policy} rank {info['rank']}: reduce-scatters {calls}"
+        assert len({c for c in calls if c}) == 1, f"{policy}: unequal reduce-scatters per sync {calls}"
+        assert [m["sync"] for m in micro] == expect_sync, "LoopState.sync disagrees with the reduce-scatters"
+        assert info["stray_allreduce_calls"] == 0, "reduce-scatters outside any micro-batch"
+        assert all(m["allreduce_calls"] == 0 for m in micro)
+        per_rank.append(calls)
+    assert per_rank[0] == per_rank[1]
+    windows = _windows_of(run["ranks"][0]["micro"])
+    print(f"\n{policy}: reduce-scatters per window {[sum(m['reduce_scatter_calls'] for m in w) for w in windows]} "
+          f"for windows of {[len(w) for w in windows]} micro-batches")
+
+
+def test_all_gathers_follow_the_policy(runs):
+    """Inside a window (after its first micro-batch): no_sync and sync_each_batch gather every unit for
+    forward and backward; keeping parameters after backward leaves only the layers' backward gathers
+    (n_layer, the units resharded after forward); keeping them all window, none."""
+    n_layer = ex.MODEL_CONFIG["n_layer"]
+    first, later = {}, {}
+    for policy in POLICIES:
+        info = runs[f"tok_k3_{policy}"]["ranks"][0]
+        windows = _windows_of(info["micro"])
+        firsts = {w[0]["all_gather_calls"] for w in windows}
+        rest = {m["all_gather_calls"] for w in windows for m in w[1:]}
+        assert len(firsts) == 1 and len(rest) == 1, f"{policy}: all-gathers vary between windows {info['micro']}"
+        first[policy], later[policy] = firsts.pop(), rest.pop()
+    every = later["no_sync"]  # all units for the forward, the layers again for the backward
+    assert every > 2 * n_layer and later["sync_each_batch"] == every
+    assert first["no_sync"] == first["sync_each_batch"] == first["no_sync_no_reshard_after_backward"] == every
+    assert later["no_sync_no_reshard_after_backward"] == n_layer
+    assert first["no_sync_no_reshard"] == every - n_layer and later["no_sync_no_reshard"] == 0
+    print(f"\nall-gathers on a window's first micro-batch {first}, on the later ones {later}")
+
+
+# --------------------------------------------------------------------------- the update equals one big batch
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_matches_the_big_batch_each_step(runs, policy):
+    run = runs[f"tok_k3_{policy}"]
+    assert len(ex.windows_for(W, 3)[-1]) < 3 * W, "scenario lacks a partial window"
+    ex._check_run_against_oracle(run, W)
+    print(f"\n{policy}: largest |param - oracle| {_largest_deviation(run):.2e}")
+
+
+def test_mean_mode_matches_accelerates_arithmetic_and_the_token_oracle_rejects_it(runs):
+    run = runs["mean_k3"]
+    ex._check_run_against_oracle(run, W)
+    diff, excess = ex.max_excess(run["steps"][-1], ex._wrong_oracle(run, W, "tokens"))
+    assert excess > 0 and diff > ex.SENSITIVITY_FACTOR * ex.ATOL, f"per-micro-batch means within {diff:.2e}"
+    print(f"\nmean_k3: per-micro-batch means miss the big batch by {diff:.2e}")
+
+
+@pytest.mark.parametrize("wrong", ["mean_of_means", "accelerate_mean"])
+def test_the_comparison_can_fail(runs, wrong):
+    run = runs["tok_k3_no_sync"]
+    diff, excess = ex.max_excess(run["steps"][-1], ex._wrong_oracle(run, W, wrong))
+    assert excess > 0 and diff > ex.SENSITIVITY_FACTOR * ex.ATOL, f"{wrong} oracle within {diff:.2e}"
+
+
+def test_clipping_uses_the_global_norm_over_shards(runs):
+    run = runs["tok_k3_clip"]
+    losses = ex._check_run_against_oracle(run, W, max_grad_norm=ex.MAX_GRAD_NORM)
+    assert max(l["grad_norm"] for l in losses) > ex.MAX_GRAD_NORM, "never clipped"
+    for wrong in ("no_clip", "clip_before_rescale"):
+        diff, excess = ex.max_excess(run["steps"][-1], ex._wrong_oracle(run, W, wrong))
+        assert excess > 0, f"{wrong}: within {diff:.2e}"
+    print(f"\nclip: largest |param - oracle| {_largest_deviation(run, max_grad_norm=ex.MAX_GRAD_NORM):.2e}")
+
+
+def test_schedule_matches_the_big_batch_each_step(runs):
+    run = runs["tok_sched_2ep"]
+    ex._check_run_against_oracle(run, W)
+    assert run["ranks"][0]["step_accumulation_steps"] == [k for _, _, k in ex.scheduled_run(W, run["scenario"])]
+    for wrong in ("counter_not_reset", "first_k_only"):
+        assert ex.max_excess(run["steps"][-1], ex._wrong_oracle(run, W, wrong))[1] > 0, wrong
+    print(f"\nschedule: largest |param - oracle| {_largest_deviation(run):.2e}")
+
+
+def test_bf16_through_fsdp2_mixed_precision_matches_the_fp32_big_batch(runs):
+    """bf16 compute (FSDP2 MixedPrecisionPolicy, fp32 reduction), each step's update within sqrt(m) u
+    (the bound and its derivation: tests/test_exactness.py, BF16_RTOL) of the fp32 big-batch gradient."""
+    run = runs["bf16_k3"]
+    before, errors = run["init"], []
+    for s, window in enumerate(ex.windows_for(W, 3)):
+        after = run["steps"][s]
+        oracle_params, _ = ex.oracle_run(before, [window], "tokens", 3, W)
+        want = ex._update(before, oracle_params[0])
+        rel, worst = ex._normwise(ex._update(before, after), want)
+        errors.append(rel)
+        assert rel <= ex.BF16_RTOL and worst <= ex.BF16_RTOL, f"step {s + 1}: {rel:.2e} / {worst:.2e}"
+        if s == 0:
+            wrong, _ = ex.oracle_run(before, [window], "mean_of_means", 3, W)
+            assert ex._normwise(ex._update(before, wrong[0]), want)[0] > 2 * ex.BF16_RTOL
+        before = after
+    print(f"\nbf16: normwise deviation per step {['%.2e' % e for e in errors]}, tolerance {ex.BF16_RTOL:.2e}")
+    assert max(errors) > 1e-5, f"deviations {errors} look like fp32: did bf16 run?"
+
+
+# --------------------------------------------------------------------------- sharded checkpoints
+
+
+@pytest.mark.parametrize("step", BY_NAME["resume_2ep"]["resume_from"])
+def test_resume_from_a_sharded_checkpoint_equals_the_uninterrupted_run(runs, step):
+    run = runs["resume_2ep"]
+    resumed = run["resumed"][step]
+    assert len(resumed["steps"]) == len(run["steps"]) - step
+    for s, (got, want) in enumerate(zip(resumed["steps"], run["steps"][step:])):
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"resumed at {step}: {k} differs after step {step + s + 1}"
+    for info, full in zip(resumed["ranks"], run["ranks"]):
+        assert info["resumed_from_step"] == step
+        assert info["train_loss"] == full["train_loss"], "the restored and continued loss history differs"
+    ex._check_run_against_oracle(run, W)
+
+
+# --------------------------------------------------------------------------- refusals (in-process)
+
+
+@pytest.fixture
+def fsdp_env(monkeypatch):
+    """What ``accelerate launch`` with an FSDP config exports, without a launch; Accelerate's state reset."""
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    jh.reset_accelerate_state()
+    yield monkeypatch
+    jh.reset_accelerate_state()
+
+
+@pytest.mark.parametrize("kwargs,env,flag", [
+    (dict(), {"FSDP_VERSION": "1"}, "--fsdp_version"),
+    (dict(), {}, "--num_processes"),  # FSDP on CPU with one process
+    (dict(accumulation_policy="no_sync_no_reshard_after_backward"), {"FSDP_RESHARD_AFTER_FORWARD": "false"},
+     "--accumulation_policy"),
+    (dict(accumulation_policy="no_sync", sync_each_batch=True), {}, "--sync_each_batch"),
+    (dict(accumulation_policy="gathered"), {}, "--accumulation_policy"),
+])
+def test_what_cannot_work_is_refused_naming_the_flag(fsdp_env, kwargs, env, flag):
+    from accum_kit import UsageError, build_accelerator
+
+    for k, v in env.items():
+        fsdp_env.setenv(k, v)
+    with pytest.raises(UsageError) as err:
+        build_accelerator(2, cpu=True, **kwargs)
+    assert err.value.flag == flag and "Fix:" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("policy", ["no_sync_no_reshard_after_backward", "no_sync_no_reshard"])
+def test_fsdp_only_policies_are_refused_under_ddp(monkeypatch, policy):
+    from accum_kit import UsageError, build_accelerator
+
+    for var in ("WORLD_SIZE", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(var, raising=False)
+    jh.reset_accelerate_state()
+    with pytest.raises(UsageError) as err:
+        build_accelerator(2, cpu=True, accumulation_policy=policy)
+    assert err.value.flag == "--accumulation_policy" and "cpu_fsdp.yaml" in err.value.fix
+    jh.reset_accelerate_state()
+
+
+def test_bf16_gets_an_fp32_reduction_and_the_gathered_policy_its_reshard_setting():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from accum_kit.policies import POLICIES as P
+    from accum_kit.sharding import fsdp_plugin_for
+
+    plugin = fsdp_plugin_for(P["no_sync_no_reshard"], FullyShardedDataParallelPlugin(fsdp_version=2), "bf16")
+    assert plugin.reshard_after_forward is False
+    mp = plugin.mixed_precision_policy
+    assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
+    kept = fsdp_plugin_for(P["no_sync"], FullyShardedDataParallelPlugin(fsdp_version=2), "no")
+    assert kept.reshard_after_forward is True and kept.mixed_precision_policy is None
