@@ -212,6 +212,7 @@ def run(cfg: TrainConfig) -> dict:
         "resumed_from_step": result.resumed_from_step,
         "resumed_from": str(resume) if resume is not None else None,
         "checkpoints": [p.name for p in checkpointer.saved],
+        "checkpoint_saves": checkpointer.timings,
         "micro_batches_per_process": result.micro_batches,
         "train_loss": result.train_loss,
         "eval_loss_before": eval_before,
