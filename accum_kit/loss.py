@@ -102,6 +102,26 @@ def causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
     return summed, (labels != IGNORE_INDEX).sum()
 
 
+def check_supported(accelerator, mode: str) -> None:
+    """Refuse a normalisation the Accelerator's distributed type cannot run exactly.
+
+    ``tokens`` rescales the synchronised gradients once per window (``K W c / N``);
+    under DeepSpeed the engine scales by K itself and owns the gradients, so
+    that rescale would be wrong. DDP and FSDP2 (whose sharded gradients are
+    rescaled the same way) are supported. Call it before any work; the train
+    job does, right after building the Accelerator.
+
+    Raises:
+        UsageError: ``tokens`` under DeepSpeed.
+    """
+    if mode == "tokens" and accelerator.distributed_type == DistributedType.DEEPSPEED:
+        from .errors import UsageError
+
+        raise UsageError("--loss_normalization", "tokens is not supported under DeepSpeed (its engine scales "
+                         "and owns the gradients, so the window rescale would be wrong)",
+                         "use --loss_normalization mean, or launch with DDP or FSDP2")
+
+
 class WindowNormalizer:
     """Turns per-micro-batch summed losses into the window's exact gradient.
 
@@ -119,7 +139,7 @@ class WindowNormalizer:
 
     Raises:
         ValueError: unknown ``mode``.
-        NotImplementedError: ``tokens`` under DeepSpeed (not supported).
+        UsageError: ``tokens`` under DeepSpeed (not supported; see :func:`check_supported`).
 
     Note: ``tokens`` back-propagates ``S / c`` with ``c`` (:attr:`loss_divisor`)
     a power of two near the mean target tokens per micro-batch and per
@@ -135,9 +155,7 @@ class WindowNormalizer:
     def __init__(self, accelerator, mode: str = "tokens"):
         if mode not in NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {NORMALIZATIONS}, got {mode!r}")
-        if mode == "tokens" and accelerator.distributed_type == DistributedType.DEEPSPEED:
-            # DeepSpeed's engine scales by K itself and owns the gradients: the K x W / N rescale would be wrong.
-            raise NotImplementedError("loss_normalization='tokens' is not supported under DeepSpeed; use 'mean'")
+        check_supported(accelerator, mode)
         self.accelerator, self.mode = accelerator, mode
         self._reset()
         self.loss_divisor: float | None = None  # c; None until the first micro-batch

@@ -25,6 +25,7 @@ from .errors import UsageError
 from .evaluation import evaluate_loss
 from .launch import build_accelerator, resolve_accumulation_steps
 from .loop import train_loop
+from .loss import check_supported
 from .models import build_model, count_parameters, load_model
 from .planning import optimizer_steps_per_epoch
 from .planning.schedule import schedule_pairs, scheduled_steps
@@ -125,6 +126,7 @@ def run(cfg: TrainConfig) -> dict:
     accelerator = build_accelerator(k, accumulation_policy=cfg.accumulation_policy, ddp_timeout=cfg.ddp_timeout,
                                     **tracking)
     quiet_other_processes(accelerator)
+    check_supported(accelerator, cfg.loss_normalization)  # before any data or model work
     resume = _resume_path(cfg)
     if resume is not None:  # before any work: the data position must mean the same examples
         check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
@@ -212,6 +214,7 @@ def run(cfg: TrainConfig) -> dict:
         "resumed_from_step": result.resumed_from_step,
         "resumed_from": str(resume) if resume is not None else None,
         "checkpoints": [p.name for p in checkpointer.saved],
+        "checkpoint_saves": checkpointer.timings,
         "micro_batches_per_process": result.micro_batches,
         "train_loss": result.train_loss,
         "eval_loss_before": eval_before,

@@ -28,6 +28,8 @@ reduce-scatter and all-gather (the collectives FSDP2 issues, wrapped here, not
 in accum_kit), saves full (gathered) parameters after each step, and for each
 step ``s`` in ``resume_from`` (the run saves a checkpoint after every step)
 trains again in a fresh Accelerator from ``step_<s>`` into ``resumed_<s>/``.
+An optional ``"example_scripts"`` list runs example scripts afterwards, in the same
+launch, as tests/examples_worker.py does (results in OUT_DIR).
 
 For every scenario it writes under OUT_DIR/<name>/:
 
@@ -228,6 +230,12 @@ def main(argv) -> int:
         run_scenario(spec, sc, out_dir)
         for step in sc.get("resume_from", []):
             run_scenario(spec, sc, out_dir, resume_from=step)
+    if spec.get("example_scripts"):  # example scripts in the same launch (tests/examples_worker.py's format)
+        import examples_worker
+
+        scripts = out_dir / f"example_scripts.rank{os.environ.get('RANK', '0')}.json"
+        scripts.write_text(json.dumps({"examples": spec["example_scripts"]}))
+        return examples_worker.main(str(scripts), str(out_dir))
     return 0
 
 

@@ -23,6 +23,7 @@ import torch
 
 import job_helpers as jh
 import test_exactness as ex
+from conftest import example_specs, ok
 
 FSDP_CONFIG = jh.REPO / "accelerate_configs" / "cpu_fsdp.yaml"
 TIMEOUT_S = 300
@@ -50,12 +51,15 @@ BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
 def runs(tmp_path_factory):
     """``{name: {"scenario", "init", "steps", "ranks", "resumed": {step: {"steps", "ranks"}}}}``."""
     root = tmp_path_factory.mktemp("fsdp")
+    corpus = jh.write_corpus(root / "corpus.txt")  # the examples fixture's corpus and flags (tests/conftest.py)
+    custom = next(e for e in example_specs(corpus) if e["name"] == "custom_loop")
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
-            "examples": ex.EXAMPLES, "scenarios": SCENARIOS}
+            "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "example_scripts": [custom]}
     (root / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG),
            "--main_process_port", str(jh.free_port()), str(ex.WORKER), str(root / "spec.json"), str(root / "out")]
-    res = jh.run(cmd, jh.clean_env(), root / "logs", "fsdp", timeout=TIMEOUT_S)
+    res = jh.run(cmd, jh.clean_env(HF_DATASETS_CACHE=str(root / "hf_cache")), root / "logs", "fsdp",
+                 timeout=TIMEOUT_S)
     if res.returncode != 0:
         pytest.fail(f"FSDP worker failed\n{res.describe()}", pytrace=False)
 
@@ -68,6 +72,7 @@ def runs(tmp_path_factory):
         d = root / "out" / sc["name"]
         out[sc["name"]] = {"scenario": sc, "init": torch.load(d / "init.pt", weights_only=True), **load(d),
                            "resumed": {s: load(d / f"resumed_{s}") for s in sc.get("resume_from", [])}}
+    out["custom_loop"] = [json.loads((root / "out" / f"custom_loop.rank{r}.json").read_text()) for r in range(W)]
     return out
 
 
@@ -208,6 +213,15 @@ def test_bf16_through_fsdp2_mixed_precision_matches_the_fp32_big_batch(runs):
     assert max(errors) > 1e-5, f"deviations {errors} look like fp32: did bf16 run?"
 
 
+def test_a_script_built_on_build_accelerator_trains_sharded_as_under_ddp(runs, example_results):
+    """examples/custom_loop.py, unchanged, under cpu_fsdp.yaml: the same losses as its DDP run."""
+    sharded, replicated = runs["custom_loop"], ok(example_results["custom_loop"])
+    for got, want in zip(sharded, replicated):
+        assert got["world_size"] == want["world_size"] == W
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
+        assert got["eval_loss_after"] == pytest.approx(want["eval_loss_after"], rel=1e-5)
+
+
 # --------------------------------------------------------------------------- sharded checkpoints
 
 
@@ -283,3 +297,20 @@ def test_bf16_gets_an_fp32_reduction_and_the_gathered_policy_its_reshard_setting
     assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
     kept = fsdp_plugin_for(P["no_sync"], FullyShardedDataParallelPlugin(fsdp_version=2), "no")
     assert kept.reshard_after_forward is True and kept.mixed_precision_policy is None
+
+
+def test_tokens_under_deepspeed_is_refused_before_any_work():
+    """DeepSpeed is not installed here: the check reads only the Accelerator's distributed type."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from accum_kit import UsageError
+    from accum_kit.loss import check_supported
+
+    with pytest.raises(UsageError) as err:
+        check_supported(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), "tokens")
+    assert err.value.flag == "--loss_normalization" and "mean" in err.value.fix
+    for kind in (DistributedType.FSDP, DistributedType.MULTI_CPU):
+        check_supported(SimpleNamespace(distributed_type=kind), "tokens")
+    check_supported(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), "mean")

@@ -49,11 +49,13 @@ def _finite(*xs) -> bool:
 def launches(tmp_path_factory):
     """Start both two-process launches (GPT-2 tiny and llama_tiny) at once; each fixture below waits for its own."""
     started = {}
-    for name, extra in (("tiny", []), ("llama_tiny", ["--model_preset", "llama_tiny"])):
+    fsdp = dict(config=jh.REPO / "accelerate_configs" / "cpu_fsdp.yaml")
+    for name, extra, launch in (("tiny", [], {}), ("llama_tiny", ["--model_preset", "llama_tiny"], {}),
+                                ("fsdp", ["--accumulation_policy", "no_sync_no_reshard", "--no_trainer_row"], fsdp)):
         root = tmp_path_factory.mktemp(f"verify_w2_{name}")
         out = root / "verify.json"
         cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "verify", "--gradient_accumulation_steps", str(K),
-                                       *extra, "--json", str(out), num_processes=WORLD)
+                                       *extra, "--json", str(out), num_processes=WORLD, **launch)
         started[name] = (jh.start(cmd, jh.clean_env(), root, f"verify_w2_{name}"), out)
     yield started
     for job, _ in started.values():
@@ -77,6 +79,27 @@ def two_processes(launches):
 @pytest.fixture(scope="module")
 def two_processes_llama(launches):
     return _finished(launches, "llama_tiny")
+
+
+@pytest.fixture(scope="module")
+def two_processes_fsdp(launches):
+    return _finished(launches, "fsdp")
+
+
+def test_fsdp2_gives_the_same_rows_and_verdicts(two_processes, two_processes_fsdp):
+    """Under FSDP2 (parameters kept gathered through the window): tokens passes, mean-of-means and sum fail,
+    and every row's gradient equals the DDP run's (the same examples and oracle)."""
+    res, rep = two_processes_fsdp
+    ddp = two_processes[1]
+    assert rep["distributed_type"] == "FSDP" and rep["accumulation_policy"] == "no_sync_no_reshard"
+    assert "accumulation policy no_sync_no_reshard" in res.stdout
+    assert (rep["passed"], rep["exit_code"]) == (True, 0)
+    for name in ("tokens", "mean-of-means", "sum"):
+        row, twin = rep["rows"][name], ddp["rows"][name]
+        assert row["passed"] == twin["passed"] and row["rank_spread"] < 1e-6, name
+        assert row["rel_error"] == pytest.approx(twin["rel_error"], rel=1e-3, abs=1e-6), name
+    assert rep["ddp_sum_ratio"] == pytest.approx(0.5, abs=1e-4)
+    assert "FSDP2's reduce-scatter averages: sum-loss gradient" in res.stdout
 
 
 def test_two_processes_tokens_pass_mean_of_means_fail(two_processes):

@@ -29,7 +29,8 @@ class GradientCapture(torch.optim.Optimizer):
     boundary all-reduce, train_loop's window rescale and clipping; before
     ``zero_grad``). ``captured`` gets one entry per optimizer step: on the
     keeping process a dict ``{parameter name: float32 CPU copy of .grad}``
-    (same shape as the parameter; a None grad becomes zeros), elsewhere None;
+    (same shape as the parameter; a None grad becomes zeros; FSDP2's sharded
+    gradients are gathered first, so ``step`` is collective there), elsewhere None;
     ``norms`` gets the L2 norm of the whole gradient on every process (for the
     cross-rank check).
 
@@ -59,9 +60,14 @@ class GradientCapture(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        from torch.distributed.tensor import DTensor
+
         sq, grads = 0.0, {}
         for name, p in zip(self.names, self.param_groups[0]["params"]):
-            g = p.grad.detach().float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+            g = p.grad.detach() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+            if isinstance(g, DTensor):  # FSDP2 shard: gather the whole gradient (collective, every process)
+                g = g.full_tensor()
+            g = g.float()
             sq += float(g.double().pow(2).sum())
             if self.keep:
                 grads[name] = g.to("cpu", copy=True)

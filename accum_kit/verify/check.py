@@ -24,6 +24,7 @@ from .. import checks
 from ..compat import forget_prepared
 from ..errors import UsageError
 from ..launch import build_accelerator, resolve_accumulation_steps
+from ..sharding import policy_name
 from ..loop import train_loop
 from ..models import LLAMA_PRESETS, PRESETS, build_llama_model, build_model, load_model
 from .capture import EvalMode, ExampleRecorder, GradientCapture
@@ -93,6 +94,7 @@ class RunSettings:
     mixed_precision: str = "no"  # the Accelerator's: "no", "bf16" or "fp16"
     normwise: bool = False  # tolerance criterion: normwise rel_error <= rtol (autocast) or elementwise
     autocast: bool = False  # the Accelerator really autocasts (no fp16 autocast on CPU)
+    accumulation_policy: str = "no_sync"  # the Accelerator's (accum_kit.policies)
 
     @property
     def windows(self) -> int:
@@ -170,6 +172,7 @@ def verify_accumulation(
     atol: float | None = None,
     dataparallel: bool | None = None,
     mixed_precision: str | None = None,
+    accumulation_policy: str | None = None,
 ) -> VerifyReport:
     """Compare the toolkit's accumulated gradient with a single-process big batch.
 
@@ -212,6 +215,10 @@ def verify_accumulation(
         mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"`` for the Accelerator
             this builds (None: ``"no"``); with ``accelerator`` given, its own
             (a different value is an error).
+        accumulation_policy: the policy of the Accelerator this builds
+            (:mod:`accum_kit.policies`; None: ``no_sync``); with ``accelerator``
+            given, its own (a different value is an error). Launched with an
+            FSDP2 config, the rows run on sharded copies of the model.
 
     Returns:
         :class:`VerifyReport` (``passed``, ``rows``, ``ddp_sum_ratio``, ``to_dict()``, ``format()``).
@@ -225,11 +232,16 @@ def verify_accumulation(
              mixed_precision, model_preset, model_name_or_path)
     if accelerator is None:
         K = resolve_accumulation_steps(gradient_accumulation_steps)
-        accelerator = build_accelerator(K, mixed_precision=mixed_precision or "no")
+        accelerator = build_accelerator(K, mixed_precision=mixed_precision or "no",
+                                        accumulation_policy=accumulation_policy)
     else:
         if mixed_precision is not None and mixed_precision != accelerator.mixed_precision:
             raise UsageError("mixed_precision", f"{mixed_precision} differs from the accelerator's "
                              f"{accelerator.mixed_precision}", "omit it or build the accelerator with it")
+        own = getattr(getattr(accelerator, "accumulation_policy", None), "name", "no_sync")
+        if accumulation_policy is not None and accumulation_policy != own:
+            raise UsageError("accumulation_policy", f"{accumulation_policy} differs from the accelerator's {own}",
+                             "omit it or build the accelerator with it")
         K = accelerator.gradient_accumulation_steps
         if gradient_accumulation_steps is not None and gradient_accumulation_steps != K:
             raise UsageError("gradient_accumulation_steps", f"{gradient_accumulation_steps} differs from the "
@@ -251,7 +263,8 @@ def verify_accumulation(
         loss_normalization=loss_normalization,
         rtol=rtol, atol=atol, dataparallel=dataparallel, device=str(accelerator.device),
         distributed_type=str(accelerator.distributed_type).split(".")[-1], mixed_precision=precision,
-        normwise=normwise, autocast=bool(getattr(accelerator, "native_amp", False)))
+        normwise=normwise, autocast=bool(getattr(accelerator, "native_amp", False)),
+        accumulation_policy=policy_name(accelerator))
     # Leave the caller's random state as it was: every DataLoader iteration draws a seed from torch's global
     # generator (torch.utils.data.DataLoader), which would shift e.g. the shuffling of a training DataLoader
     # the caller prepares afterwards. Nothing verify computes depends on it (no dropout, seeded examples).
@@ -415,7 +428,7 @@ def _evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
         partial_window=s.partial_window, windows=windows, rows=rows, rtol=s.rtol, atol=s.atol,
         selected=s.loss_normalization, ddp_sum_ratio=ratio, ddp_sum_residual=residual,
         dataparallel_sum_ratio=dp_ratio, mixed_precision=s.mixed_precision, normwise=s.normwise,
-        autocast=s.autocast,
+        autocast=s.autocast, accumulation_policy=s.accumulation_policy,
         oracle={"dtype": "float64", "device": str(device),
                 "grad_norm": [w.oracle_grad_norm for w in windows],
                 "sum_grad_norm": [w.oracle_sum_grad_norm for w in windows]},

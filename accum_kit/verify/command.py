@@ -9,6 +9,7 @@ from accelerate import PartialState
 
 from ..errors import UsageError
 from ..outputs import atomic_write_json, check_output_dir
+from ..policies import resolve_policy
 from .check import DEFAULT_BATCH_SIZE, MODEL_PRESETS, validate, verify_accumulation
 from .compare import DEFAULT_ATOL, DEFAULT_RTOL, MIXED_PRECISIONS
 from .report import SELECTABLE
@@ -35,6 +36,7 @@ class VerifyArguments:
     rtol: float | None = field(default=None, metadata={"help": f"Relative tolerance. Default: float32 {DEFAULT_RTOL:g}, pass iff |g - g_oracle| <= atol + rtol |g_oracle| elementwise; bf16/fp16: sqrt(64) x unit roundoff (bf16 2^-5), pass iff ||g - g_oracle|| / ||g_oracle|| <= rtol per window."})
     atol: float | None = field(default=None, metadata={"help": f"Absolute tolerance of the elementwise float32 criterion ({DEFAULT_ATOL:g}), gradient units of the token-mean gradient (x N target tokens for the sum rows); unused under bf16/fp16."})
     mixed_precision: str = field(default="no", metadata={"help": f"Build the Accelerator with this mixed_precision, one of {list(MIXED_PRECISIONS)}; the tolerance switches to the precision's (see --rtol)."})
+    accumulation_policy: str | None = field(default=None, metadata={"help": "Build the Accelerator with this accumulation policy (accum_kit.policies; the FSDP2-only ones need an FSDP2 launch config); default no_sync."})
     json: str | None = field(default=None, metadata={"help": "Also write the report as JSON to this file (main process, atomically)."})
 
     def __post_init__(self):
@@ -45,6 +47,7 @@ class VerifyArguments:
             if os.path.isdir(self.json):
                 raise UsageError("--json", f"{self.json} is a directory", "pass a file path, e.g. verify.json")
             check_output_dir(os.path.dirname(os.path.abspath(self.json)), flag="--json")
+        resolve_policy(self.accumulation_policy)  # an unknown name exits 2 before any work
 
 
 ARGUMENTS = VerifyArguments
@@ -64,6 +67,7 @@ def run_command(args: VerifyArguments) -> int:
         rtol=args.rtol,
         atol=args.atol,
         mixed_precision=args.mixed_precision,
+        accumulation_policy=args.accumulation_policy,
     )
     state = PartialState()
     if state.is_main_process:

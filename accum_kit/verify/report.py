@@ -119,6 +119,7 @@ class VerifyReport:
     mixed_precision: str = "no"  # the Accelerator's --mixed_precision
     normwise: bool = False  # tolerance: normwise rel_error <= rtol (autocast) instead of elementwise
     autocast: bool = False  # the forward/backward really ran under autocast
+    accumulation_policy: str = "no_sync"  # accum_kit.policies: what the windows skipped and kept
 
     def row(self, name: str) -> Row:
         """The row called ``name`` (StopIteration if none)."""
@@ -149,13 +150,18 @@ class VerifyReport:
                  ddp_sum_ratio_expected=self.ddp_sum_ratio_expected, ddp_semantics=self.ddp_statement())
         return d
 
+    @property
+    def reducer(self) -> str:
+        """What averages the gradients over processes: FSDP2's reduce-scatter or DDP's all-reduce."""
+        return "FSDP2's reduce-scatter" if self.distributed_type == "FSDP" else "DDP"
+
     def ddp_statement(self) -> str:
         """One sentence: what DDP does to a sum loss, with the measured ratio."""
         w, r = self.world_size, self.ddp_sum_ratio
         if w == 1:
             return (f"1 process, no DDP: sum-loss gradient = big-batch sum gradient x 1 "
                     f"(measured ratio {r:.4f}, residual {self.ddp_sum_residual:.1e})")
-        return (f"DDP averages: sum-loss gradient = big-batch sum gradient x 1/{w} "
+        return (f"{self.reducer} averages: sum-loss gradient = big-batch sum gradient x 1/{w} "
                 f"(measured ratio {r:.4f}, residual {self.ddp_sum_residual:.1e})")
 
     def format(self) -> str:
@@ -167,7 +173,8 @@ class VerifyReport:
         m = self.model
         lines = [
             "accum-kit verify: accumulated gradient vs one big batch on one process",
-            f"  processes {W} ({self.distributed_type}), gradient_accumulation_steps K={K}, "
+            f"  processes {W} ({self.distributed_type}, accumulation policy {self.accumulation_policy}), "
+            f"gradient_accumulation_steps K={K}, "
             f"per_device_train_batch_size {B}, seed {self.seed}",
             f"  model: {m['description']}, {m['parameters']:,} parameters, float32, {self._compute()}, "
             "dropout off (eval mode)",
@@ -257,7 +264,8 @@ class VerifyReport:
                      f"(relative) across the {W} process(es)")
         why = ("  why: tokens divides the summed token loss by the window's target tokens over all processes "
                "(exact); mean-of-means weights short sequences more and still divides a partial window by K")
-        lines.append(why + (f"; sum is {W}x too small because DDP averages over {W} processes" if W > 1 else ""))
+        lines.append(why + (f"; sum is {W}x too small because {self.reducer} averages over {W} processes"
+                            if W > 1 else ""))
         lines.append(f"  verdict: {self.selected_row.name} (--loss_normalization {self.selected}) "
                      f"{'PASSES' if self.passed else 'FAILS'} -> exit {self.exit_code}   ({self.seconds:.1f} s)")
         return lines
