@@ -56,6 +56,8 @@ from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import accum_kit
+import accum_kit.memory
+import accum_kit.profiler
 from job_helpers import pad_collate  # the worker runs as a script from tests/
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs
@@ -91,17 +93,20 @@ class Recorder:
         self.fsdp = True
         originals = {name: getattr(dist, name) for name in ("reduce_scatter_single", "all_gather_single")}
 
-        def counting(name, key):
+        def counting(name, key, size_arg):
             def call(*args, **kwargs):
                 if self.current is not None:
                     self.micro[self.current][key] += 1
+                    # nccl-tests' S: the gathered output / the reduce-scattered input, (position, keyword)
+                    t = kwargs[size_arg[1]] if size_arg[1] in kwargs else args[size_arg[0]]
+                    self.micro[self.current][key.replace("_calls", "_bytes")] += t.numel() * t.element_size()
                 elif key == "reduce_scatter_calls":
                     self.stray_calls += 1
                 return originals[name](*args, **kwargs)
             return call
 
-        dist.reduce_scatter_single = counting("reduce_scatter_single", "reduce_scatter_calls")
-        dist.all_gather_single = counting("all_gather_single", "all_gather_calls")
+        dist.reduce_scatter_single = counting("reduce_scatter_single", "reduce_scatter_calls", (1, "input"))
+        dist.all_gather_single = counting("all_gather_single", "all_gather_calls", (0, "output_tensor"))
         return lambda: [setattr(dist, name, fn) for name, fn in originals.items()]
 
     # --- comm hook -------------------------------------------------------
@@ -122,7 +127,8 @@ class Recorder:
         assert len(self.micro) == self.current, (len(self.micro), state.micro_step, self.offset)
         self.micro.append(
             {"micro": state.micro_step, "epoch": state.epoch, "boundary": bool(state.boundary),
-             "sync": bool(state.sync), "allreduce_calls": 0, "reduce_scatter_calls": 0, "all_gather_calls": 0}
+             "sync": bool(state.sync), "allreduce_calls": 0, "reduce_scatter_calls": 0, "all_gather_calls": 0,
+             "reduce_scatter_bytes": 0, "all_gather_bytes": 0}
         )
 
     def on_backward_end(self, state):
@@ -171,6 +177,9 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
     if hooked:
         model.register_comm_hook(None, rec.hook)  # state None: the default (WORLD) group
     restore = rec.count_fsdp_collectives() if accelerator.is_fsdp2 else (lambda: None)
+    # Under FSDP2 accum_kit's own profiler and memory measurement run too, to be checked against the counts above.
+    profiler = accum_kit.profiler.CommProfiler(accelerator, model) if accelerator.is_fsdp2 else None
+    held = accum_kit.memory.HeldMemory(accelerator, model) if accelerator.is_fsdp2 else None
     d = out_dir / sc["name"] / (f"resumed_{resume_from}" if resume_from is not None else "")
     checkpointer = None
     if sc.get("resume_from") and resume_from is None:  # the uninterrupted run saves after every step
@@ -184,7 +193,8 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         max_train_steps=sc.get("max_train_steps"),
         max_grad_norm=sc.get("max_grad_norm"),
         loss_normalization=sc["mode"],
-        callbacks=[rec],
+        callbacks=[rec] + ([held] if held is not None else []),
+        profiler=profiler,
         progress=False,
         accumulation_schedule={s: k for s, k in sc["schedule"]} if sc.get("schedule") else None,
         checkpointer=checkpointer,
@@ -217,6 +227,14 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         "micro": rec.micro,
         "stray_allreduce_calls": rec.stray_calls,
     }
+    if profiler is not None:
+        from accum_kit.sharding import predicted_memory
+
+        info["profiler_calls"] = [{"kind": c.kind, "micro_batch": c.micro_batch - rec.offset, "unit": c.unit,
+                                   "bytes": c.bytes, "seconds": c.seconds} for c in profiler.collective_calls]
+        info["profiler_summary"] = profiler.local_summary()
+        info["memory"] = held.local()
+        info["predicted_memory"] = predicted_memory(accelerator, model, sc["K"])
     (d / f"rank{rank}.json").write_text(json.dumps(info, indent=1))
     accelerator.wait_for_everyone()
     accelerator.free_memory()

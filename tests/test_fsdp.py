@@ -148,6 +148,91 @@ def test_all_gathers_follow_the_policy(runs):
     print(f"\nall-gathers on a window's first micro-batch {first}, on the later ones {later}")
 
 
+# --------------------------------------------------------------------------- profiler, memory, cost formulas
+
+
+def _model_parameters() -> int:
+    """P of the test model, deduplicated (the tied embedding once), from a plain in-process GPT-2."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return sum(p.numel() for p in GPT2LMHeadModel(GPT2Config(**ex.MODEL_CONFIG)).parameters())
+
+
+def _layout():
+    """The test model's FSDP2 units counted from its config alone (torch-free formulas)."""
+    from accum_kit.planning.fsdp import gpt2_units_for
+
+    c = ex.MODEL_CONFIG
+    return gpt2_units_for(c["n_layer"], c["n_embd"], c["vocab_size"], c["n_positions"])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_profiler_sees_every_collective_the_independent_count_sees(runs, policy):
+    """accum_kit's recorders (FSDP2's set_custom_all_gather / set_custom_reduce_scatter) against the test's own
+    wrap of torch.distributed's functions: the same calls and bytes in every micro-batch, and summary totals."""
+    for info in runs[f"tok_k3_{policy}"]["ranks"]:
+        for m_index, m in enumerate(info["micro"]):
+            for kind in ("reduce_scatter", "all_gather"):
+                mine = [c for c in info["profiler_calls"] if c["micro_batch"] == m_index and c["kind"] == kind]
+                assert (len(mine), sum(c["bytes"] for c in mine)) == (m[f"{kind}_calls"], m[f"{kind}_bytes"]), \
+                    f"{policy} rank {info['rank']} micro-batch {m_index} {kind}"
+        s = info["profiler_summary"]
+        for kind in ("reduce_scatter", "all_gather"):
+            assert s[f"{kind}_calls"] == sum(m[f"{kind}_calls"] for m in info["micro"]) > 0
+            assert s[f"{kind}_bytes"] == sum(m[f"{kind}_bytes"] for m in info["micro"])
+            assert s[f"{kind}_busbw_GBps"] > 0
+        assert s["syncs"] == sum(m["sync"] for m in info["micro"]) and "allreduce_calls" not in s
+        assert s["ideal_seconds_per_step"] > 0 and s["compute_seconds"] > 0
+    s = runs[f"tok_k3_{policy}"]["ranks"][0]["profiler_summary"]
+    print(f"\n{policy}: reduce-scatters {s['reduce_scatter_calls']} ({s['reduce_scatter_bytes']} B), all-gathers "
+          f"{s['all_gather_calls']} ({s['all_gather_bytes']} B) on rank 0, equal to the independent count")
+
+
+def test_units_counted_from_the_config_are_fsdp2s_units(runs):
+    measured = runs["tok_k3_no_sync"]["ranks"][0]["profiler_summary"]["fsdp_units"]
+    layout = _layout()
+    assert sorted(u["parameters"] for u in measured if u["reshard_after_forward"]) == sorted(layout.resharded)
+    assert sorted(u["parameters"] for u in measured if not u["reshard_after_forward"]) == sorted(layout.kept)
+    assert layout.parameters == _model_parameters()  # the tied weight counted once, as FSDP2 holds it
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cost_formulas_give_the_collectives_counted_in_every_window(runs, policy):
+    """policy_costs (torch-free) per window, full (K=3) and partial (2 micro-batches), against the independent
+    count of calls and bytes (nccl-tests' S: the gathered output, the reduce-scattered input)."""
+    from accum_kit.planning.fsdp import policy_costs
+
+    for w in _windows_of(runs[f"tok_k3_{policy}"]["ranks"][0]["micro"]):
+        c = policy_costs(policy, _layout(), world_size=W, accumulation_steps=len(w))
+        counted = {k: sum(m[k] for m in w) for k in ("reduce_scatter_calls", "reduce_scatter_bytes",
+                                                     "all_gather_calls", "all_gather_bytes")}
+        assert counted == {"reduce_scatter_calls": c.reduce_scatter_calls, "reduce_scatter_bytes": c.reduce_scatter_bytes,
+                           "all_gather_calls": c.all_gather_calls, "all_gather_bytes": c.all_gather_bytes}, len(w)
+
+
+@pytest.mark.parametrize("name", [*(f"tok_k3_{p}" for p in POLICIES), "bf16_k3"])
+def test_memory_held_between_micro_batches_is_what_the_policy_predicts(runs, name):
+    """Gradient bytes held between two micro-batches: the full fp32 gradient under the no_sync policies (bf16
+    compute included: FSDP2's fp32 unsharded_accumulated_grad), 1/W of it when syncing each micro-batch; the
+    keep-gathered policies add the gathered parameters. Prediction within 10% (the target)."""
+    policy = BY_NAME[name]["policy"]
+    full = 4 * _model_parameters()
+    for info in runs[name]["ranks"]:
+        mem, predicted = info["memory"], info["predicted_memory"][policy]
+        held = mem["gradient_bytes"]
+        if policy == "sync_each_batch":
+            assert full / W <= held <= 1.05 * full / W and set(mem["by_kind"]) == {"sharded_grad"}, mem
+        else:
+            kind = "accumulated_grad" if name == "bf16_k3" else "unsharded_grad"
+            assert held == full and set(mem["by_kind"]) - {"gathered_parameter"} == {kind}, mem
+        gathered = mem["gathered_parameter_bytes"]
+        assert gathered == (full if policy.startswith("no_sync_no_reshard") else 0), mem
+        assert abs(held / predicted["gradient_bytes"] - 1) <= 0.10
+        assert gathered == pytest.approx(predicted["gathered_parameter_bytes"], rel=0.10, abs=0)
+    print(f"\n{name}: gradient bytes held {held} (predicted {predicted['gradient_bytes']:.0f}), gathered {gathered} "
+          f"(predicted {predicted['gathered_parameter_bytes']:.0f}); full fp32 gradient {full}")
+
+
 # --------------------------------------------------------------------------- the update equals one big batch
 
 
