@@ -129,6 +129,17 @@ DESCRIPTION = (
 
 
 def run_command(cfg: BenchConfig) -> int:
-    """``accum-kit bench``: run the sweep and write its files; 0 on success (bad input raises, the CLI exits 2)."""
-    run(cfg)
+    """``accum-kit bench``: run the sweep and write its files; 0 on success (bad input raises, the CLI exits 2).
+
+    Under an FSDP2 launch (``accelerate_configs/cpu_fsdp.yaml``) the sweep compares the accumulation
+    policies instead (:mod:`accum_kit.bench.fsdp`).
+    """
+    from ..sharding import fsdp_requested
+
+    if fsdp_requested():
+        from .fsdp import run as run_fsdp
+
+        run_fsdp(cfg)
+    else:
+        run(cfg)
     return 0
