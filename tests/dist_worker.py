@@ -23,9 +23,11 @@ missing keys mean 1, None, None, None. With a schedule, ``K`` is the Accelerator
 ``build_accelerator(accumulation_policy=...)``.)
 
 Launched with accelerate_configs/cpu_fsdp.yaml the model is sharded with FSDP2:
-the worker then counts, per micro-batch, the calls of ``torch.distributed``'s
+the worker then counts, per micro-batch, the calls and bytes of ``torch.distributed``'s
 reduce-scatter and all-gather (the collectives FSDP2 issues, wrapped here, not
-in accum_kit), saves full (gathered) parameters after each step, and for each
+in accum_kit), runs accum_kit's CommProfiler and HeldMemory beside that count
+(their records go into ``rank<r>.json`` as ``profiler_calls``, ``profiler_summary``,
+``memory`` and ``predicted_memory``), saves full (gathered) parameters after each step, and for each
 step ``s`` in ``resume_from`` (the run saves a checkpoint after every step)
 trains again in a fresh Accelerator from ``step_<s>`` into ``resumed_<s>/``.
 An optional ``"example_scripts"`` list runs example scripts afterwards, in the same
