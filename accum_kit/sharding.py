@@ -172,7 +172,7 @@ def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
     gradient, P b_p bytes, as ``.grad``. An empty dict if the model has no
     trainable parameter.
     """
-    from .planning.fsdp import ShardedModel, policy_costs
+    from .planning.fsdp import policy_costs
 
     layout = sharded_model(model)
     b_p, b_c, b_r = element_bytes(accelerator, model)

@@ -43,7 +43,7 @@ state (not the activations: it says so).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from .. import checks
 from ..errors import UsageError
@@ -379,7 +379,7 @@ def format_fsdp_plan(p: FSDPPlan) -> list[str]:
                       *((_g(r.step_seconds), f"{r.speedup_vs_sync_each_batch:.3f}x") if p.profile else ())))
     lines += [f"  {line}" for line in tabulate(table, headers=headers, tablefmt="simple",
                                                disable_numparse=True).splitlines()]
-    lines.append(f"  recommended (fastest that fits): "
+    lines.append("  recommended (fastest that fits): "
                  + (f"--accumulation_policy {p.recommended}" if p.recommended else "none fits"))
     lines.append(f"  arithmetic: {p.arithmetic['P']}")
     for name, steps in p.arithmetic.items():
