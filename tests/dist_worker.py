@@ -42,6 +42,9 @@ For every scenario it writes under OUT_DIR/<name>/:
   (gradient bucket all-reduces) that happened while that micro-batch ran, or under
   FSDP2 the reduce-scatter and all-gather calls.
 
+With ``bench_argv`` in the spec, ``accum-kit bench <bench_argv> --output_dir OUT_DIR/bench``
+runs last in the same launch (under cpu_fsdp.yaml: the FSDP2 policy sweep).
+
 The worker only runs accum_kit; all expected values are computed by the test.
 """
 
@@ -250,13 +253,19 @@ def main(argv) -> int:
         run_scenario(spec, sc, out_dir)
         for step in sc.get("resume_from", []):
             run_scenario(spec, sc, out_dir, resume_from=step)
+    code = 0
     if spec.get("example_scripts"):  # example scripts in the same launch (tests/examples_worker.py's format)
         import examples_worker
 
         scripts = out_dir / f"example_scripts.rank{os.environ.get('RANK', '0')}.json"
         scripts.write_text(json.dumps({"examples": spec["example_scripts"]}))
-        return examples_worker.main(str(scripts), str(out_dir))
-    return 0
+        code = examples_worker.main(str(scripts), str(out_dir))
+    if spec.get("bench_argv") and code == 0:  # `accum-kit bench` last: it ends the process group
+        from accum_kit.cli import run as cli_run
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        code = cli_run("bench", [*spec["bench_argv"], "--output_dir", str(out_dir / "bench")])
+    return code
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ The refusals (FSDP1, policies that cannot work) are checked in-process.
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 
@@ -45,6 +46,10 @@ SCENARIOS = [
     {**_sc("resume_2ep", epochs=2, policy="no_sync_no_reshard_after_backward"), "resume_from": [1, 3]},
 ]
 BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
+# `accum-kit bench` under FSDP2, last in the same launch: every policy at two K, two passes
+BENCH_KS, BENCH_BLOCK, BENCH_VOCAB = (2, 3), 32, 384
+BENCH_ARGV = ["--model_presets", "tiny", "--accumulation_steps", *map(str, BENCH_KS), "--repeats", "2", "--steps", "2",
+              "--warmup_steps", "1", "--block_size", str(BENCH_BLOCK)]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +59,7 @@ def runs(tmp_path_factory):
     corpus = jh.write_corpus(root / "corpus.txt")  # the examples fixture's corpus and flags (tests/conftest.py)
     custom = next(e for e in example_specs(corpus) if e["name"] == "custom_loop")
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
-            "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "example_scripts": [custom]}
+            "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "example_scripts": [custom], "bench_argv": BENCH_ARGV}
     (root / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG),
            "--main_process_port", str(jh.free_port()), str(ex.WORKER), str(root / "spec.json"), str(root / "out")]
@@ -72,6 +77,7 @@ def runs(tmp_path_factory):
         d = root / "out" / sc["name"]
         out[sc["name"]] = {"scenario": sc, "init": torch.load(d / "init.pt", weights_only=True), **load(d),
                            "resumed": {s: load(d / f"resumed_{s}") for s in sc.get("resume_from", [])}}
+    out["bench"] = root / "out" / "bench"
     out["custom_loop"] = [json.loads((root / "out" / f"custom_loop.rank{r}.json").read_text()) for r in range(W)]
     return out
 
@@ -231,6 +237,54 @@ def test_memory_held_between_micro_batches_is_what_the_policy_predicts(runs, nam
         assert gathered == pytest.approx(predicted["gathered_parameter_bytes"], rel=0.10, abs=0)
     print(f"\n{name}: gradient bytes held {held} (predicted {predicted['gradient_bytes']:.0f}), gathered {gathered} "
           f"(predicted {predicted['gathered_parameter_bytes']:.0f}); full fp32 gradient {full}")
+
+
+@pytest.fixture(scope="module")
+def bench(runs):
+    d = runs["bench"]
+    return json.loads((d / "bench.json").read_text()), list(csv.DictReader((d / "bench.csv").open())), d
+
+
+def test_fsdp_bench_sweeps_every_policy_and_writes_its_files(bench):
+    result, rows, d = bench
+    assert result["schema"] == "accum_kit.bench.fsdp/1" and result["machine"]["world_size"] == W
+    assert [(int(r["K"]), r["policy"]) for r in rows] == [(k, p) for k in BENCH_KS for p in POLICIES]
+    for col in ("reduce_scatter_calls_per_step", "all_gather_calls_per_step", "gradient_mb_peak",
+                "speedup_vs_sync_each_batch", "speedup_ci_low", "speedup_ci_high", "memory_added_mb"):
+        assert all(r[col] != "" for r in rows), col
+    assert (d / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    losses = {(r["K"], r["repeat"]): [] for r in result["runs"] if "repeat" in r}
+    for r in result["runs"]:
+        if "repeat" in r:
+            losses[(r["K"], r["repeat"])].append(r["losses"])
+    for block in losses.values():  # every policy computes the same update from the same weights and data
+        assert len(block) == len(POLICIES)
+        for other in block[1:]:
+            assert other == pytest.approx(block[0], rel=1e-5)
+    for r in result["rows"]:
+        assert r["speedup_ci_low"] <= r["speedup_vs_sync_each_batch"] <= r["speedup_ci_high"]
+
+
+def test_fsdp_bench_counts_and_memory_follow_the_formulas(bench):
+    """Collectives per step and gradient bytes held in the bench's table equal the cost formulas for the tiny
+    preset's units (counted from its config, not from the run)."""
+    from accum_kit.planning.fsdp import gpt2_units, policy_costs
+
+    result, _, _ = bench
+    layout = gpt2_units("tiny", BENCH_VOCAB, BENCH_BLOCK)
+    units = result["presets"]["tiny"]["units"]
+    assert (sorted(units["resharded"]), sorted(units["kept"])) == (sorted(layout.resharded), sorted(layout.kept))
+    for r in result["rows"]:
+        c = policy_costs(r["policy"], layout, world_size=W, accumulation_steps=r["K"])
+        assert (r["reduce_scatter_calls_per_step"], r["all_gather_calls_per_step"]) == \
+            (c.reduce_scatter_calls, c.all_gather_calls), (r["K"], r["policy"])
+        assert r["all_gather_mb_per_step"] * 2**20 == pytest.approx(c.all_gather_bytes)
+        assert r["gradient_mb_peak"] * 2**20 == c.gradient_bytes and r["gradient_measured_over_predicted"] == 1.0
+        assert r["gathered_parameter_mb_peak"] * 2**20 == c.gathered_parameter_bytes
+    base = {r["K"]: r for r in result["rows"] if r["policy"] == "sync_each_batch"}
+    for r in result["rows"]:
+        added = r["gradient_mb_peak"] + r["gathered_parameter_mb_peak"] - base[r["K"]]["gradient_mb_peak"]
+        assert r["memory_added_mb"] == pytest.approx(added)
 
 
 # --------------------------------------------------------------------------- the update equals one big batch

@@ -14,7 +14,8 @@ CSV_FIELDS = (
     "saved_ci_high", "reduce_scatter_calls_per_step", "all_gather_calls_per_step", "reduce_scatter_mb_per_step",
     "all_gather_mb_per_step", "reduce_scatter_busbw_GBps", "all_gather_busbw_GBps", "gradient_mb_peak",
     "predicted_gradient_mb", "gradient_measured_over_predicted", "gathered_parameter_mb_peak",
-    "predicted_gathered_mb", "memory_added_mb", "peak_rss_mb", "ideal_s", "over_ideal", "estimated_saved_s",
+    "predicted_gathered_mb", "memory_added_mb", "peak_rss_mb", "own_ideal_s", "over_ideal", "ideal_s",
+    "over_shared_ideal", "estimated_saved_s",
     "estimated_over_measured",
 )
 COLORS = {"sync_each_batch": "tab:red", "no_sync": "tab:blue", "no_sync_no_reshard_after_backward": "tab:orange",
@@ -69,8 +70,8 @@ def plot_png(result: dict) -> bytes:
                            yerr=[[r["step_s_median"] - r["step_s_q1"] for r in rs],
                                  [r["step_s_q3"] - r["step_s_median"] for r in rs]],
                            marker="o", capsize=3, color=COLORS.get(policy), label=policy)
-            if all(r["ideal_s"] is not None for r in rs):
-                right.plot([r["K"] for r in rs], [r["ideal_s"] for r in rs], linestyle="--", color=COLORS.get(policy),
+            if all(r["own_ideal_s"] is not None for r in rs):
+                right.plot([r["K"] for r in rs], [r["own_ideal_s"] for r in rs], linestyle="--", color=COLORS.get(policy),
                            alpha=0.6)
         right.set_xscale("log", base=2)
         right.set_xticks(ks)
