@@ -174,3 +174,47 @@ def test_profile_reader_refuses_a_ddp_profile(tmp_path):
     with pytest.raises(UsageError) as err:
         load_fsdp_profile(str(path))
     assert err.value.flag == "--from_profile" and "not an FSDP2 profile" in str(err.value)
+
+
+# --------------------------------------------------------------------------- predicted vs a bench
+
+
+def _profile(tmp_path) -> str:
+    """An FSDP2 profile with round numbers: 2 processes, K_p = 4 (40 micro-batches / 10 steps), compute 0.1 s
+    per micro-batch, 10 syncs of 4e6 B each exposing 0.02 s -> reduce-scatter busbw 4e6 x 1/2 / 0.02 = 0.1 GB/s;
+    all-gather busbw 0.2 GB/s; exposed communication 0.3 s per step; step 0.8 s -> o = 0.8 - 0.4 - 0.3 = 0.1 s."""
+    comm = {"world_size": 2, "optimizer_steps": 10, "micro_batches": 40, "reduce_scatter_calls": 40,
+            "reduce_scatter_bytes": 4e7, "syncs": 10, "backward_seconds_no_sync": 0.05, "compute_seconds": 0.1,
+            "exposed_comm_seconds": 0.02, "all_gather_busbw_GBps": 0.2, "exposed_comm_seconds_per_step": 0.3,
+            "optimizer_seconds": 0.05, "seconds_per_step": 0.8, "fsdp_units": []}
+    path = tmp_path / "train_summary.json"
+    path.write_text(json.dumps({"comm": comm, "model": "preset:tiny", "block_size": 64,
+                                "accumulation_policy": "no_sync"}))
+    return str(path)
+
+
+def test_profile_numbers_become_the_models_inputs(tmp_path):
+    p = load_fsdp_profile(_profile(tmp_path))
+    assert (p.gradient_accumulation_steps, p.compute_seconds) == (4, 0.1)
+    assert p.reduce_scatter_busbw_GBps == pytest.approx(0.1) and p.other_seconds == pytest.approx(0.1)
+
+
+def test_bench_comparison_predicts_k_c_plus_comm_plus_o(tmp_path):
+    layout = gpt2_units("tiny", 384, 64)
+    bench = {"schema": "accum_kit.bench.fsdp/1", "machine": {"world_size": 2},
+             "presets": {"tiny": {"units": {"resharded": list(layout.resharded), "kept": list(layout.kept)},
+                                  "element_bytes": {"b_p": 4, "b_c": 4, "b_r": 4}, "noise_floor": 0.05}},
+             "rows": [{"preset": "tiny", "K": 8, "policy": p, "step_s_median": 1.0, "speedup_vs_sync_each_batch": 1.0,
+                       "speedup_ci_low": 0.9, "speedup_ci_high": 1.1} for p in POLICIES]}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    plan = make_fsdp_plan(num_processes=2, gradient_accumulation_steps=8, from_profile=_profile(tmp_path))
+    assert plan.interconnect == "measured" and plan.busbw_reduce_scatter_GBps == pytest.approx(0.1)
+    from accum_kit.planning.fsdp_compare import compare_fsdp_bench
+
+    cmp = compare_fsdp_bench(str(tmp_path / "bench.json"), plan)
+    for row in cmp["rows"]:
+        c = policy_costs(row["policy"], layout, world_size=2, accumulation_steps=8)
+        comm = c.reduce_scatter_bytes / 2 / 0.1e9 + c.all_gather_bytes / 2 / 0.2e9
+        assert row["predicted_s"] == pytest.approx(8 * 0.1 + comm + 0.1)
+        assert row["predicted_over_measured"] == pytest.approx(row["predicted_s"])
+    assert cmp["noise_floor"] == 0.05

@@ -45,7 +45,8 @@ class BenchConfig:
     block_size: int = field(default=64, metadata={"help": "Tokens per example."})
     vocab_size: int = field(default=384, metadata={
         "help": "Vocabulary of the synthetic token ids (384: the train job's byte tokenizer)."})
-    steps: int = field(default=2, metadata={"help": "Measured optimizer steps per run."})
+    steps: int = field(default=2, metadata={"help": "Measured optimizer steps per run (under FSDP2: cycles of one "
+                                                     "window per policy)."})
     warmup_steps: int = field(default=1, metadata={"help": "Optimizer steps before measuring, per run."})
     repeats: int = field(default=3, metadata={"help": "Passes over every K and mode, interleaved."})
     learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate."})

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..outputs import atomic_write_bytes, atomic_write_json, staged_output_dir
 
 CSV_FIELDS = (
-    "preset", "K", "policy", "n_steps", "n_passes", "step_s_median", "step_s_q1", "step_s_q3",
+    "preset", "K", "policy", "n_steps", "n_pairs", "step_s_median", "step_s_q1", "step_s_q3",
     "speedup_vs_sync_each_batch", "speedup_ci_low", "speedup_ci_high", "seconds_saved_per_step", "saved_ci_low",
     "saved_ci_high", "reduce_scatter_calls_per_step", "all_gather_calls_per_step", "reduce_scatter_mb_per_step",
     "all_gather_mb_per_step", "reduce_scatter_busbw_GBps", "all_gather_busbw_GBps", "gradient_mb_peak",

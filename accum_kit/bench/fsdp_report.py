@@ -5,13 +5,12 @@ Per (K, policy) row (seconds per optimizer step; MB = 2**20 bytes):
 - ``step_s_median`` / ``step_s_q1`` / ``step_s_q3``: over every measured step
   of every repeat (process 0);
 - ``speedup_vs_sync_each_batch`` with ``speedup_ci_low`` / ``speedup_ci_high``:
-  paired per-pass ratios, i.e. for each repeat the ratio of
-  ``sync_each_batch``'s median step to this policy's in the same (repeat, K)
-  block, which ran back to back; the median of those ratios and a 95 %
-  Student-t interval on their logarithms (the ratio of two step times is
-  multiplicative noise). ``seconds_saved_per_step`` (``sync_each_batch`` minus
-  this policy, medians) comes with the same interval on the paired
-  differences (``saved_ci_low`` / ``saved_ci_high``);
+  paired ratios, one per cycle (each cycle runs one window of every policy,
+  back to back): ``sync_each_batch``'s step over this policy's; the median of
+  those ratios and a 95 % Student-t interval on their logarithms (the ratio
+  of two step times is multiplicative noise). ``seconds_saved_per_step``
+  (``sync_each_batch`` minus this policy, medians) comes with the same
+  interval on the paired differences (``saved_ci_low`` / ``saved_ci_high``);
 - counts and bytes per step (medians over runs): ``reduce_scatter_calls_per_step``,
   ``all_gather_calls_per_step``, ``reduce_scatter_mb_per_step``,
   ``all_gather_mb_per_step``; bus bandwidths as the profiler defines them;
@@ -39,7 +38,8 @@ Per (K, policy) row (seconds per optimizer step; MB = 2**20 bytes):
   :mod:`accum_kit.profiler.sharded`) and ``estimated_over_measured``.
 
 Noise floor of a preset: the median over cells of the relative half-range of
-the per-pass medians, ``(max - min) / 2 / median``.
+the per-repeat medians, ``(max - min) / 2 / median`` (how much the same cell
+moves between runs minutes apart; the paired ratios are tighter).
 """
 
 from __future__ import annotations
@@ -72,6 +72,10 @@ def _pass_medians(runs) -> dict[int, float]:
     return {r["repeat"]: median(r["step_seconds"]) for r in runs if r["step_seconds"]}
 
 
+def _by_cycle(runs) -> dict[tuple, float]:
+    return {(r["repeat"], c): t for r in runs for c, t in zip(r["cycles"], r["step_seconds"])}
+
+
 def _m(runs, key):
     return median(r[key] for r in runs if r.get(key) is not None)
 
@@ -85,7 +89,7 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
     rows, spreads = [], []
     for K in cfg.accumulation_steps:
         base_runs = [r for r in runs if r["K"] == K and r["policy"] == BASE]
-        base_pass = _pass_medians(base_runs)
+        base_cycle = _by_cycle(base_runs)
         base_step = median(x for r in base_runs for x in r["step_seconds"])
         base_mem = (_m(base_runs, "gradient_bytes") or 0) + (_m(base_runs, "gathered_parameter_bytes") or 0)
         for policy in cfg.accumulation_policies:
@@ -98,8 +102,9 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
             q1, q3 = quartiles(steps)
             pv = list(passes.values())
             spreads.append((max(pv) - min(pv)) / 2 / statistics.median(pv))
-            ratios = [base_pass[r] / passes[r] for r in passes if r in base_pass]
-            diffs = [base_pass[r] - passes[r] for r in passes if r in base_pass]
+            cycles = _by_cycle(cell)
+            ratios = [base_cycle[c] / t for c, t in cycles.items() if c in base_cycle]
+            diffs = [base_cycle[c] - t for c, t in cycles.items() if c in base_cycle]
             lo, hi = t_interval(ratios, log=True) if base_runs else (None, None)
             slo, shi = t_interval(diffs) if base_runs else (None, None)
             pred = policy_costs(policy, layout, world_size=world, accumulation_steps=K, param_bytes=b["b_p"],
@@ -112,7 +117,7 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
             est = _m(cell, "estimated_seconds_saved_per_step")
             own = _m(cell, "ideal_seconds_per_step")
             rows.append({
-                "preset": preset, "K": K, "policy": policy, "n_steps": len(steps), "n_passes": len(passes),
+                "preset": preset, "K": K, "policy": policy, "n_steps": len(steps), "n_pairs": len(ratios),
                 "step_s_median": med, "step_s_q1": q1, "step_s_q3": q3, "pass_medians": pv,
                 "speedup_vs_sync_each_batch": median(ratios) if ratios else None,
                 "speedup_ci_low": lo, "speedup_ci_high": hi,
