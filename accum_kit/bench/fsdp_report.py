@@ -6,11 +6,11 @@ Per (K, policy) row (seconds per optimizer step; MB = 2**20 bytes):
   of every repeat (process 0);
 - ``speedup_vs_sync_each_batch`` with ``speedup_ci_low`` / ``speedup_ci_high``:
   paired ratios, one per cycle (each cycle runs one window of every policy,
-  back to back): ``sync_each_batch``'s step over this policy's; the median of
-  those ratios and a 95 % Student-t interval on their logarithms (the ratio
-  of two step times is multiplicative noise). ``seconds_saved_per_step``
-  (``sync_each_batch`` minus this policy, medians) comes with the same
-  interval on the paired differences (``saved_ci_low`` / ``saved_ci_high``);
+  back to back): ``sync_each_batch``'s step over this policy's; their
+  geometric mean and its 95 % Student-t interval (on the logarithms: the
+  ratio of two step times is multiplicative noise). ``seconds_saved_per_step``
+  (``sync_each_batch``'s step minus this policy's) is the mean of the paired
+  differences with its 95 % interval (``saved_ci_low`` / ``saved_ci_high``);
 - counts and bytes per step (medians over runs): ``reduce_scatter_calls_per_step``,
   ``all_gather_calls_per_step``, ``reduce_scatter_mb_per_step``,
   ``all_gather_mb_per_step``; bus bandwidths as the profiler defines them;
@@ -57,15 +57,22 @@ T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.
        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
-def t_interval(values, log: bool = False) -> tuple[float | None, float | None]:
-    """95 % Student-t interval of the mean of ``values`` (of their logs with ``log``, mapped back); None below 2."""
+def t_interval(values, log: bool = False) -> tuple[float | None, float | None, float | None]:
+    """(mean, low, high): the mean of ``values`` and its 95 % Student-t interval.
+
+    With ``log`` the mean and interval are taken on the logarithms and mapped
+    back: the geometric mean and its interval. Fewer than 2 values: the mean
+    (or None) and no interval.
+    """
     xs = [math.log(v) for v in values] if log else list(values)
+    if not xs:
+        return None, None, None
+    m = statistics.fmean(xs)
+    back = math.exp if log else (lambda x: x)
     if len(xs) < 2:
-        return None, None
-    m, s = statistics.fmean(xs), statistics.stdev(xs)
-    half = (T95[len(xs) - 2] if len(xs) - 1 <= len(T95) else 1.96) * s / math.sqrt(len(xs))
-    lo, hi = m - half, m + half
-    return (math.exp(lo), math.exp(hi)) if log else (lo, hi)
+        return back(m), None, None
+    half = (T95[len(xs) - 2] if len(xs) - 1 <= len(T95) else 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return back(m), back(m - half), back(m + half)
 
 
 def _pass_medians(runs) -> dict[int, float]:
@@ -90,7 +97,6 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
     for K in cfg.accumulation_steps:
         base_runs = [r for r in runs if r["K"] == K and r["policy"] == BASE]
         base_cycle = _by_cycle(base_runs)
-        base_step = median(x for r in base_runs for x in r["step_seconds"])
         base_mem = (_m(base_runs, "gradient_bytes") or 0) + (_m(base_runs, "gathered_parameter_bytes") or 0)
         for policy in cfg.accumulation_policies:
             cell = [r for r in runs if r["K"] == K and r["policy"] == policy]
@@ -105,21 +111,20 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
             cycles = _by_cycle(cell)
             ratios = [base_cycle[c] / t for c, t in cycles.items() if c in base_cycle]
             diffs = [base_cycle[c] - t for c, t in cycles.items() if c in base_cycle]
-            lo, hi = t_interval(ratios, log=True) if base_runs else (None, None)
-            slo, shi = t_interval(diffs) if base_runs else (None, None)
+            speedup, lo, hi = t_interval(ratios, log=True)
+            saved, slo, shi = t_interval(diffs)
             pred = policy_costs(policy, layout, world_size=world, accumulation_steps=K, param_bytes=b["b_p"],
                                 compute_bytes=b["b_c"], reduce_bytes=b["b_r"])
             grad, gathered = _m(cell, "gradient_bytes"), _m(cell, "gathered_parameter_bytes")
             syncs = K if policy == BASE else 1
             g, o = _m(cell, "exposed_all_gather_seconds_per_step"), _m(cell, "optimizer_seconds")
             ideal = K * c + syncs * a + g + o if None not in (c, a, g, o) else None
-            saved = base_step - med if base_step is not None else None
             est = _m(cell, "estimated_seconds_saved_per_step")
             own = _m(cell, "ideal_seconds_per_step")
             rows.append({
                 "preset": preset, "K": K, "policy": policy, "n_steps": len(steps), "n_pairs": len(ratios),
                 "step_s_median": med, "step_s_q1": q1, "step_s_q3": q3, "pass_medians": pv,
-                "speedup_vs_sync_each_batch": median(ratios) if ratios else None,
+                "speedup_vs_sync_each_batch": speedup,
                 "speedup_ci_low": lo, "speedup_ci_high": hi,
                 "seconds_saved_per_step": saved, "saved_ci_low": slo, "saved_ci_high": shi,
                 "reduce_scatter_calls_per_step": _m(cell, "reduce_scatter_calls_per_step"),
@@ -195,7 +200,7 @@ def evaluate_targets(rows: list[dict], presets: dict, K: int = 8) -> list[dict]:
             add(f"K={K}: profiler's no_sync saving within 20% of the measured one",
                 abs(ns["estimated_over_measured"] - 1) <= 0.20,
                 f"estimated {ns['estimated_saved_s']:.3f} s / measured {ns['seconds_saved_per_step']:.3f} s per step "
-                f"= {ns['estimated_over_measured']:.3f}")
+                f"(95% CI [{_f(ns['saved_ci_low'])}, {_f(ns['saved_ci_high'])}]) = {ns['estimated_over_measured']:.3f}")
     return out
 
 
