@@ -74,7 +74,8 @@ MODE = {name: "sync_each_batch" if p.sync_each_batch else "no_sync" for name, p 
 #: The profiler summary keys a run record keeps (see :mod:`accum_kit.profiler.sharded`).
 SUMMARY_KEYS = ("reduce_scatter_calls_per_step", "reduce_scatter_bytes_per_step", "reduce_scatter_busbw_GBps",
                 "all_gather_calls_per_step", "all_gather_bytes_per_step", "all_gather_busbw_GBps", "syncs",
-                "skipped_syncs", "compute_seconds", "exposed_comm_seconds", "exposed_all_gather_seconds_per_step",
+                "skipped_syncs", "compute_seconds", "accumulation_seconds", "exposed_comm_seconds",
+                "exposed_all_gather_seconds_per_step",
                 "optimizer_seconds", "ideal_seconds_per_step", "estimated_seconds_saved_per_step")
 
 

@@ -144,7 +144,7 @@ TABLE_ROWS = (
     ("exposed comm / sync", "exposed_comm_seconds", " s"), ("overlap fraction", "overlap_fraction", ""),
     ("exposed all-gather / step", "exposed_all_gather_seconds_per_step", " s"),
     ("exposed comm / step", "exposed_comm_seconds_per_step", " s"),
-    ("compute / micro-batch", "compute_seconds", " s"), ("ideal s/step (from the parts)", "ideal_seconds_per_step", " s"),
+    ("accumulation / micro-batch", "accumulation_seconds", " s"), ("compute / micro-batch", "compute_seconds", " s"), ("ideal s/step (from the parts)", "ideal_seconds_per_step", " s"),
     ("s/step over ideal", "seconds_per_step_over_ideal", ""),
     ("optimizer step", "optimizer_seconds", " s"), ("estimated saved (exposed)", "estimated_seconds_saved", " s"),
     ("estimated saved (full latency)", "estimated_seconds_saved_upper", " s"),

@@ -26,12 +26,22 @@ Definitions (seconds, bytes; "per step" divides by the optimizer steps recorded)
   ``K x compute + syncs per step x exposed reduce-scatter + exposed all-gather
   per step + optimizer step``; ``seconds_per_step_over_ideal`` is the measured
   median step over it;
+- accumulation per micro-batch: what adding a backward's gradients into the
+  unsharded gradient held from the window's earlier micro-batches costs,
+  against a micro-batch that finds none (the window's first): the median
+  backward of the later no-sync micro-batches minus that of the first ones.
+  Syncing every micro-batch never pays it (FSDP2 frees the unsharded
+  gradient after each reduce-scatter and adds only the 1/W shard), so it
+  is part of what ``no_sync`` costs;
 - estimated saving per step against syncing every micro-batch with the same
   reshard settings (what :class:`accum_kit.profiler.ABSwitch` alternates
-  with): skipped syncs per step x exposed reduce-scatter per sync, plus, per
-  unit, the all-gathers syncing every micro-batch would make (K per step, 2K
-  for a unit that reshards after forward) minus those recorded, times that
-  unit's median seconds per all-gather.
+  with): skipped syncs per step x (exposed reduce-scatter per sync minus the
+  accumulation per micro-batch), plus, per unit, the all-gathers syncing
+  every micro-batch would make (K per step, 2K for a unit that reshards after
+  forward) minus those recorded, times that unit's median seconds per
+  all-gather. (With K no-sync micro-batches of which the first allocates and
+  the other K - 2 and the boundary add, syncing each would instead pay the
+  reduce-scatter K - 1 more times and the accumulation K - 1 fewer times.)
 """
 
 from __future__ import annotations
@@ -68,6 +78,7 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
     ``seconds_per_sync`` (reduce-scatter seconds per sync, median), ``exposed_comm_seconds``
     (exposed reduce-scatter per sync), ``exposed_reduce_scatter_source``,
     ``exposed_all_gather_seconds_per_step``, ``exposed_comm_seconds_per_step``,
+    ``accumulation_seconds`` (per micro-batch; 0 without a window of 3 or more),
     ``compute_seconds`` (per micro-batch), ``ideal_seconds_per_step``,
     ``seconds_per_step_over_ideal``, ``estimated_seconds_saved``,
     ``estimated_seconds_saved_per_step``, ``fsdp_units`` (``units``).
@@ -103,6 +114,12 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
         exposed_rs, source = max(bwd_sync - bwd_nosync, 0.0), "backward of sync minus no-sync micro-batches"
     else:
         exposed_rs, source = (rs_per_sync, "reduce-scatter seconds per sync") if rs else (0.0, "no reduce-scatter")
+    first_of_window = {}
+    for m in mbs:
+        first_of_window[m.step] = min(first_of_window.get(m.step, m.micro_batch), m.micro_batch)
+    bwd_first = median(m.backward_seconds for m in no_sync if m.micro_batch == first_of_window[m.step])
+    bwd_later = median(m.backward_seconds for m in no_sync if m.micro_batch != first_of_window[m.step])
+    accumulation = bwd_later - bwd_first if (bwd_first is not None and bwd_later is not None) else 0.0
     syncs = len(rs_by_sync)
     skipped = sum(1 for m in mbs if not m.sync)
     ag_exposed = busy_seconds(ag) / n_steps
@@ -119,7 +136,7 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
             per_call = median(c.seconds for c in mine)
             if per_call is not None:
                 ag_saved += max(baseline - len(mine) / n_steps, 0.0) * per_call
-    saved_per_step = skipped / n_steps * exposed_rs + ag_saved
+    saved_per_step = skipped / n_steps * (exposed_rs - accumulation) + ag_saved
     rs_alg, rs_bus = _bandwidths(rs, n)
     ag_alg, ag_bus = _bandwidths(ag, n)
     return {
@@ -147,6 +164,7 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
         "exposed_all_gather_seconds_per_step": ag_exposed,
         "exposed_comm_seconds_per_step": syncs / n_steps * exposed_rs + ag_exposed,
         "overlap_fraction": max(0.0, 1 - exposed_rs / rs_per_sync) if rs_per_sync and no_sync and rs else None,
+        "accumulation_seconds": accumulation,
         "compute_seconds": compute,
         "ideal_seconds_per_step": ideal,
         "seconds_per_step_over_ideal": step / ideal if (step and ideal) else None,
