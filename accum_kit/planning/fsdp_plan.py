@@ -203,8 +203,8 @@ def _structure(model_preset, num_parameters, num_layers, vocab_size, block_size,
     if model_preset is not None:
         return gpt2_units(model_preset, vocab_size, block_size or (profile.block_size if profile else None) or 128)
     if num_parameters is not None:
-        per_layer = num_parameters // num_layers
-        return ShardedModel(tuple([per_layer] * num_layers), (num_parameters - per_layer * num_layers,),
+        per_layer, rest = divmod(num_parameters, num_layers)
+        return ShardedModel(tuple([per_layer] * num_layers), (rest,) if rest else (),
                             f"--num_parameters {num_parameters} in --num_layers {num_layers} layer units "
                             "(the rest, if any, in one unit kept after forward)")
     if profile is not None and any(u.get("reshard_after_forward") for u in profile.units):
