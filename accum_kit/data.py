@@ -389,8 +389,9 @@ def tokenize_datasets(raw, tokenizer, block_size: int, packing: bool = True, *,
         raw: ``DatasetDict`` with a ``text`` column.
         tokenizer: a transformers tokenizer; an end-of-sequence token separates documents.
         block_size: tokens per packed block, or the truncation length when unpacked.
-        packing: True: concatenate everything and cut blocks of exactly
-            ``block_size`` tokens (run_clm's ``group_texts``). False: one
+        packing: True: concatenate the tokens of each group of 1000 rows (one
+            ``Dataset.map`` batch) and cut blocks of exactly ``block_size``
+            tokens, dropping each group's remainder (run_clm's ``group_texts``). False: one
             example per blank-line-separated piece of each text (a function, a
             class, a paragraph), truncated to ``block_size``; variable lengths,
             padded per batch by :func:`build_collator`.

@@ -5,7 +5,9 @@ model (``transformers.GPT2LMHeadModel``) from a ``GPT2Config``, or a Llama one
 (``transformers.LlamaForCausalLM``, :data:`LLAMA_PRESETS`) for checks that
 depend on the model family (``verify``'s Trainer row). The
 ``--model_name_or_path`` route loads a saved model (``save_pretrained`` output,
-or a hub name for users who can reach the hub).
+or a hub name for users who can reach the hub); ``--config_name`` /
+``--model_type`` build one from a config as transformers'
+``run_clm_no_trainer.py`` does (:func:`resolve_config`, :func:`build_from_config`).
 """
 
 from __future__ import annotations
@@ -115,9 +117,11 @@ def load_model(model_name_or_path: str, *, config=None, trust_remote_code: bool 
     from transformers import AutoModelForCausalLM
 
     options = {"config": config} if config is not None else {}
+    if low_cpu_mem_usage:  # otherwise the installed transformers' own default
+        options["low_cpu_mem_usage"] = True
     try:
-        return AutoModelForCausalLM.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code,
-                                                    low_cpu_mem_usage=low_cpu_mem_usage, **options)
+        # trust_remote_code=False, not None: None would prompt on a terminal before failing
+        return AutoModelForCausalLM.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code, **options)
     except (OSError, ValueError) as exc:
         _raise_remote_code(exc, model_name_or_path)
         where = "a local directory" if os.path.isdir(model_name_or_path) else "a local path or a reachable hub model"

