@@ -339,6 +339,22 @@ def test_trust_remote_code_runs_the_model_directory_code(custom_code_model):
     assert type(resolve_config(config_name=path, trust_remote_code=True)).__name__ == "TinyGPTConfig"
 
 
+def test_job_runs_shipped_code_only_with_the_flag(clm, inproc, capsys, tmp_path, custom_code_model):
+    """Through the job: refused without --trust_remote_code; with it the shipped class trains, its 64-token
+    embeddings grown to the 512 tokens of --tokenizer_name (run_clm's resize rule)."""
+    argv = ["--model_name_or_path", custom_code_model, "--tokenizer_name", clm["tok_dir"], "--train_file",
+            clm["sample"], "--block_size", 16, "--max_train_steps", 1, "--per_device_train_batch_size", 2,
+            "--gradient_accumulation_steps", 1, "--max_eval_samples", 4]
+    code, err = run_train(capsys, [*argv, "--output_dir", tmp_path / "refused"])
+    assert code == 2 and "error: --trust_remote_code: " in err, err[-3000:]
+    assert not (tmp_path / "refused").exists()
+    out = tmp_path / "trusted"
+    code, err = run_train(capsys, [*argv, "--output_dir", out, "--trust_remote_code"])
+    assert code == 0, err[-3000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["TinyGPTLMHeadModel"] and config["vocab_size"] == len(clm["tok"]) == 512
+
+
 def test_low_cpu_mem_usage_loads_the_saved_weights(clm):
     from safetensors.torch import load_file
 
