@@ -266,8 +266,8 @@ def _text_split(split, flag: str, verbatim: bool):
     if dtype not in ("string", "large_string"):
         raise UsageError(flag, f"the 'text' column holds {dtype} values, not strings", "make every 'text' value a string")
     kept = split.filter((lambda t: bool(t)) if verbatim else (lambda t: bool(t and t.strip())), input_columns="text")
-    # a verbatim file (read whole into memory by datasets anyway) may still hold only blank lines
-    if len(kept) == 0 or (verbatim and not any(t.strip() for t in kept["text"])):
+    # a verbatim file may still hold only blank lines (the scan stops at the first line with text)
+    if len(kept) == 0 or (verbatim and not any(t.strip() for b in kept.iter(batch_size=1000) for t in b["text"])):
         raise UsageError(flag, "the dataset has no non-empty text", "pass a file with text in it")
     return kept
 
@@ -326,7 +326,10 @@ def load_raw_datasets(
                 "check the name and your connection to the hub, or use --train_file, or omit it for the default corpus",
             ) from exc
         source = f"hub:{dataset_name}" + (f"/{dataset_config_name}" if dataset_config_name else "")
-    verbatim = lambda path: keep_linebreaks and path is not None and _BUILDERS[path.rsplit(".", 1)[-1].lower()] == "text"  # noqa: E731
+
+    def verbatim(path):  # a .txt file read with its line breaks
+        return keep_linebreaks and path is not None and _BUILDERS[path.rsplit(".", 1)[-1].lower()] == "text"
+
     train = _text_split(raw["train"], "--train_file" if train_file else "--dataset_name", verbatim(train_file))
     if validation_file is not None:
         valid = _load_data_file(validation_file, "--validation_file", keep_linebreaks)["train"]
