@@ -64,7 +64,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 SHELL_FENCES = {"bash", "sh", "shell", "console"}
 #: Input files the docs ask the reader to make (or make in an earlier command) and that a parser opens.
-STAND_INS = {"corpus.txt": "def f(x):\n    return x + 1\n\n\nclass A:\n    pass\n"}
+_TEXT = "def f(x):\n    return x + 1\n\n\nclass A:\n    pass\n"
+STAND_INS = {"corpus.txt": _TEXT, "runs/clm/sample_text.txt": _TEXT}  # docs/whatif.md, docs/run_clm.md make them
 OPERATORS = {"&&", "||", ";", "|"}
 
 
