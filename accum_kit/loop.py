@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm  # text bar: a widget cannot be drawn from processes forked by accum_kit.notebook.launch; Jupyter redraws the text bar in place
 
 from . import checks
+from .batchnorm import warn_if_batchnorm_trains
 from .callbacks import CallbackList, LoopState
 from .checkpoint import DataCursor, load_checkpoint
 from .compat import release_dataloader, restart_window_counter, sync_each_batch
@@ -204,6 +205,7 @@ def train_loop(
     restart_window_counter(accelerator)  # an earlier loop may have stopped mid-window; load_state restores it too
     windows.start(state)  # the schedule's K for the steps done (0, or the resumed step)
     hooks("on_train_begin", state)
+    warn_if_batchnorm_trains(accelerator, model, windows.schedule)  # after the hooks: a callback may freeze them
     last = time.perf_counter()
     try:
         for state.epoch in epochs:

@@ -2,11 +2,14 @@
 
 :func:`verify_accumulation` prepares throw-away copies (model, a
 :class:`~accum_kit.verify.capture.GradientCapture` optimizer, the examples'
-DataLoader) inside the given Accelerator, runs each row over the same windows,
-optionally runs transformers' Trainer on another copy (the informational
-``trainer`` row, :mod:`accum_kit.verify.trainer`), gathers what every process
-ran and saw, and lets the main process compute the oracle and the report,
-which it broadcasts to every process.
+DataLoader) inside the given Accelerator, runs each row over the same windows
+(verify's own token data, or the user's model, loss and data:
+:mod:`accum_kit.verify.workload`), measures BatchNorm in training mode when the
+model has such layers (:mod:`accum_kit.verify.batchnorm`), optionally runs
+transformers' Trainer on another copy (the informational ``trainer`` row,
+:mod:`accum_kit.verify.trainer`), gathers what every process ran and saw, and
+lets the main process compute the oracle and the report, which it broadcasts
+to every process.
 """
 
 from __future__ import annotations
@@ -14,25 +17,29 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
-from torch.utils.data import DataLoader
 
 from .. import checks
+from ..batchnorm import BatchNormAccumulationWarning
 from ..compat import forget_prepared
 from ..errors import UsageError
 from ..launch import build_accelerator, resolve_accumulation_steps
 from ..loop import train_loop
+from ..loss import causal_lm_loss
 from ..models import LLAMA_PRESETS, PRESETS, build_llama_model, build_model, load_model
-from .capture import EvalMode, ExampleRecorder, GradientCapture
+from . import batchnorm
+from .capture import EvalMode, GradientCapture
 from .compare import (DEFAULT_ATOL, DEFAULT_RTOL, MIXED_PRECISIONS, compare_gradients, mixed_precision_rtol,
                       scaled_residual)
-from .data import MAX_LENGTH, make_examples, pad_collate, partial_micro_batches
+from .data import MAX_LENGTH, partial_micro_batches
 from .oracle import big_batch_gradient, dataparallel_sum_gradient
 from .report import SELECTABLE, Row, VerifyReport, WindowInfo
 from .trainer import capture_trainer, trainer_summary
+from .workload import IndexRecorder, Workload, token_workload, user_workload
 
 DEFAULT_BATCH_SIZE = 2  # examples per micro-batch per process
 TINY_VOCAB = 128  # vocabulary of the preset models
@@ -44,7 +51,10 @@ HOW = {
     "tokens": ('train_loop(loss_normalization="tokens")', "big-batch token mean"),
     "mean-of-means": ('train_loop(loss_normalization="mean")', "big-batch token mean"),
     "sum": ("reduction=sum loss, loss.backward() in accumulate", "big-batch sum"),
+    "batchnorm (train mode)": ('train_loop(loss_normalization="tokens"), BatchNorm in training mode',
+                               "big batch, BatchNorm in training mode"),
 }
+BATCHNORM_ROW = "batchnorm (train mode)"
 
 
 def validate(gradient_accumulation_steps, per_device_train_batch_size, rtol, atol, loss_normalization,
@@ -93,6 +103,8 @@ class RunSettings:
     mixed_precision: str = "no"  # the Accelerator's: "no", "bf16" or "fp16"
     normwise: bool = False  # tolerance criterion: normwise rel_error <= rtol (autocast) or elementwise
     autocast: bool = False  # the Accelerator really autocasts (no fp16 autocast on CPU)
+    workload: Workload | None = None  # the examples, collate, loss and oracle loss
+    batchnorm_layers: tuple = ()  # BatchNorm layers in training mode in the given model (the finding runs if any)
 
     @property
     def windows(self) -> int:
@@ -106,7 +118,7 @@ class Captured:
     Attributes:
         grads: row name -> per window ``{parameter name: float32 gradient}``
             (the main process's copies; None elsewhere).
-        examples: per rank, ``{row name: per window [examples that rank ran]}``.
+        examples: per rank, ``{row name: per window [indices of the examples that rank ran]}``.
         norms: float64 tensor (world size, rows x windows): every rank's
             gradient L2 norm, row-major by row then window.
     """
@@ -115,18 +127,26 @@ class Captured:
     examples: list
     norms: torch.Tensor
     trainer: dict | None = None  # capture_trainer's result (main process) with "examples" of every rank
+    workload: Workload | None = None
 
     @property
     def names(self) -> list[str]:
         return list(self.grads)
 
-    def window_examples(self, name: str, w: int) -> list[dict]:
-        """All processes' examples of row ``name``, window ``w`` (0-based): rank order, then micro-batch order."""
-        return [e for per_rank in self.examples for e in per_rank[name][w]]
+    def window_indices(self, name: str, w: int) -> list[int]:
+        """All processes' example indices of row ``name``, window ``w`` (0-based): rank order, then micro-batch order."""
+        return [i for per_rank in self.examples for i in per_rank[name][w]]
+
+    def window_examples(self, name: str, w: int) -> list:
+        """The examples of :meth:`window_indices`."""
+        return self.workload.window(self.window_indices(name, w))
 
 
-def _build_model(model, model_name_or_path, seed, model_preset="tiny"):
-    """(float32 model in eval mode, description dict without the parameter count)."""
+def _build_model(model, model_name_or_path, seed, model_preset="tiny", token_data=True):
+    """(float32 model in eval mode, description dict without the parameter count, training BatchNorm layers).
+
+    ``token_data``: verify generates token sequences for it, so it needs ``config.vocab_size``.
+    """
     if model is not None:
         m, desc = copy.deepcopy(model), f"{type(model).__name__} (given)"
     elif model_name_or_path:
@@ -141,17 +161,19 @@ def _build_model(model, model_name_or_path, seed, model_preset="tiny"):
         p = PRESETS["tiny"]
         desc = (f"preset tiny (GPT-2 style, {p['n_layer']} layers, width {p['n_embd']}, vocab {TINY_VOCAB}, "
                 f"random init seed {seed})")
-    cfg = getattr(m, "config", None)
-    vocab = getattr(cfg, "vocab_size", None)
-    positions = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or MAX_LENGTH
-    if vocab is None:
-        raise UsageError("--model_name_or_path", "the model has no config.vocab_size",
-                         "pass a transformers causal LM")
-    spec = {"description": desc, "vocab_size": int(vocab), "max_length": int(min(MAX_LENGTH, positions)),
-            "preset": None if (model is not None or model_name_or_path) else model_preset,
-            "class": type(m).__name__,
-            "n_positions": int(positions), "init_seed": seed, "model_name_or_path": model_name_or_path}
-    return m.float().eval(), spec
+    layers = tuple(batchnorm.training_batchnorm_layers(m))  # before eval(): the modes the model was given in
+    spec = {"description": desc, "preset": None if (model is not None or model_name_or_path) else model_preset,
+            "class": type(m).__name__, "init_seed": seed, "model_name_or_path": model_name_or_path}
+    if token_data:
+        cfg = getattr(m, "config", None)
+        vocab = getattr(cfg, "vocab_size", None)
+        positions = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or MAX_LENGTH
+        if vocab is None:
+            raise UsageError("model" if model is not None else "--model_name_or_path",
+                             "the model has no config.vocab_size, so verify cannot make token data for it",
+                             "pass a transformers causal LM, or your own dataset= and loss_fn=")
+        spec.update(vocab_size=int(vocab), max_length=int(min(MAX_LENGTH, positions)), n_positions=int(positions))
+    return m.float().eval(), spec, layers
 
 
 def verify_accumulation(
@@ -170,11 +192,19 @@ def verify_accumulation(
     atol: float | None = None,
     dataparallel: bool | None = None,
     mixed_precision: str | None = None,
+    loss_fn=None,
+    dataset=None,
+    collate_fn=None,
 ) -> VerifyReport:
     """Compare the toolkit's accumulated gradient with a single-process big batch.
 
     Call it on every process (it runs collectives); every process gets the
     same report. See :mod:`accum_kit.verify` for what is compared and how.
+    Any model, loss and data: pass ``model``, ``loss_fn`` and ``dataset``
+    (and ``collate_fn``), e.g. a classifier with
+    :func:`accum_kit.classification_loss` (items = examples) or an
+    encoder-decoder with :func:`accum_kit.seq2seq_loss`. Without ``dataset``
+    it runs verify's own random token sequences through a causal LM.
     Pass ``model`` unprepared (call this before ``accelerator.prepare`` of
     your training objects, or pass ``accelerator.unwrap_model(model)``): it is
     deep-copied, and the copies prepared inside ``accelerator`` are
@@ -212,12 +242,31 @@ def verify_accumulation(
         mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"`` for the Accelerator
             this builds (None: ``"no"``); with ``accelerator`` given, its own
             (a different value is an error).
+        loss_fn: ``loss_fn(model, batch) -> (summed_loss, num_items)``, the
+            contract of :func:`accum_kit.train_loop`; the rows train with it
+            and, on a user ``dataset``, the oracle applies it to the whole
+            window as one batch. None: :func:`accum_kit.causal_lm_loss`.
+        dataset: your examples (a list or map-style dataset; the first
+            ``(K + r) x B x W`` are used, in order, every process the same);
+            None: verify's random token sequences (the model must then be a
+            causal LM with ``config.vocab_size``).
+        collate_fn: list of examples -> batch for ``dataset`` (None:
+            ``torch.utils.data.default_collate``); the oracle collates a whole
+            window with it, so padding must be ignored by the loss.
+
+    With a ``dataset`` or ``loss_fn`` the ``trainer`` row is skipped (it runs
+    transformers' causal-LM Trainer on verify's token data). When ``model``
+    has BatchNorm layers in training mode (a freshly built module is in
+    training mode), a further pass measures how far they take the update from
+    the big batch: an informational row and ``report.batchnorm``
+    (:mod:`accum_kit.verify.batchnorm`); it never changes ``passed``.
 
     Returns:
-        :class:`VerifyReport` (``passed``, ``rows``, ``ddp_sum_ratio``, ``to_dict()``, ``format()``).
+        :class:`VerifyReport` (``passed``, ``rows``, ``ddp_sum_ratio``, ``batchnorm``, ``to_dict()``, ``format()``).
 
     Raises:
-        UsageError: bad argument (the message names the flag).
+        UsageError: bad argument (the message names the flag or argument),
+            e.g. a ``dataset`` with too few examples.
         ProcessCountError: the launcher and the Accelerator disagree on the process count.
     """
     t0 = time.perf_counter()
@@ -239,19 +288,29 @@ def verify_accumulation(
     rtol = rtol if rtol is not None else (mixed_precision_rtol(precision) if normwise else DEFAULT_RTOL)
     atol = atol if atol is not None else (0.0 if normwise else DEFAULT_ATOL)
     main = accelerator.is_main_process
+    token_data = dataset is None
     with torch.random.fork_rng(devices=[]):  # a preset seeds torch before initialising its weights
-        base, spec = _build_model(model, model_name_or_path, seed, model_preset)
+        base, spec, bn_layers = _build_model(model, model_name_or_path, seed, model_preset, token_data)
     spec["parameters"] = sum(p.numel() for p in base.parameters())
+    r = partial_micro_batches(K, partial_window)
+    n = (K + r) * per_device_train_batch_size * accelerator.num_processes
+    workload = (token_workload(n, seed, spec["vocab_size"], spec["max_length"], loss_fn) if token_data
+                else user_workload(dataset, n, collate_fn, loss_fn or causal_lm_loss))
+    trainer_skip = None
+    if trainer_row and (loss_fn is not None or not token_data):
+        trainer_row, trainer_skip = False, ("it runs transformers' causal-LM Trainer on verify's own token data; "
+                                            "a loss_fn or dataset was given")
     oracle_model = copy.deepcopy(base) if main else None  # initial parameters, before prepare
     trainer_model = copy.deepcopy(base) if trainer_row else None  # Trainer wraps its own copy
     settings = RunSettings(
         gradient_accumulation_steps=K, per_device_train_batch_size=per_device_train_batch_size,
-        world_size=accelerator.num_processes, partial_micro_batches=partial_micro_batches(K, partial_window),
+        world_size=accelerator.num_processes, partial_micro_batches=r,
         seed=seed, model=spec, partial_window=partial_window, trainer_row=trainer_row,
         loss_normalization=loss_normalization,
         rtol=rtol, atol=atol, dataparallel=dataparallel, device=str(accelerator.device),
         distributed_type=str(accelerator.distributed_type).split(".")[-1], mixed_precision=precision,
-        normwise=normwise, autocast=bool(getattr(accelerator, "native_amp", False)))
+        normwise=normwise, autocast=bool(getattr(accelerator, "native_amp", False)), workload=workload,
+        batchnorm_layers=bn_layers)
     # Leave the caller's random state as it was: every DataLoader iteration draws a seed from torch's global
     # generator (torch.utils.data.DataLoader), which would shift e.g. the shuffling of a training DataLoader
     # the caller prepares afterwards. Nothing verify computes depends on it (no dropout, seeded examples).
@@ -259,6 +318,8 @@ def verify_accumulation(
         captured = _capture(accelerator, base, settings)
         if trainer_model is not None:
             captured.trainer = _capture_trainer(accelerator, trainer_model, settings)
+        elif trainer_skip is not None:
+            captured.trainer = {"skipped": trainer_skip}
 
     payload = None
     if main:
@@ -274,12 +335,6 @@ def verify_accumulation(
     return report
 
 
-def _examples(s: RunSettings) -> list[dict]:
-    """The run's examples, the same on every process: (K + r) micro-batches x B examples x W processes."""
-    n = (s.gradient_accumulation_steps + s.partial_micro_batches) * s.per_device_train_batch_size * s.world_size
-    return make_examples(n, s.seed, s.model["vocab_size"], s.model["max_length"])
-
-
 def _capture_trainer(accelerator, model, s: RunSettings) -> dict:
     """Every process: the Trainer row's run; the main process gets every rank's examples and gradient norms.
 
@@ -287,14 +342,14 @@ def _capture_trainer(accelerator, model, s: RunSettings) -> dict:
     with the caller's) skips the row instead of failing the check, on every process.
     """
     try:
-        run = capture_trainer(accelerator, model, _examples(s), s.gradient_accumulation_steps,
+        run = capture_trainer(accelerator, model, s.workload.examples, s.gradient_accumulation_steps,
                               s.per_device_train_batch_size, s.seed)
         error = None
     except Exception as exc:  # informational row: report, do not fail
         run, error = {"examples": [], "norms": []}, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     errors = gather_object([error])
     if any(errors):
-        return {"skipped": next(e for e in errors if e)}
+        return {"skipped": f"Trainer failed: {next(e for e in errors if e)}"}
     run["examples"] = gather_object([run["examples"]])
     run["norms"] = accelerator.gather(torch.tensor(run["norms"], dtype=torch.float64,
                                                    device=accelerator.device)).cpu().view(s.world_size, -1)
@@ -302,23 +357,22 @@ def _capture_trainer(accelerator, model, s: RunSettings) -> dict:
 
 
 def _capture(accelerator, base, s: RunSettings) -> Captured:
-    """Every process: run the three rows on prepared copies; gather examples and gradient norms."""
+    """Every process: run the rows on prepared copies; gather example indices and gradient norms."""
     K, B, W, r = s.gradient_accumulation_steps, s.per_device_train_batch_size, s.world_size, s.partial_micro_batches
-    examples = _examples(s)
-    loader = DataLoader(examples, batch_size=B, shuffle=False, collate_fn=pad_collate)
+    wl = s.workload
     capture = GradientCapture(base.named_parameters(), keep=accelerator.is_main_process)
-    pmodel, popt, ploader = accelerator.prepare(base, capture, loader)
-    runs = {}  # row name -> (captured grads per window (main) / None, norms per window, examples per window)
+    pmodel, popt, ploader = accelerator.prepare(base, capture, wl.loader(B))
+    runs = {}  # row name -> (captured grads per window (main) / None, norms per window, indices per window)
+    passes = [("tokens", "tokens", EvalMode(pmodel)), ("mean-of-means", "mean", EvalMode(pmodel))]
+    if s.batchnorm_layers:  # last: training mode moves the BatchNorm running statistics of this copy
+        passes.append((BATCHNORM_ROW, "tokens", batchnorm.BatchNormTrainMode(pmodel)))
     try:
         if len(ploader) != K + r:
             raise RuntimeError(f"expected {K + r} micro-batches per process after sharding, got {len(ploader)}")
-        for name, mode in (("tokens", "tokens"), ("mean-of-means", "mean")):
-            rec = ExampleRecorder()
-            train_loop(accelerator, pmodel, popt, ploader, num_train_epochs=1, loss_normalization=mode,
-                       loss_fn=rec, callbacks=[rec, EvalMode(pmodel)], progress=False)
-            runs[name] = (*capture.take(), rec.windows)
+        for name, mode, modes in passes[:2]:
+            runs[name] = _loop_pass(accelerator, pmodel, popt, ploader, capture, wl, mode, modes)
         # reduction="sum": plain backward inside accumulate; only DDP stands between it and the big batch.
-        rec, window = ExampleRecorder(), 0
+        rec, window = IndexRecorder(wl.loss_fn), 0
         pmodel.eval()
         for batch in ploader:
             with accelerator.accumulate(pmodel):
@@ -330,6 +384,8 @@ def _capture(accelerator, base, s: RunSettings) -> Captured:
                     popt.zero_grad()
                     window += 1
         runs["sum"] = (*capture.take(), rec.windows)
+        for name, mode, modes in passes[2:]:
+            runs[name] = _loop_pass(accelerator, pmodel, popt, ploader, capture, wl, mode, modes)
     finally:
         forget_prepared(accelerator, (pmodel, popt, ploader))
 
@@ -340,39 +396,52 @@ def _capture(accelerator, base, s: RunSettings) -> Captured:
     ran = gather_object([{name: run[2] for name, run in runs.items()}])
     norms = accelerator.gather(torch.tensor([x for run in runs.values() for x in run[1]],
                                             dtype=torch.float64, device=accelerator.device)).cpu().view(W, -1)
-    return Captured(grads={name: run[0] for name, run in runs.items()}, examples=ran, norms=norms)
+    return Captured(grads={name: run[0] for name, run in runs.items()}, examples=ran, norms=norms, workload=wl)
+
+
+def _loop_pass(accelerator, pmodel, popt, ploader, capture, wl: Workload, mode: str, modes) -> tuple:
+    """One epoch of train_loop over the windows; ``modes`` is the callback that sets the modules' modes."""
+    rec = IndexRecorder(wl.loss_fn)
+    with warnings.catch_warnings():  # the BatchNorm pass is measured on purpose: the report says it
+        warnings.simplefilter("ignore", BatchNormAccumulationWarning)
+        train_loop(accelerator, pmodel, popt, ploader, num_train_epochs=1, loss_normalization=mode,
+                   loss_fn=rec, callbacks=[rec, modes], progress=False)
+    return (*capture.take(), rec.windows)
 
 
 def _evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
     """Main process: oracle per window, row comparisons, ratios."""
-    device = s.device
+    device, wl = s.device, s.workload
     oracle_model = oracle_model.double().to(device).eval()
     K, r, n_windows = s.gradient_accumulation_steps, s.partial_micro_batches, s.windows
     oracle_cache: dict = {}
 
-    def oracle(examples):
-        key = tuple(tuple(e["input_ids"]) for e in examples)
+    def oracle(indices):
+        key = tuple(indices)
         if key not in oracle_cache:
-            oracle_cache[key] = big_batch_gradient(oracle_model, examples, device)
+            oracle_cache[key] = big_batch_gradient(oracle_model, wl.window(indices), device, wl.collate_fn,
+                                                   wl.oracle_loss)
         return oracle_cache[key]
 
     windows = []
     for w in range(n_windows):
-        ex = cap.window_examples("tokens", w)
-        sum_grad, n_tok = oracle(ex)
+        idx = cap.window_indices("tokens", w)
+        sum_grad, n_tok = oracle(idx)
         mean_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in sum_grad.values())) / max(n_tok, 1)
         windows.append(WindowInfo(
-            index=w + 1, partial=w == 1, micro_batches_per_process=K if w == 0 else r, examples=len(ex),
+            index=w + 1, partial=w == 1, micro_batches_per_process=K if w == 0 else r, examples=len(idx),
             target_tokens=n_tok, oracle_grad_norm=mean_norm, oracle_sum_grad_norm=mean_norm * n_tok,
-            input_ids=[e["input_ids"] for e in ex]))
+            input_ids=[e["input_ids"] for e in wl.window(idx)] if wl.token_data else [], indices=idx))
 
     rows, sum_pairs = [], []
     for j, name in enumerate(cap.names):
-        row = Row(name, *HOW[name])
-        per_rank = cap.norms[:, j * n_windows:(j + 1) * n_windows]
-        row.rank_spread = float(((per_rank - per_rank[0]).abs() / per_rank[0].clamp(min=1e-30)).max())
+        if name == BATCHNORM_ROW:
+            continue
+        how, compared = HOW[name]
+        row = Row(name, how, compared if wl.token_data else compared.replace("token mean", "item mean"))
+        row.rank_spread = _rank_spread(cap, j, n_windows)
         for w in range(n_windows):
-            sum_grad, n_tok = oracle(cap.window_examples(name, w))
+            sum_grad, n_tok = oracle(cap.window_indices(name, w))
             if name == "sum":  # atol is stated for token-mean gradients; the sum gradient is N times larger
                 want, row_atol = sum_grad, s.atol * n_tok
             else:
@@ -394,10 +463,11 @@ def _evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
     if use_dataparallel:
         dots, sqs = 0.0, 0.0
         for w in range(n_windows):
-            ex = cap.window_examples("tokens", w)
-            want, n_tok = oracle(ex)
-            c = compare_gradients(dataparallel_sum_gradient(oracle_model, ex), want, s.rtol, s.atol * n_tok,
-                                  s.normwise)
+            idx = cap.window_indices("tokens", w)
+            want, n_tok = oracle(idx)
+            got = dataparallel_sum_gradient(oracle_model, wl.window(idx), collate_fn=wl.collate_fn,
+                                            loss_fn=wl.oracle_loss)
+            c = compare_gradients(got, want, s.rtol, s.atol * n_tok, s.normwise)
             dots, sqs = dots + c["dot"], sqs + c["want_sq"]
             dp_row.add_window(w + 1, c)
         dp_row.conclude()
@@ -407,7 +477,11 @@ def _evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
                           "unchanged, so it would measure nothing)")
     rows.append(dp_row)
     if cap.trainer is not None:
-        rows.append(_trainer_row(s, cap, oracle))
+        rows.append(_trainer_row(s, cap, _examples_oracle(oracle_model, wl, device)))
+    finding = None
+    if BATCHNORM_ROW in cap.grads:
+        bn_row, finding = _batchnorm_row(s, cap, oracle_model)
+        rows.append(bn_row)
 
     return VerifyReport(
         world_size=s.world_size, distributed_type=s.distributed_type, gradient_accumulation_steps=K,
@@ -415,11 +489,50 @@ def _evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
         partial_window=s.partial_window, windows=windows, rows=rows, rtol=s.rtol, atol=s.atol,
         selected=s.loss_normalization, ddp_sum_ratio=ratio, ddp_sum_residual=residual,
         dataparallel_sum_ratio=dp_ratio, mixed_precision=s.mixed_precision, normwise=s.normwise,
-        autocast=s.autocast,
+        autocast=s.autocast, data={"description": wl.description, "items": wl.items, "token_data": wl.token_data},
+        batchnorm=finding,
         oracle={"dtype": "float64", "device": str(device),
                 "grad_norm": [w.oracle_grad_norm for w in windows],
                 "sum_grad_norm": [w.oracle_sum_grad_norm for w in windows]},
     )
+
+
+def _rank_spread(cap: Captured, j: int, n_windows: int) -> float:
+    """Largest relative difference of row ``j``'s gradient norms between ranks (0: all ranks hold the same)."""
+    per_rank = cap.norms[:, j * n_windows:(j + 1) * n_windows]
+    return float(((per_rank - per_rank[0]).abs() / per_rank[0].clamp(min=1e-30)).max())
+
+
+def _examples_oracle(oracle_model, wl: Workload, device):
+    """``examples -> (summed-loss gradient, N)`` for the trainer row (it records examples, not indices)."""
+    cache: dict = {}
+
+    def oracle(examples):
+        key = tuple(tuple(e["input_ids"]) for e in examples)
+        if key not in cache:
+            cache[key] = big_batch_gradient(oracle_model, examples, device, wl.collate_fn, wl.oracle_loss)
+        return cache[key]
+
+    return oracle
+
+
+def _batchnorm_row(s: RunSettings, cap: Captured, oracle_model) -> tuple[Row, dict]:
+    """The informational BatchNorm row and finding: train-mode update against the train-mode big batch."""
+    wl, n_windows = s.workload, s.windows
+    j = cap.names.index(BATCHNORM_ROW)
+    row = Row(BATCHNORM_ROW, *HOW[BATCHNORM_ROW], informational=True)
+    row.rank_spread = _rank_spread(cap, j, n_windows)
+    comps = []
+    with batchnorm.big_batch_statistics(oracle_model):
+        for w in range(n_windows):
+            sum_grad, n = big_batch_gradient(oracle_model, wl.window(cap.window_indices(BATCHNORM_ROW, w)),
+                                             s.device, wl.collate_fn, wl.oracle_loss)
+            c = compare_gradients(cap.grads[BATCHNORM_ROW][w], {k: v / max(n, 1) for k, v in sum_grad.items()},
+                                  s.rtol, s.atol, s.normwise)
+            row.add_window(w + 1, c)
+            comps.append(c)
+    row.conclude(s.rtol)
+    return row, batchnorm.summarize(list(s.batchnorm_layers), comps)
 
 
 def _trainer_row(s: RunSettings, cap: Captured, oracle) -> Row:
@@ -428,7 +541,7 @@ def _trainer_row(s: RunSettings, cap: Captured, oracle) -> Row:
     row = Row("trainer", f"transformers {run.get('transformers', '')} Trainer, average_tokens_across_devices, "
               "max_grad_norm=0".replace("  ", " "), "big-batch token mean", informational=True)
     if "skipped" in run:
-        row.skipped = f"Trainer failed: {run['skipped']}"
+        row.skipped = run["skipped"]
         return row
     n_windows = len(run["grads"])
     if n_windows != s.windows:
