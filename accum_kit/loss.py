@@ -102,6 +102,11 @@ def causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
     return summed, (labels != IGNORE_INDEX).sum()
 
 
+def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """float16 / bfloat16 logits in float32 for the cross-entropy; float32 and float64 ones as they are."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def classification_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of one micro-batch of classified examples, and the number of labelled examples.
 
@@ -116,10 +121,11 @@ def classification_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor
             counted) and the model's inputs as the other keys, passed by name.
 
     Returns:
-        ``(summed_loss, num_examples)``: a float32 scalar in nats and an int64 scalar.
+        ``(summed_loss, num_examples)``: a scalar in nats (float32, or float64
+        for a float64 model) and an int64 scalar.
     """
     out = model(**{k: v for k, v in batch.items() if k != "labels"})
-    logits = getattr(out, "logits", out).float()
+    logits = _at_least_float32(getattr(out, "logits", out))
     labels = batch["labels"]
     summed = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return summed, (labels != IGNORE_INDEX).sum()
@@ -139,9 +145,10 @@ def seq2seq_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> t
             ``labels`` (batch, target length), -100 on padding.
 
     Returns:
-        ``(summed_loss, num_tokens)``: a float32 scalar in nats and an int64 scalar.
+        ``(summed_loss, num_tokens)``: a scalar in nats (float32, or float64
+        for a float64 model) and an int64 scalar.
     """
-    logits = model(**batch).logits.float()
+    logits = _at_least_float32(model(**batch).logits)
     labels = batch["labels"]
     summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
                              ignore_index=IGNORE_INDEX, reduction="sum")

@@ -69,7 +69,8 @@ when the row selected by ``--loss_normalization`` passes, 1 when it does not,
 
 from .batchnorm import BatchNormTrainMode, big_batch_statistics
 from .capture import EvalMode, ExampleRecorder, GradientCapture
-from .check import DEFAULT_BATCH_SIZE, verify_accumulation
+from .check import verify_accumulation
+from .settings import DEFAULT_BATCH_SIZE
 from .command import ARGUMENTS, DESCRIPTION, VerifyArguments, run_command
 from .compare import DEFAULT_ATOL, DEFAULT_RTOL, compare_gradients, scaled_residual
 from .data import make_examples, pad_collate, partial_micro_batches

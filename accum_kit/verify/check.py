@@ -8,173 +8,36 @@ DataLoader) inside the given Accelerator, runs each row over the same windows
 model has such layers (:mod:`accum_kit.verify.batchnorm`), optionally runs
 transformers' Trainer on another copy (the informational ``trainer`` row,
 :mod:`accum_kit.verify.trainer`), gathers what every process ran and saw, and
-lets the main process compute the oracle and the report, which it broadcasts
-to every process.
+lets the main process compute the oracle and the report (:mod:`accum_kit.verify.rows`),
+which it broadcasts to every process. Settings and the model copy: :mod:`accum_kit.verify.settings`.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 
-from .. import checks
 from ..batchnorm import BatchNormAccumulationWarning
 from ..compat import forget_prepared
 from ..errors import UsageError
 from ..launch import build_accelerator, resolve_accumulation_steps
 from ..loop import train_loop
 from ..loss import causal_lm_loss
-from ..models import LLAMA_PRESETS, PRESETS, build_llama_model, build_model, load_model
 from . import batchnorm
 from .capture import EvalMode, GradientCapture
-from .compare import (DEFAULT_ATOL, DEFAULT_RTOL, MIXED_PRECISIONS, compare_gradients, mixed_precision_rtol,
-                      scaled_residual)
-from .data import MAX_LENGTH, partial_micro_batches
-from .oracle import big_batch_gradient, dataparallel_sum_gradient
-from .report import SELECTABLE, Row, VerifyReport, WindowInfo
-from .trainer import capture_trainer, trainer_summary
+from .compare import DEFAULT_ATOL, DEFAULT_RTOL, mixed_precision_rtol
+from .data import partial_micro_batches
+from .report import VerifyReport
+from .rows import BATCHNORM_ROW, evaluate
+from .settings import DEFAULT_BATCH_SIZE, MODEL_PRESETS, Captured, RunSettings, model_copy, validate
+from .trainer import capture_trainer
 from .workload import IndexRecorder, Workload, token_workload, user_workload
 
-DEFAULT_BATCH_SIZE = 2  # examples per micro-batch per process
-TINY_VOCAB = 128  # vocabulary of the preset models
-#: ``--model_preset`` choices: the GPT-2 style ``tiny`` and the Llama-family ``llama_tiny``.
-MODEL_PRESETS = ("tiny", *LLAMA_PRESETS)
-
-#: row name -> (how our gradient is computed, which oracle gradient it is compared with)
-HOW = {
-    "tokens": ('train_loop(loss_normalization="tokens")', "big-batch token mean"),
-    "mean-of-means": ('train_loop(loss_normalization="mean")', "big-batch token mean"),
-    "sum": ("reduction=sum loss, loss.backward() in accumulate", "big-batch sum"),
-    "batchnorm (train mode)": ('train_loop(loss_normalization="tokens"), BatchNorm in training mode',
-                               "big batch, BatchNorm in training mode"),
-}
-BATCHNORM_ROW = "batchnorm (train mode)"
-
-
-def validate(gradient_accumulation_steps, per_device_train_batch_size, rtol, atol, loss_normalization,
-             mixed_precision=None, model_preset: str = "tiny", model_name_or_path: str | None = None) -> None:
-    """Range and choice checks of verify's settings (command line and Python API alike).
-
-    Raises:
-        UsageError: naming the flag (``--gradient_accumulation_steps``,
-            ``--per_device_train_batch_size``, ``--rtol``, ``--atol``, ``--loss_normalization``,
-            ``--mixed_precision``, ``--model_preset``).
-    """
-    checks.one_of("--model_preset", model_preset, MODEL_PRESETS)
-    if model_name_or_path and model_preset != "tiny":
-        raise UsageError("--model_preset", f"{model_preset} given together with --model_name_or_path",
-                         "pass one of them")
-    if gradient_accumulation_steps is not None:
-        checks.at_least("--gradient_accumulation_steps", gradient_accumulation_steps)
-    checks.at_least("--per_device_train_batch_size", per_device_train_batch_size)
-    if rtol is not None:  # None: the tolerance of the precision (compare.mixed_precision_rtol)
-        checks.positive("--rtol", rtol, fix=f"pass e.g. {DEFAULT_RTOL:g}")
-    if atol is not None:
-        checks.non_negative("--atol", atol, fix=f"pass e.g. {DEFAULT_ATOL:g}")
-    checks.one_of("--loss_normalization", loss_normalization, SELECTABLE)
-    if mixed_precision is not None:
-        checks.one_of("--mixed_precision", mixed_precision, MIXED_PRECISIONS)
-
-
-@dataclass
-class RunSettings:
-    """The resolved settings of one verification (what the report states)."""
-
-    gradient_accumulation_steps: int  # K, micro-batches per full window
-    per_device_train_batch_size: int  # B, examples per micro-batch per process
-    world_size: int  # W, processes
-    partial_micro_batches: int  # r, micro-batches per process in the partial window (0: none)
-    seed: int
-    model: dict  # description, vocab_size, max_length (tokens), parameters, ...
-    partial_window: bool
-    trainer_row: bool  # also run transformers' Trainer (informational row)
-    loss_normalization: str  # "tokens" or "mean": the row that decides the verdict
-    rtol: float
-    atol: float  # gradient units of a token-mean gradient
-    dataparallel: bool | None  # None: when >= 2 CUDA GPUs
-    device: str
-    distributed_type: str
-    mixed_precision: str = "no"  # the Accelerator's: "no", "bf16" or "fp16"
-    normwise: bool = False  # tolerance criterion: normwise rel_error <= rtol (autocast) or elementwise
-    autocast: bool = False  # the Accelerator really autocasts (no fp16 autocast on CPU)
-    workload: Workload | None = None  # the examples, collate, loss and oracle loss
-    batchnorm_layers: tuple = ()  # BatchNorm layers in training mode in the given model (the finding runs if any)
-
-    @property
-    def windows(self) -> int:
-        return 1 + (self.partial_micro_batches > 0)
-
-
-@dataclass
-class Captured:
-    """What the rows produced, as collected on the main process.
-
-    Attributes:
-        grads: row name -> per window ``{parameter name: float32 gradient}``
-            (the main process's copies; None elsewhere).
-        examples: per rank, ``{row name: per window [indices of the examples that rank ran]}``.
-        norms: float64 tensor (world size, rows x windows): every rank's
-            gradient L2 norm, row-major by row then window.
-    """
-
-    grads: dict
-    examples: list
-    norms: torch.Tensor
-    trainer: dict | None = None  # capture_trainer's result (main process) with "examples" of every rank
-    workload: Workload | None = None
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.grads)
-
-    def window_indices(self, name: str, w: int) -> list[int]:
-        """All processes' example indices of row ``name``, window ``w`` (0-based): rank order, then micro-batch order."""
-        return [i for per_rank in self.examples for i in per_rank[name][w]]
-
-    def window_examples(self, name: str, w: int) -> list:
-        """The examples of :meth:`window_indices`."""
-        return self.workload.window(self.window_indices(name, w))
-
-
-def _build_model(model, model_name_or_path, seed, model_preset="tiny", token_data=True):
-    """(float32 model in eval mode, description dict without the parameter count, training BatchNorm layers).
-
-    ``token_data``: verify generates token sequences for it, so it needs ``config.vocab_size``.
-    """
-    if model is not None:
-        m, desc = copy.deepcopy(model), f"{type(model).__name__} (given)"
-    elif model_name_or_path:
-        m, desc = load_model(model_name_or_path), f"{model_name_or_path}"
-    elif model_preset in LLAMA_PRESETS:
-        m = build_llama_model(model_preset, TINY_VOCAB, MAX_LENGTH, seed=seed)
-        p = LLAMA_PRESETS[model_preset]
-        desc = (f"preset {model_preset} (LlamaForCausalLM, {p['num_hidden_layers']} layers, width {p['hidden_size']}, "
-                f"vocab {TINY_VOCAB}, random init seed {seed})")
-    else:
-        m = build_model("tiny", TINY_VOCAB, MAX_LENGTH, seed=seed)
-        p = PRESETS["tiny"]
-        desc = (f"preset tiny (GPT-2 style, {p['n_layer']} layers, width {p['n_embd']}, vocab {TINY_VOCAB}, "
-                f"random init seed {seed})")
-    layers = tuple(batchnorm.training_batchnorm_layers(m))  # before eval(): the modes the model was given in
-    spec = {"description": desc, "preset": None if (model is not None or model_name_or_path) else model_preset,
-            "class": type(m).__name__, "init_seed": seed, "model_name_or_path": model_name_or_path}
-    if token_data:
-        cfg = getattr(m, "config", None)
-        vocab = getattr(cfg, "vocab_size", None)
-        positions = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or MAX_LENGTH
-        if vocab is None:
-            raise UsageError("model" if model is not None else "--model_name_or_path",
-                             "the model has no config.vocab_size, so verify cannot make token data for it",
-                             "pass a transformers causal LM, or your own dataset= and loss_fn=")
-        spec.update(vocab_size=int(vocab), max_length=int(min(MAX_LENGTH, positions)), n_positions=int(positions))
-    return m.float().eval(), spec, layers
-
+__all__ = ["verify_accumulation"]
 
 def verify_accumulation(
     accelerator=None,
@@ -290,7 +153,7 @@ def verify_accumulation(
     main = accelerator.is_main_process
     token_data = dataset is None
     with torch.random.fork_rng(devices=[]):  # a preset seeds torch before initialising its weights
-        base, spec, bn_layers = _build_model(model, model_name_or_path, seed, model_preset, token_data)
+        base, spec, bn_layers = model_copy(model, model_name_or_path, seed, model_preset, token_data)
     spec["parameters"] = sum(p.numel() for p in base.parameters())
     r = partial_micro_batches(K, partial_window)
     n = (K + r) * per_device_train_batch_size * accelerator.num_processes
@@ -324,7 +187,7 @@ def verify_accumulation(
     payload = None
     if main:
         try:
-            payload = ("ok", _evaluate(settings, captured, oracle_model))
+            payload = ("ok", evaluate(settings, captured, oracle_model))
         except Exception as exc:  # tell the other processes (they wait in the broadcast), then re-raise
             broadcast_object_list([("error", f"{type(exc).__name__}: {exc}")])
             raise
@@ -407,155 +270,3 @@ def _loop_pass(accelerator, pmodel, popt, ploader, capture, wl: Workload, mode: 
         train_loop(accelerator, pmodel, popt, ploader, num_train_epochs=1, loss_normalization=mode,
                    loss_fn=rec, callbacks=[rec, modes], progress=False)
     return (*capture.take(), rec.windows)
-
-
-def _evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
-    """Main process: oracle per window, row comparisons, ratios."""
-    device, wl = s.device, s.workload
-    oracle_model = oracle_model.double().to(device).eval()
-    K, r, n_windows = s.gradient_accumulation_steps, s.partial_micro_batches, s.windows
-    oracle_cache: dict = {}
-
-    def oracle(indices):
-        key = tuple(indices)
-        if key not in oracle_cache:
-            oracle_cache[key] = big_batch_gradient(oracle_model, wl.window(indices), device, wl.collate_fn,
-                                                   wl.oracle_loss)
-        return oracle_cache[key]
-
-    windows = []
-    for w in range(n_windows):
-        idx = cap.window_indices("tokens", w)
-        sum_grad, n_tok = oracle(idx)
-        mean_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in sum_grad.values())) / max(n_tok, 1)
-        windows.append(WindowInfo(
-            index=w + 1, partial=w == 1, micro_batches_per_process=K if w == 0 else r, examples=len(idx),
-            target_tokens=n_tok, oracle_grad_norm=mean_norm, oracle_sum_grad_norm=mean_norm * n_tok,
-            input_ids=[e["input_ids"] for e in wl.window(idx)] if wl.token_data else [], indices=idx))
-
-    rows, sum_pairs = [], []
-    for j, name in enumerate(cap.names):
-        if name == BATCHNORM_ROW:
-            continue
-        how, compared = HOW[name]
-        row = Row(name, how, compared if wl.token_data else compared.replace("token mean", "item mean"))
-        row.rank_spread = _rank_spread(cap, j, n_windows)
-        for w in range(n_windows):
-            sum_grad, n_tok = oracle(cap.window_indices(name, w))
-            if name == "sum":  # atol is stated for token-mean gradients; the sum gradient is N times larger
-                want, row_atol = sum_grad, s.atol * n_tok
-            else:
-                want, row_atol = {k: v / max(n_tok, 1) for k, v in sum_grad.items()}, s.atol
-            c = compare_gradients(cap.grads[name][w], want, s.rtol, row_atol, s.normwise)
-            if name == "sum":
-                sum_pairs.append((cap.grads[name][w], want, c))
-            row.add_window(w + 1, c)
-        row.conclude(s.rtol)
-        rows.append(row)
-
-    ratio = sum(c["dot"] for *_, c in sum_pairs) / sum(c["want_sq"] for *_, c in sum_pairs)
-    residual = scaled_residual([(g, o) for g, o, _ in sum_pairs], ratio)
-
-    n_gpu = torch.cuda.device_count()
-    dp_row = Row("sum (DataParallel)", "reduction=sum loss, nn.DataParallel, one process", "big-batch sum")
-    dp_ratio = None
-    use_dataparallel = s.dataparallel if s.dataparallel is not None else n_gpu >= 2
-    if use_dataparallel:
-        dots, sqs = 0.0, 0.0
-        for w in range(n_windows):
-            idx = cap.window_indices("tokens", w)
-            want, n_tok = oracle(idx)
-            got = dataparallel_sum_gradient(oracle_model, wl.window(idx), collate_fn=wl.collate_fn,
-                                            loss_fn=wl.oracle_loss)
-            c = compare_gradients(got, want, s.rtol, s.atol * n_tok, s.normwise)
-            dots, sqs = dots + c["dot"], sqs + c["want_sq"]
-            dp_row.add_window(w + 1, c)
-        dp_row.conclude()
-        dp_ratio = dots / sqs
-    else:
-        dp_row.skipped = (f"needs >= 2 CUDA GPUs, found {n_gpu} (on fewer, DataParallel runs the module "
-                          "unchanged, so it would measure nothing)")
-    rows.append(dp_row)
-    if cap.trainer is not None:
-        rows.append(_trainer_row(s, cap, _examples_oracle(oracle_model, wl, device)))
-    finding = None
-    if BATCHNORM_ROW in cap.grads:
-        bn_row, finding = _batchnorm_row(s, cap, oracle_model)
-        rows.append(bn_row)
-
-    return VerifyReport(
-        world_size=s.world_size, distributed_type=s.distributed_type, gradient_accumulation_steps=K,
-        per_device_train_batch_size=s.per_device_train_batch_size, seed=s.seed, model=s.model,
-        partial_window=s.partial_window, windows=windows, rows=rows, rtol=s.rtol, atol=s.atol,
-        selected=s.loss_normalization, ddp_sum_ratio=ratio, ddp_sum_residual=residual,
-        dataparallel_sum_ratio=dp_ratio, mixed_precision=s.mixed_precision, normwise=s.normwise,
-        autocast=s.autocast, data={"description": wl.description, "items": wl.items, "token_data": wl.token_data},
-        batchnorm=finding,
-        oracle={"dtype": "float64", "device": str(device),
-                "grad_norm": [w.oracle_grad_norm for w in windows],
-                "sum_grad_norm": [w.oracle_sum_grad_norm for w in windows]},
-    )
-
-
-def _rank_spread(cap: Captured, j: int, n_windows: int) -> float:
-    """Largest relative difference of row ``j``'s gradient norms between ranks (0: all ranks hold the same)."""
-    per_rank = cap.norms[:, j * n_windows:(j + 1) * n_windows]
-    return float(((per_rank - per_rank[0]).abs() / per_rank[0].clamp(min=1e-30)).max())
-
-
-def _examples_oracle(oracle_model, wl: Workload, device):
-    """``examples -> (summed-loss gradient, N)`` for the trainer row (it records examples, not indices)."""
-    cache: dict = {}
-
-    def oracle(examples):
-        key = tuple(tuple(e["input_ids"]) for e in examples)
-        if key not in cache:
-            cache[key] = big_batch_gradient(oracle_model, examples, device, wl.collate_fn, wl.oracle_loss)
-        return cache[key]
-
-    return oracle
-
-
-def _batchnorm_row(s: RunSettings, cap: Captured, oracle_model) -> tuple[Row, dict]:
-    """The informational BatchNorm row and finding: train-mode update against the train-mode big batch."""
-    wl, n_windows = s.workload, s.windows
-    j = cap.names.index(BATCHNORM_ROW)
-    row = Row(BATCHNORM_ROW, *HOW[BATCHNORM_ROW], informational=True)
-    row.rank_spread = _rank_spread(cap, j, n_windows)
-    comps = []
-    with batchnorm.big_batch_statistics(oracle_model):
-        for w in range(n_windows):
-            sum_grad, n = big_batch_gradient(oracle_model, wl.window(cap.window_indices(BATCHNORM_ROW, w)),
-                                             s.device, wl.collate_fn, wl.oracle_loss)
-            c = compare_gradients(cap.grads[BATCHNORM_ROW][w], {k: v / max(n, 1) for k, v in sum_grad.items()},
-                                  s.rtol, s.atol, s.normwise)
-            row.add_window(w + 1, c)
-            comps.append(c)
-    row.conclude(s.rtol)
-    return row, batchnorm.summarize(list(s.batchnorm_layers), comps)
-
-
-def _trainer_row(s: RunSettings, cap: Captured, oracle) -> Row:
-    """The informational ``trainer`` row from :func:`_capture_trainer`'s result (main process)."""
-    run = cap.trainer
-    row = Row("trainer", f"transformers {run.get('transformers', '')} Trainer, average_tokens_across_devices, "
-              "max_grad_norm=0".replace("  ", " "), "big-batch token mean", informational=True)
-    if "skipped" in run:
-        row.skipped = run["skipped"]
-        return row
-    n_windows = len(run["grads"])
-    if n_windows != s.windows:
-        row.skipped = f"Trainer made {n_windows} optimizer steps, expected {s.windows}"
-        return row
-    windows = [[e for per_rank in run["examples"] for e in per_rank[w]] for w in range(n_windows)]
-    comps, summary = trainer_summary(run, windows, oracle)
-    for w, c in enumerate(comps):
-        row.add_window(w + 1, c)
-    per_rank = run["norms"]
-    row.rank_spread = float(((per_rank - per_rank[0]).abs() / per_rank[0].clamp(min=1e-30)).max())
-    row.conclude(s.rtol)
-    summary.update(same_examples_as_tokens_row=all(
-        windows[w] == cap.window_examples("tokens", w) for w in range(n_windows)),
-        loss_type=run["loss_type"], loss_shifts_labels=run["loss_shifts_labels"], model_class=run["model_class"])
-    row.summary = summary
-    return row

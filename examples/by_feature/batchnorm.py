@@ -33,7 +33,6 @@ of docs/batchnorm.md added (marked ``# New Code #``). It prints:
 
 import argparse
 import contextlib
-import math
 import os
 import tempfile
 
