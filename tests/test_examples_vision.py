@@ -94,6 +94,7 @@ def test_batchnorm_running_statistics_under_ddp(example_results):
     assert s["broadcast_at_micro_batch"] == [0]
     assert s["broadcast_tensors"] == [6]  # running mean, variance and batch count of both BatchNorm layers
     assert s["sync_each_batch_broadcasts_per_window"] == [K - 1, K]  # every forward follows a synchronised one
+    assert s["k1_broadcasts_per_window"] == [1, 1, 1]  # K=1: every micro-batch is a synchronised window
     # Second measurement: the buffers the first BatchNorm layer holds just before each forward, rank 0 vs rank 1
     assert s["buffers_equal_across_ranks_at_micro_batch"] == [0]
     # The saved model (main process) carries rank 0's statistics; rank 1 ends elsewhere

@@ -33,7 +33,7 @@ from .compare import DEFAULT_ATOL, DEFAULT_RTOL, mixed_precision_rtol
 from .data import partial_micro_batches
 from .report import VerifyReport
 from .rows import BATCHNORM_ROW, evaluate
-from .settings import DEFAULT_BATCH_SIZE, MODEL_PRESETS, Captured, RunSettings, model_copy, validate
+from .settings import DEFAULT_BATCH_SIZE, Captured, RunSettings, model_copy, validate
 from .trainer import capture_trainer
 from .workload import IndexRecorder, Workload, token_workload, user_workload
 
