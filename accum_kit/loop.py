@@ -142,7 +142,9 @@ def train_loop(
         loss_normalization: ``"tokens"`` (exact token-mean over the window and
             all processes) or ``"mean"`` (per-micro-batch mean / K, Accelerate's guide).
         loss_fn: ``loss_fn(model, batch) -> (summed_loss, num_items)``; default
-            :func:`accum_kit.loss.causal_lm_loss`.
+            :func:`accum_kit.loss.causal_lm_loss` (``classification_loss`` and
+            ``seq2seq_loss`` in :mod:`accum_kit.loss` for other models). BatchNorm
+            layers training with K > 1 get one warning (:mod:`accum_kit.batchnorm`).
         callbacks: :class:`accum_kit.LoopCallback` subclasses (or objects with
             any of its seven hooks), each hook called with a :class:`LoopState`.
             ``on_step_begin`` runs on the boundary micro-batch before the window

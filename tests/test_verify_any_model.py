@@ -243,6 +243,23 @@ def test_batchnorm_is_a_finding_not_a_failure(one_process, digits):
     assert "PASSES -> exit 0" in text
     for name, v in model.state_dict().items():  # the caller's model, running statistics included, is untouched
         assert torch.equal(v, buffers[name]), name
+    # K=1 on one process: every window is one forward, the big batch itself; nothing to measure
+    jh.reset_accelerate_state()
+    one = verify_accumulation(model=model, loss_fn=classification_loss, dataset=digits, gradient_accumulation_steps=1,
+                              per_device_train_batch_size=B, trainer_row=False)
+    assert one.passed and one.batchnorm is None and "batchnorm (train mode)" not in [r.name for r in one.rows]
+
+
+def test_batchnorm_finding_says_when_it_is_within_rounding():
+    from accum_kit.verify.batchnorm import FIXES, finding_lines
+
+    def lines(rel):
+        finding = {"layers": ["bn"], "windows": [{"rel_error": rel, "cosine": 1.0, "norm_ratio": 1.0}],
+                   "rel_error": rel, "fixes": list(FIXES)}
+        return "\n".join(finding_lines(finding, 1, 64, 2, rtol=1e-4))
+
+    assert "within the tolerance" in lines(5e-7) and "within the tolerance" not in lines(2e-2)
+    assert "128 in a full window of K=1 on 2 process(es)" in lines(2e-2)
 
 
 class _FreezeBatchNorm(LoopCallback):

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from ..batchnorm import training_batchnorm_layers
 from ..callbacks import LoopCallback, LoopState
 
-__all__ = ["FIXES", "BatchNormTrainMode", "big_batch_statistics", "finding_lines", "summarize", "training_batchnorm_layers"]
+__all__ = ["FIXES", "BatchNormTrainMode", "big_batch_statistics", "finding_lines", "summarize",
+           "training_batchnorm_layers"]
 
 #: What to do about it, most exact first (docs/batchnorm.md has the measurements).
 FIXES = (
@@ -111,8 +112,8 @@ def summarize(layers: list[str], comparisons: list[dict]) -> dict:
             "cosine": min(w["cosine"] for w in windows), "fixes": list(FIXES)}
 
 
-def finding_lines(finding: dict, K: int, B: int, W: int) -> list[str]:
-    """The report's lines for the finding (informational)."""
+def finding_lines(finding: dict, K: int, B: int, W: int, rtol: float) -> list[str]:
+    """The report's lines for the finding (informational); ``rtol``: the report's tolerance, for "within rounding"."""
     names = finding["layers"]
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     per_window = ", ".join(f"#{i + 1} {w['rel_error']:.2e} (cosine {w['cosine']:.6f}, size x{w['norm_ratio']:.4f})"
@@ -121,9 +122,12 @@ def finding_lines(finding: dict, K: int, B: int, W: int) -> list[str]:
         f"  finding (informational, exit code unaffected): {len(names)} BatchNorm layer(s) train with batch "
         f"statistics ({shown})",
         f"  with them in training mode the accumulated update differs from the big batch's by rel err {per_window}",
-        f"  why: each micro-batch's forward normalises its {B} examples (per process) with their own statistics, "
-        f"the big batch uses those of all the window's examples ({K * B * W} in a full window of K={K} on {W} "
-        "process(es)). The loss normalisation is not at fault: the rows above, in eval mode, use the running "
-        "statistics",
+        f"  why: each micro-batch's forward normalises with the statistics of its own examples ({B} per process; "
+        f"over all processes for SyncBatchNorm), the big batch with those of all the window's examples "
+        f"({K * B * W} in a full window of K={K} on {W} process(es)). The loss normalisation is not at fault: the "
+        "rows above, in eval mode, use the running statistics",
     ]
+    if finding["rel_error"] <= rtol:
+        lines.append(f"  here within the tolerance (rtol {rtol:g}): each forward saw the big batch's statistics "
+                     "(e.g. SyncBatchNorm at K=1)")
     return lines + [f"  fix: {fix}" for fix in finding["fixes"]] + ["  more: docs/batchnorm.md"]

@@ -39,6 +39,7 @@ from .workload import IndexRecorder, Workload, token_workload, user_workload
 
 __all__ = ["verify_accumulation"]
 
+
 def verify_accumulation(
     accelerator=None,
     *,
@@ -227,7 +228,8 @@ def _capture(accelerator, base, s: RunSettings) -> Captured:
     pmodel, popt, ploader = accelerator.prepare(base, capture, wl.loader(B))
     runs = {}  # row name -> (captured grads per window (main) / None, norms per window, indices per window)
     passes = [("tokens", "tokens", EvalMode(pmodel)), ("mean-of-means", "mean", EvalMode(pmodel))]
-    if s.batchnorm_layers:  # last: training mode moves the BatchNorm running statistics of this copy
+    if s.batchnorm_layers and K * W > 1:  # (K = W = 1: each window is one forward, the big batch itself)
+        # last: training mode moves the BatchNorm running statistics of this copy
         passes.append((BATCHNORM_ROW, "tokens", batchnorm.BatchNormTrainMode(pmodel)))
     try:
         if len(ploader) != K + r:

@@ -272,7 +272,7 @@ class VerifyReport:
         lines.append(why + (f"; sum is {W}x too small because DDP averages over {W} processes" if W > 1 else ""))
         if self.batchnorm is not None:
             lines += finding_lines(self.batchnorm, self.gradient_accumulation_steps,
-                                   self.per_device_train_batch_size, W)
+                                   self.per_device_train_batch_size, W, self.rtol)
         lines.append(f"  verdict: {self.selected_row.name} (--loss_normalization {self.selected}) "
                      f"{'PASSES' if self.passed else 'FAILS'} -> exit {self.exit_code}   ({self.seconds:.1f} s)")
         return lines
