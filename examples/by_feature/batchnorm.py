@@ -34,6 +34,7 @@ of docs/batchnorm.md added (marked ``# New Code #``). It prints:
 import argparse
 import contextlib
 import os
+import sys
 import tempfile
 
 import torch
@@ -409,4 +410,8 @@ def warnings_off():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as exc:  # New Code #: the toolkit's convention for bad flags
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
