@@ -24,16 +24,17 @@ class BatchNormAccumulationWarning(UserWarning):
     """BatchNorm layers train under gradient accumulation (filter it with ``warnings.filterwarnings``)."""
 
 
-def training_batchnorm_layers(model: torch.nn.Module) -> list[str]:
-    """Names of the BatchNorm layers of ``model`` that are in training mode (they use batch statistics).
+def batchnorm_layers(model: torch.nn.Module, training_only: bool = False) -> list[str]:
+    """Names of the BatchNorm layers of ``model``.
 
     Every subclass of ``torch.nn.modules.batchnorm._BatchNorm`` counts:
-    ``BatchNorm1d/2d/3d``, their lazy forms and ``SyncBatchNorm``. A layer in
-    eval mode normalises with its running statistics and is left out.
-    A DDP-wrapped model's names keep DDP's ``module.`` prefix.
+    ``BatchNorm1d/2d/3d``, their lazy forms and ``SyncBatchNorm``. With
+    ``training_only`` only those in training mode (they normalise with batch
+    statistics; a layer in eval mode uses its running statistics). A
+    DDP-wrapped model's names keep DDP's ``module.`` prefix.
     """
     return [name or type(model).__name__ for name, m in model.named_modules()
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and (m.training or not training_only)]
 
 
 def batchnorm_message(layers: list[str], accumulation_steps: int, world_size: int) -> str:
@@ -61,7 +62,7 @@ def warn_if_batchnorm_trains(accelerator, model: torch.nn.Module, schedule=None)
         True when the condition holds (on every process; only the main process warns).
     """
     ks = list(schedule.values()) if schedule else [accelerator.gradient_accumulation_steps]
-    layers = training_batchnorm_layers(model)
+    layers = batchnorm_layers(model, training_only=True)
     if not layers or max(ks) <= 1:
         return False
     if accelerator.is_main_process:

@@ -239,10 +239,16 @@ def test_batchnorm_is_a_finding_not_a_failure(one_process, digits):
         assert got["rel_error"] == pytest.approx(want, rel=1e-3)
         assert got["rel_error"] > 1e-3  # BatchNorm really moves it
     text = rep.format()
-    assert "finding (informational, exit code unaffected): 1 BatchNorm layer(s)" in text and "fix: GroupNorm" in text
+    assert "finding (informational, exit code unaffected): 1 BatchNorm layer(s) (body.1)" in text
+    assert "fix: GroupNorm" in text
     assert "PASSES -> exit 0" in text
     for name, v in model.state_dict().items():  # the caller's model, running statistics included, is untouched
         assert torch.equal(v, buffers[name]), name
+    # A model given in eval mode (as from_pretrained returns it) trains all the same: train_loop calls model.train()
+    jh.reset_accelerate_state()
+    evald = verify_accumulation(model=model.eval(), loss_fn=classification_loss, dataset=digits,
+                                gradient_accumulation_steps=k, per_device_train_batch_size=B)
+    assert evald.batchnorm["windows"] == f["windows"]
     # K=1 on one process: every window is one forward, the big batch itself; nothing to measure
     jh.reset_accelerate_state()
     one = verify_accumulation(model=model, loss_fn=classification_loss, dataset=digits, gradient_accumulation_steps=1,

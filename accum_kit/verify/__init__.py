@@ -38,7 +38,7 @@ encoder-decoder with :func:`accum_kit.seq2seq_loss`, ...) with the same rows
 and the same verdict; the oracle then applies your ``loss_fn`` to each window
 as one batch.
 
-``batchnorm (train mode)`` (informational, only for models with BatchNorm layers in training mode)
+``batchnorm (train mode)`` (informational, only for models with BatchNorm layers)
     the ``tokens`` pass again with the BatchNorm layers normalising with
     batch statistics, against a big batch normalised with its own
     (:mod:`accum_kit.verify.batchnorm`): the deviation BatchNorm itself causes,

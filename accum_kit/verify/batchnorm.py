@@ -8,7 +8,11 @@ own statistics (per process; SyncBatchNorm: over the processes, still per
 micro-batch). No normalisation of the loss can make that equal to one big
 batch normalised with the statistics of all its examples
 (:mod:`accum_kit.batchnorm`). When the model given to ``verify`` has
-BatchNorm layers in training mode, one more pass measures it:
+BatchNorm layers, one more pass measures it. Their mode in the given model
+does not matter (``from_pretrained`` returns models in eval mode, and
+``train_loop`` calls ``model.train()`` anyway); a model whose BatchNorm layers
+are kept frozen during training (a callback puts them in eval mode) can ignore
+the finding, as its text says.
 
 - the toolkit's ``tokens`` normalisation through ``train_loop`` with the
   BatchNorm layers in training mode (:class:`BatchNormTrainMode`; dropout
@@ -30,11 +34,11 @@ import types
 import torch
 import torch.nn.functional as F
 
-from ..batchnorm import training_batchnorm_layers
+from ..batchnorm import batchnorm_layers
 from ..callbacks import LoopCallback, LoopState
 
 __all__ = ["FIXES", "BatchNormTrainMode", "big_batch_statistics", "finding_lines", "summarize",
-           "training_batchnorm_layers"]
+           "batchnorm_layers"]
 
 #: What to do about it, most exact first (docs/batchnorm.md has the measurements).
 FIXES = (
@@ -119,8 +123,8 @@ def finding_lines(finding: dict, K: int, B: int, W: int, rtol: float) -> list[st
     per_window = ", ".join(f"#{i + 1} {w['rel_error']:.2e} (cosine {w['cosine']:.6f}, size x{w['norm_ratio']:.4f})"
                            for i, w in enumerate(finding["windows"]))
     lines = [
-        f"  finding (informational, exit code unaffected): {len(names)} BatchNorm layer(s) train with batch "
-        f"statistics ({shown})",
+        f"  finding (informational, exit code unaffected): {len(names)} BatchNorm layer(s) ({shown}) normalise "
+        "with batch statistics when train_loop puts the model in training mode (unless you keep them in eval mode)",
         f"  with them in training mode the accumulated update differs from the big batch's by rel err {per_window}",
         f"  why: each micro-batch's forward normalises with the statistics of its own examples ({B} per process; "
         f"over all processes for SyncBatchNorm), the big batch with those of all the window's examples "

@@ -5,7 +5,7 @@
 DataLoader) inside the given Accelerator, runs each row over the same windows
 (verify's own token data, or the user's model, loss and data:
 :mod:`accum_kit.verify.workload`), measures BatchNorm in training mode when the
-model has such layers (:mod:`accum_kit.verify.batchnorm`), optionally runs
+model has BatchNorm layers (:mod:`accum_kit.verify.batchnorm`), optionally runs
 transformers' Trainer on another copy (the informational ``trainer`` row,
 :mod:`accum_kit.verify.trainer`), gathers what every process ran and saw, and
 lets the main process compute the oracle and the report (:mod:`accum_kit.verify.rows`),
@@ -120,9 +120,9 @@ def verify_accumulation(
 
     With a ``dataset`` or ``loss_fn`` the ``trainer`` row is skipped (it runs
     transformers' causal-LM Trainer on verify's token data). When ``model``
-    has BatchNorm layers in training mode (a freshly built module is in
-    training mode), a further pass measures how far they take the update from
-    the big batch: an informational row and ``report.batchnorm``
+    has BatchNorm layers (in any mode: ``train_loop`` calls ``model.train()``),
+    a further pass measures how far they take the update from the big batch in
+    training mode: an informational row and ``report.batchnorm``
     (:mod:`accum_kit.verify.batchnorm`); it never changes ``passed``.
 
     Returns:

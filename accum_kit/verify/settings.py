@@ -72,7 +72,7 @@ class RunSettings:
     normwise: bool = False  # tolerance criterion: normwise rel_error <= rtol (autocast) or elementwise
     autocast: bool = False  # the Accelerator really autocasts (no fp16 autocast on CPU)
     workload: Workload | None = None  # the examples, collate, loss and oracle loss
-    batchnorm_layers: tuple = ()  # BatchNorm layers in training mode in the given model (the finding runs if any)
+    batchnorm_layers: tuple = ()  # BatchNorm layers of the given model (the finding runs if any)
 
     @property
     def windows(self) -> int:
@@ -129,7 +129,7 @@ def model_copy(model, model_name_or_path, seed, model_preset="tiny", token_data=
         p = PRESETS["tiny"]
         desc = (f"preset tiny (GPT-2 style, {p['n_layer']} layers, width {p['n_embd']}, vocab {TINY_VOCAB}, "
                 f"random init seed {seed})")
-    layers = tuple(batchnorm.training_batchnorm_layers(m))  # before eval(): the modes the model was given in
+    layers = tuple(batchnorm.batchnorm_layers(m))  # any mode: train_loop calls model.train()
     spec = {"description": desc, "preset": None if (model is not None or model_name_or_path) else model_preset,
             "class": type(m).__name__, "init_seed": seed, "model_name_or_path": model_name_or_path}
     if token_data:
