@@ -30,6 +30,12 @@ ways on the same parameters:
     shift for models whose ``loss_type`` is None, e.g. GPT-2). It never
     changes ``passed`` or the exit code; ``--no_trainer_row`` skips it.
 
+``batchnorm (train mode)`` (informational, only for models with BatchNorm layers)
+    the ``tokens`` pass again with the BatchNorm layers normalising with
+    batch statistics, against a big batch normalised with its own
+    (:mod:`accum_kit.verify.batchnorm`): the deviation BatchNorm itself causes,
+    reported as a finding with the fixes, never as a failure.
+
 Any model, loss and data (:mod:`accum_kit.verify.workload`): by default the
 rows run verify's own random token sequences through a causal LM; from Python,
 ``verify_accumulation(model=..., loss_fn=..., dataset=..., collate_fn=...)``
@@ -38,17 +44,13 @@ encoder-decoder with :func:`accum_kit.seq2seq_loss`, ...) with the same rows
 and the same verdict; the oracle then applies your ``loss_fn`` to each window
 as one batch.
 
-``batchnorm (train mode)`` (informational, only for models with BatchNorm layers)
-    the ``tokens`` pass again with the BatchNorm layers normalising with
-    batch statistics, against a big batch normalised with its own
-    (:mod:`accum_kit.verify.batchnorm`): the deviation BatchNorm itself causes,
-    reported as a finding with the fixes, never as a failure.
-
 What the optimizer sees is captured at ``optimizer.step()``
 (:mod:`accum_kit.verify.capture`) and compared, window by window, with a
 float64 single-process big batch (:mod:`accum_kit.verify.oracle`) under a
 float32 tolerance (:mod:`accum_kit.verify.compare`); :mod:`accum_kit.verify.check`
-runs it all, :mod:`accum_kit.verify.report` holds the result.
+runs it all (settings in :mod:`accum_kit.verify.settings`, the main process's
+comparisons in :mod:`accum_kit.verify.rows`), :mod:`accum_kit.verify.report`
+holds the result.
 
 Sources: transformers blog "Fixing Gradient Accumulation" (October 2024,
 https://huggingface.co/blog/gradient_accumulation); PyTorch DDP notes
