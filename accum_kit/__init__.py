@@ -6,7 +6,8 @@ Public entry points:
   cannot silently train each process alone on CPU-only machines.
 - :func:`train_loop`: the accumulation loop (no_sync on non-boundary
   micro-batches, exact token-count normalisation); :class:`LoopCallback` for hooks.
-- :class:`WindowNormalizer`, :func:`causal_lm_loss`: the normalisation on its own.
+- :class:`WindowNormalizer`, :func:`causal_lm_loss`: the normalisation on its own;
+  :func:`classification_loss`, :func:`seq2seq_loss`: ``loss_fn`` for classifiers and encoder-decoders.
 - :func:`optimizer_steps_per_epoch`: the ``ceil(M / K)`` step count of an epoch.
 
 The names are imported lazily, on first use (PEP 562 module ``__getattr__``,
@@ -33,8 +34,10 @@ _EXPORTS = {
     "WindowNormalizer": "loss",
     "build_accelerator": "launch",
     "causal_lm_loss": "loss",
+    "classification_loss": "loss",
     "check_process_count": "launch",
     "optimizer_steps_per_epoch": "planning",
+    "seq2seq_loss": "loss",
     "train_loop": "loop",
 }
 
@@ -45,7 +48,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from .errors import AccumKitError, ProcessCountError, UsageError
     from .launch import build_accelerator, check_process_count
     from .loop import LoopResult, train_loop
-    from .loss import WindowNormalizer, causal_lm_loss
+    from .loss import WindowNormalizer, causal_lm_loss, classification_loss, seq2seq_loss
     from .planning import optimizer_steps_per_epoch
 
 

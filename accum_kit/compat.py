@@ -23,6 +23,17 @@ def sync_each_batch(accelerator) -> bool:
     return bool(accelerator.use_distributed and accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
 
 
+def at_end_of_dataloader(accelerator) -> bool:
+    """Whether the batch being processed is the last of the prepared dataloader being iterated.
+
+    Reads ``accelerator.gradient_state.end_of_dataloader``, which the prepared
+    dataloader sets before it yields its last batch (it peeks one ahead); it
+    is the flag ``Accelerator.gather_for_metrics`` reads to drop the examples
+    ``even_batches`` repeated (accelerate 1.15).
+    """
+    return bool(accelerator.gradient_state.end_of_dataloader)
+
+
 def set_sync_each_batch(accelerator, value: bool) -> None:
     """Switch ``sync_each_batch`` between windows (for A/B timing of no_sync).
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import checks
+from .clm_flags import resolve_run_clm_flags
 from .data import check_data_flags
 from .errors import UsageError
 from .loss import NORMALIZATIONS
@@ -30,11 +31,25 @@ class TrainConfig:
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset name; default: the CPython standard library sources on this machine."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
     train_file: str | None = field(default=None, metadata={"help": "Local .txt, .json/.jsonl or .csv file with a 'text' column."})
+    # run_clm_no_trainer.py's other flags, same meaning (accum_kit.clm_flags; docs/run_clm.md)
+    validation_file: str | None = field(default=None, metadata={"help": "Local .txt, .json/.jsonl or .csv file evaluated instead of a held-out part of train (train then keeps all its data)."})
+    config_name: str | None = field(default=None, metadata={"help": "Model config (directory with config.json, or hub name); without --model_name_or_path: train from scratch with AutoModelForCausalLM.from_config."})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer to load if not the one of --model_name_or_path; default without a model: bytes (ByT5Tokenizer)."})
+    model_type: str | None = field(default=None, metadata={"help": "Train from scratch a model of this type with its default config (e.g. gpt2, llama) when neither --model_name_or_path nor --config_name is given."})
+    use_slow_tokenizer: bool = field(default=False, metadata={"help": "Load the Python tokenizer instead of the tokenizers-library one (ignored by transformers 5)."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Run model, config and tokenizer code shipped with --model_name_or_path / --config_name / --tokenizer_name."})
+    low_cpu_mem_usage: bool = field(default=False, metadata={"help": "Create the model empty and fill it from the weights (transformers 4; always so in transformers 5)."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenising and packing (datasets' map num_proc); None: this process."})
+    overwrite_cache: bool = field(default=False, metadata={"help": "Recompute the tokenised data instead of reusing datasets' cache."})
+    no_keep_linebreaks: bool = field(default=False, metadata={"help": "Drop the line breaks (and blank lines) of .txt files before tokenising."})
+    push_to_hub: bool = field(default=False, metadata={"help": "Refused: this job does not upload to the Hub."})
+    hub_model_id: str | None = field(default=None, metadata={"help": "Refused: this job does not upload to the Hub."})
+    hub_token: str | None = field(default=None, metadata={"help": "Refused: this job does not upload to the Hub."})
     validation_split_percentage: int = field(default=5, metadata={"help": "Percent of train held out for validation when the data has no validation split."})
     packing: bool = field(default=True, metadata={"help": "Pack text into blocks of --block_size tokens; --packing false: one variable-length example per paragraph, padded per batch."})
     block_size: int = field(default=128, metadata={"help": "Sequence length in tokens (packed block, or truncation length)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training examples (after tokenisation)."})
-    max_eval_samples: int | None = field(default=256, metadata={"help": "Evaluate on the first N validation examples (0 or less: all)."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on the first N validation examples (0 or less: all); None: all of --validation_file, else 256."})
     per_device_train_batch_size: int = field(default=4, metadata={"help": "Micro-batch size per process, examples."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Evaluation batch size per process, examples."})
     gradient_accumulation_steps: int | None = field(default=None, metadata={"help": "Micro-batches per optimizer step (K); None: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 4."})
@@ -44,8 +59,8 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not applied to biases and LayerNorm weights)."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": f"One of {SCHEDULERS}."})
     num_warmup_steps: int = field(default=10, metadata={"help": "Warm-up optimizer steps."})
-    max_train_steps: int | None = field(default=100, metadata={"help": "Optimizer steps to run (overrides --num_train_epochs); 0 or less: use epochs."})
-    num_train_epochs: int = field(default=1, metadata={"help": "Passes over the train split when --max_train_steps is not set."})
+    max_train_steps: int | None = field(default=None, metadata={"help": "Optimizer steps to run (overrides --num_train_epochs); 0 or less: use epochs; None: 100 unless --num_train_epochs is given."})
+    num_train_epochs: int | None = field(default=None, metadata={"help": "Passes over the train split when --max_train_steps is not set; None: 1."})
     max_grad_norm: float | None = field(default=1.0, metadata={"help": "Clip the gradient norm to this; 0 or less: no clipping."})
     loss_normalization: str = field(default="tokens", metadata={"help": f"One of {NORMALIZATIONS}: exact token-mean over the window, or Accelerate's per-micro-batch mean / K."})
     sync_each_batch: bool = field(default=False, metadata={"help": "All-reduce gradients on every micro-batch (slower; for A/B comparisons); the same as --accumulation_policy sync_each_batch."})
@@ -66,8 +81,7 @@ class TrainConfig:
 
     def __post_init__(self):
         """Normalise 'off' values and check ranges; raises UsageError naming the flag."""
-        if self.max_train_steps is not None and self.max_train_steps <= 0:
-            self.max_train_steps = None
+        resolve_run_clm_flags(self)  # steps vs epochs, evaluation count, Hub flags refused
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             self.max_grad_norm = None
         if self.max_eval_samples is not None and self.max_eval_samples <= 0:
@@ -88,7 +102,7 @@ class TrainConfig:
             checks.one_of("--model_preset", self.model_preset, sorted(PRESETS))
         if self.train_file is not None and self.dataset_name is not None:
             raise UsageError("--train_file", "given together with --dataset_name", "pass only one data source")
-        check_data_flags(self.train_file, self.validation_split_percentage)
+        check_data_flags(self.train_file, self.validation_split_percentage, self.validation_file)
         if self.checkpointing_steps is not None and self.checkpointing_steps != "epoch":
             if not self.checkpointing_steps.isdigit() or int(self.checkpointing_steps) < 1:
                 raise UsageError("--checkpointing_steps", f"must be a positive integer or 'epoch' (got {self.checkpointing_steps!r})",

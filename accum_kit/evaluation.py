@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from .compat import at_end_of_dataloader
 from .loss import LossFn, causal_lm_loss
 
 
@@ -15,8 +16,12 @@ def evaluate_loss(accelerator, model, eval_dataloader, loss_fn: LossFn | None = 
 
     Every process evaluates its shard; summed losses and target-token counts are
     all-reduced once, so the result is the token mean over the whole split
-    (not a mean of per-batch means). Accelerate's ``even_batches`` may repeat
-    a few examples on the last batch to keep processes in step.
+    (not a mean of per-batch means). On several processes Accelerate's
+    ``even_batches`` repeats a few examples in the last batch to keep the
+    processes in step; that batch is evaluated example by example and passed
+    through ``accelerator.gather_for_metrics``, which drops the repeats, so
+    every example of the split counts exactly once (as in transformers'
+    run_clm_no_trainer.py).
 
     Args:
         accelerator: the Accelerator that prepared ``model`` and ``eval_dataloader``.
@@ -29,10 +34,19 @@ def evaluate_loss(accelerator, model, eval_dataloader, loss_fn: LossFn | None = 
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    last = torch.zeros_like(totals)  # the last batch's (loss, tokens) over all processes, repeats dropped
+
+    def row(summed, n):
+        return torch.stack([summed.double(), torch.as_tensor(n, device=totals.device).double()])
+
     for batch in eval_dataloader:
-        summed, n = loss_fn(model, batch)
-        totals += torch.stack([summed.double(), torch.as_tensor(n, device=totals.device).double()])
-    totals = accelerator.reduce(totals, reduction="sum")
+        if accelerator.num_processes > 1 and at_end_of_dataloader(accelerator):
+            size = len(next(iter(batch.values())))
+            rows = torch.stack([row(*loss_fn(model, {k: v[i : i + 1] for k, v in batch.items()})) for i in range(size)])
+            last += accelerator.gather_for_metrics(rows).sum(dim=0)
+        else:
+            totals += row(*loss_fn(model, batch))
+    totals = accelerator.reduce(totals, reduction="sum") + last
     model.train(was_training)
     loss_sum, tokens = totals.tolist()
     if tokens == 0:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm  # text bar: a widget cannot be drawn from processes forked by accum_kit.notebook.launch; Jupyter redraws the text bar in place
 
 from . import checks
+from .batchnorm import warn_if_batchnorm_trains
 from .callbacks import CallbackList, LoopState
 from .checkpoint import DataCursor, load_checkpoint
 from .compat import release_dataloader, restart_window_counter, sync_each_batch
@@ -141,7 +142,9 @@ def train_loop(
         loss_normalization: ``"tokens"`` (exact token-mean over the window and
             all processes) or ``"mean"`` (per-micro-batch mean / K, Accelerate's guide).
         loss_fn: ``loss_fn(model, batch) -> (summed_loss, num_items)``; default
-            :func:`accum_kit.loss.causal_lm_loss`.
+            :func:`accum_kit.loss.causal_lm_loss` (``classification_loss`` and
+            ``seq2seq_loss`` in :mod:`accum_kit.loss` for other models). BatchNorm
+            layers training with K > 1 get one warning (:mod:`accum_kit.batchnorm`).
         callbacks: :class:`accum_kit.LoopCallback` subclasses (or objects with
             any of its seven hooks), each hook called with a :class:`LoopState`.
             ``on_step_begin`` runs on the boundary micro-batch before the window
@@ -204,6 +207,7 @@ def train_loop(
     restart_window_counter(accelerator)  # an earlier loop may have stopped mid-window; load_state restores it too
     windows.start(state)  # the schedule's K for the steps done (0, or the resumed step)
     hooks("on_train_begin", state)
+    warn_if_batchnorm_trains(accelerator, model, windows.schedule)  # after the hooks: a callback may freeze them
     last = time.perf_counter()
     try:
         for state.epoch in epochs:

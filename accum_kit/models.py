@@ -5,7 +5,9 @@ model (``transformers.GPT2LMHeadModel``) from a ``GPT2Config``, or a Llama one
 (``transformers.LlamaForCausalLM``, :data:`LLAMA_PRESETS`) for checks that
 depend on the model family (``verify``'s Trainer row). The
 ``--model_name_or_path`` route loads a saved model (``save_pretrained`` output,
-or a hub name for users who can reach the hub).
+or a hub name for users who can reach the hub); ``--config_name`` /
+``--model_type`` build one from a config as transformers'
+``run_clm_no_trainer.py`` does (:func:`resolve_config`, :func:`build_from_config`).
 """
 
 from __future__ import annotations
@@ -95,28 +97,111 @@ def build_model(preset: str, vocab_size: int, n_positions: int, seed: int | None
     return GPT2LMHeadModel(config)
 
 
-def load_model(model_name_or_path: str):
+def load_model(model_name_or_path: str, *, config=None, trust_remote_code: bool = False,
+               low_cpu_mem_usage: bool = False):
     """Load a causal LM with ``AutoModelForCausalLM.from_pretrained``.
 
     Args:
         model_name_or_path: a local directory written by ``save_pretrained``,
             or a hub model name.
+        config: a ``PretrainedConfig`` to use instead of the saved one (``--config_name``).
+        trust_remote_code: allow model classes defined by code in that directory.
+        low_cpu_mem_usage: build the model empty and fill it from the weights
+            (transformers 4; transformers 5 always loads this way and ignores it).
 
     Raises:
         UsageError: the path does not exist and the hub cannot provide it
-            (names ``--model_name_or_path``).
+            (names ``--model_name_or_path``), or it holds custom code and
+            ``trust_remote_code`` is False (names ``--trust_remote_code``).
     """
     from transformers import AutoModelForCausalLM
 
+    options = {"config": config} if config is not None else {}
+    if low_cpu_mem_usage:  # otherwise the installed transformers' own default
+        options["low_cpu_mem_usage"] = True
     try:
-        return AutoModelForCausalLM.from_pretrained(model_name_or_path)
+        # trust_remote_code=False, not None: None would prompt on a terminal before failing
+        return AutoModelForCausalLM.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code, **options)
     except (OSError, ValueError) as exc:
+        _raise_remote_code(exc, model_name_or_path)
         where = "a local directory" if os.path.isdir(model_name_or_path) else "a local path or a reachable hub model"
         raise UsageError(
             "--model_name_or_path",
             f"cannot load {model_name_or_path!r} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
             f"pass {where} written by save_pretrained, or use --model_preset instead",
         ) from exc
+
+
+def _raise_remote_code(exc: Exception, path: str) -> None:
+    """transformers refuses code shipped with a model unless trusted: say which flag allows it."""
+    if "trust_remote_code" in str(exc):
+        raise UsageError("--trust_remote_code", f"{path!r} defines its own model code, which is not run by default",
+                         f"read the code in {path} and pass --trust_remote_code if you trust it") from exc
+
+
+def causal_lm_model_types() -> tuple[str, ...]:
+    """Model types with an ``AutoModelForCausalLM`` class (``gpt2``, ``llama``, ...), sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+
+
+def resolve_config(config_name: str | None = None, model_name_or_path: str | None = None,
+                   model_type: str | None = None, trust_remote_code: bool = False):
+    """The model configuration as run_clm_no_trainer picks it, or None for a ``--model_preset``.
+
+    ``config_name`` (``AutoConfig.from_pretrained``), else the config saved
+    with ``model_name_or_path`` (None here: ``from_pretrained`` reads it),
+    else the defaults of ``model_type`` (``AutoConfig.for_model``, e.g.
+    ``GPT2Config()``: 124M parameters for ``gpt2``).
+
+    Raises:
+        UsageError: the config cannot be loaded (``--config_name``), custom
+            code not trusted (``--trust_remote_code``), an unknown type (``--model_type``).
+    """
+    from transformers import AutoConfig
+
+    if config_name:
+        try:
+            return AutoConfig.from_pretrained(config_name, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as exc:
+            _raise_remote_code(exc, config_name)
+            raise UsageError("--config_name", f"cannot load a model configuration from {config_name!r} "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
+                             "pass a directory with a config.json (PretrainedConfig.save_pretrained)") from exc
+    if model_name_or_path or model_type is None:
+        return None
+    check_model_type(model_type)
+    return AutoConfig.for_model(model_type)
+
+
+def check_model_type(model_type: str) -> None:
+    """Raise UsageError (``--model_type``) unless transformers has a causal LM of this type."""
+    if model_type not in causal_lm_model_types():
+        raise UsageError("--model_type", f"unknown value {model_type!r}: transformers has no causal LM of that type",
+                         "pass e.g. gpt2, llama or mistral (a key of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), "
+                         "or --config_name with a config.json")
+
+
+def build_from_config(config, seed: int | None = None, trust_remote_code: bool = False):
+    """A randomly initialised ``AutoModelForCausalLM.from_config(config)``; torch seeded right before if ``seed``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def fit_embeddings(model, vocab_size: int) -> bool:
+    """Grow the token embeddings to ``vocab_size`` rows if the tokenizer has more tokens (run_clm_no_trainer's rule).
+
+    Returns True when the model was resized (the new rows are randomly initialised).
+    """
+    if vocab_size <= model.get_input_embeddings().num_embeddings:
+        return False
+    model.resize_token_embeddings(vocab_size)
+    return True
 
 
 def count_parameters(model) -> int:

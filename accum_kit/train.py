@@ -26,7 +26,7 @@ from .evaluation import evaluate_loss
 from .launch import build_accelerator, resolve_accumulation_steps
 from .loop import train_loop
 from .loss import check_supported
-from .models import build_model, count_parameters, load_model
+from .models import build_from_config, build_model, count_parameters, fit_embeddings, load_model, resolve_config
 from .planning import optimizer_steps_per_epoch
 from .planning.schedule import schedule_pairs, scheduled_steps
 from .outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
@@ -63,9 +63,11 @@ def _datasets(cfg: TrainConfig, tokenizer, accelerator, k: int):
     """Tokenised train/validation splits, checked against one global batch."""
     with accelerator.main_process_first():
         raw, source = load_raw_datasets(
-            cfg.dataset_name, cfg.dataset_config_name, cfg.train_file, cfg.validation_split_percentage
+            cfg.dataset_name, cfg.dataset_config_name, cfg.train_file, cfg.validation_split_percentage,
+            validation_file=cfg.validation_file, keep_linebreaks=not cfg.no_keep_linebreaks,
         )
-        lm = tokenize_datasets(raw, tokenizer, cfg.block_size, cfg.packing)
+        lm = tokenize_datasets(raw, tokenizer, cfg.block_size, cfg.packing,
+                               num_proc=cfg.preprocessing_num_workers, overwrite_cache=cfg.overwrite_cache)
     train, valid = lm["train"], lm["validation"]
     if cfg.max_train_samples is not None:
         train = train.select(range(min(cfg.max_train_samples, len(train))))
@@ -74,6 +76,9 @@ def _datasets(cfg: TrainConfig, tokenizer, accelerator, k: int):
     data_flag = "--train_file" if cfg.train_file else "--dataset_name"
     if len(train) == 0:
         raise UsageError(data_flag, f"no training example after tokenisation (block_size {cfg.block_size})",
+                         "add text, or lower --block_size")
+    if len(valid) == 0 and cfg.validation_file:
+        raise UsageError("--validation_file", f"no validation example after tokenisation (block_size {cfg.block_size})",
                          "add text, or lower --block_size")
     global_batch = cfg.per_device_train_batch_size * k * accelerator.num_processes
     if len(train) < global_batch:
@@ -87,15 +92,36 @@ def _datasets(cfg: TrainConfig, tokenizer, accelerator, k: int):
     return train, valid, source
 
 
-def _check_model_fits(model, tokenizer, cfg: TrainConfig) -> None:
-    """A loaded model must cover --block_size positions and the tokenizer's ids."""
+def _build_model(cfg: TrainConfig, tokenizer):
+    """run_clm_no_trainer's model: --model_name_or_path (with --config_name's config if given), else from
+    --config_name or --model_type's config, else a --model_preset. Embeddings grow to the tokenizer's size."""
+    config = resolve_config(cfg.config_name, cfg.model_name_or_path, cfg.model_type, cfg.trust_remote_code)
+    if cfg.model_name_or_path:
+        model = load_model(cfg.model_name_or_path, config=config, trust_remote_code=cfg.trust_remote_code,
+                           low_cpu_mem_usage=cfg.low_cpu_mem_usage)
+    elif config is not None:
+        model = build_from_config(config, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
+    else:
+        return build_model(cfg.model_preset, len(tokenizer), cfg.block_size, seed=cfg.seed,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if cfg.model_type and (cfg.model_name_or_path or cfg.config_name):
+        logger.warning("--model_type %s is not used: the config comes from %s", cfg.model_type,
+                       "--config_name" if cfg.config_name else "--model_name_or_path")
     positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     if positions and cfg.block_size > positions:
         raise UsageError("--block_size", f"{cfg.block_size} exceeds the model's {positions} positions",
                          f"pass --block_size {positions} or less")
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        raise UsageError("--model_name_or_path", f"the tokenizer has {len(tokenizer)} tokens but the model embeds "
-                         f"{model.get_input_embeddings().num_embeddings}", "save the matching tokenizer with the model")
+    if fit_embeddings(model, len(tokenizer)):
+        logger.warning("resized the token embeddings to the tokenizer's %d tokens (new rows are random)", len(tokenizer))
+    return model
+
+
+def _model_name(cfg: TrainConfig) -> str:
+    """Where the model came from: its path, ``config:<path>``, ``type:<model_type>`` or ``preset:<name>``."""
+    if cfg.model_name_or_path:
+        return cfg.model_name_or_path
+    return f"config:{cfg.config_name}" if cfg.config_name else (
+        f"type:{cfg.model_type}" if cfg.model_type else f"preset:{cfg.model_preset}")
 
 
 def _optimizer(model, cfg: TrainConfig):
@@ -134,14 +160,11 @@ def run(cfg: TrainConfig) -> dict:
                         per_device_batch_size=cfg.per_device_train_batch_size,
                         accumulation_schedule=cfg.accumulation_schedule)
     set_seed(cfg.seed)
-    tokenizer = build_tokenizer(cfg.model_name_or_path)
+    tokenizer = build_tokenizer(cfg.tokenizer_name or cfg.model_name_or_path, use_slow_tokenizer=cfg.use_slow_tokenizer,
+                                trust_remote_code=cfg.trust_remote_code,
+                                flag="--tokenizer_name" if cfg.tokenizer_name else "--model_name_or_path")
     train_ds, eval_ds, source = _datasets(cfg, tokenizer, accelerator, k)
-    if cfg.model_name_or_path:
-        model = load_model(cfg.model_name_or_path)
-        _check_model_fits(model, tokenizer, cfg)
-    else:
-        model = build_model(cfg.model_preset, len(tokenizer), cfg.block_size, seed=cfg.seed,
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = _build_model(cfg, tokenizer)
     if not cfg.packing and tokenizer.pad_token is None:
         raise UsageError("--packing", "unpacked examples need padding but the tokenizer has no pad token",
                          "use packed blocks (the default) or save a tokenizer with a pad token")
@@ -177,7 +200,7 @@ def run(cfg: TrainConfig) -> dict:
             "loss_normalization": cfg.loss_normalization, "lr_scaling": cfg.lr_scaling,
             "accumulation_schedule": str(schedule_pairs(schedule)) if schedule else "none",
             "tracking": cfg.report_to if cfg.with_tracking else None, "learning_rate": cfg.learning_rate,
-            "mixed_precision": accelerator.mixed_precision, "model": cfg.model_name_or_path or cfg.model_preset,
+            "mixed_precision": accelerator.mixed_precision, "model": _model_name(cfg),
             "block_size": cfg.block_size, "seed": cfg.seed})
         callbacks.append(TrackerLogger(accelerator, optimizer, profiler))  # logs K and the effective batch per step
     eval_before, ppl_before = evaluate_loss(accelerator, model, eval_dl)
@@ -219,6 +242,7 @@ def run(cfg: TrainConfig) -> dict:
         "checkpoints": [p.name for p in checkpointer.saved],
         "checkpoint_saves": checkpointer.timings,
         "micro_batches_per_process": result.micro_batches,
+        "epochs": result.epochs,
         "train_loss": result.train_loss,
         "eval_loss_before": eval_before,
         "eval_loss_after": eval_after,
@@ -233,7 +257,7 @@ def run(cfg: TrainConfig) -> dict:
         "eval_examples": len(eval_ds),
         "block_size": cfg.block_size,
         "packing": cfg.packing,
-        "model": cfg.model_name_or_path or f"preset:{cfg.model_preset}",
+        "model": _model_name(cfg),
         "model_parameters": n_params,
         "loss_normalization": cfg.loss_normalization,
         "mixed_precision": accelerator.mixed_precision,
@@ -255,7 +279,10 @@ def run(cfg: TrainConfig) -> dict:
             accelerator.unwrap_model(model).save_pretrained(staging, state_dict=state_dict)
             tokenizer.save_pretrained(staging)
             atomic_write_json(staging / "train_summary.json", summary)
-        logger.info("saved model and train_summary.json to %s", cfg.output_dir)
+            # run_clm_no_trainer's results file (its test reads "perplexity" from it)
+            atomic_write_json(staging / "all_results.json", {
+                "perplexity": ppl_after, "eval_loss": eval_after, "epoch": result.epochs, "eval_samples": len(eval_ds)})
+        logger.info("saved model, train_summary.json and all_results.json to %s", cfg.output_dir)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary

@@ -15,6 +15,7 @@ EXAMPLES_TIMEOUT_S = 420
 RAW_DDP_STEPS = 6  # raw_ddp_loop's --max_train_steps in the shared launch
 PROFILE_COMM_STEPS = 8  # profile_comm's: 1 warm-up, 2 x 2 A/B windows, 3 more
 SCHEDULE = "0:1,2:2,5:4"  # by_feature/schedule.py's --accumulation_schedule (8 steps: K 1, 1, 2, 2, 2, 4, 4, 4)
+DIGITS_EPOCHS = 3  # by_feature/image_classification.py's --num_train_epochs in the shared launch
 
 
 def example_specs(corpus: Path) -> list[dict]:
@@ -33,6 +34,10 @@ def example_specs(corpus: Path) -> list[dict]:
         *checkpointing_specs(ex, corpus_flags, corpus.parent / "checkpointing"),
         {"name": "schedule", "path": str(ex / "by_feature" / "schedule.py"),
          "argv": [*corpus_flags, "--max_train_steps", "8", "--accumulation_schedule", SCHEDULE, "--lr_scaling", "linear"]},
+        {"name": "image_classification", "path": str(ex / "by_feature" / "image_classification.py"),
+         "argv": ["--num_train_epochs", str(DIGITS_EPOCHS)]},
+        {"name": "batchnorm", "path": str(ex / "by_feature" / "batchnorm.py"),
+         "argv": ["--windows", "1", "--num_train_epochs", "1"]},
     ]
 
 

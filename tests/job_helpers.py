@@ -139,6 +139,13 @@ def write_corpus(path: Path, files=STDLIB_FILES) -> Path:
     return path
 
 
+def text_rows(path: Path) -> list[str]:
+    """The rows datasets' "text" builder makes with ``keep_linebreaks=True`` (the train job's default):
+    every line with its "\\n", blank lines included (the file split after each "\\n")."""
+    lines = path.read_text(encoding="utf-8").split("\n")  # the last piece is "" when the file ends with "\n"
+    return [line + "\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
+
+
 def text_lines(path: Path) -> list[str]:
     """The non-blank lines of a text file, as ``datasets``' "text" builder reads them (split on "\\n")."""
     text = path.read_text(encoding="utf-8")

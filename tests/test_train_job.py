@@ -92,14 +92,14 @@ def byte_tokenizer():
 
 
 def split_lines(corpus: Path, percent: int = 5):
-    """(validation lines, train lines): run_clm's split of the non-blank lines, validation first."""
-    lines = jh.text_lines(corpus)
+    """(validation rows, train rows): run_clm's split of the file's lines (each with its line break), validation first."""
+    lines = jh.text_rows(corpus)
     n_val = max(1, len(lines) * percent // 100)
     return lines[:n_val], lines[n_val:]
 
 
 def packed_blocks(lines, block=BLOCK):
-    """Every line tokenised (bytes + </s>), concatenated, cut into full blocks (one map batch: < 1000 lines)."""
+    """Every row tokenised (bytes + </s>), concatenated, cut into full blocks (one map batch: < 1000 lines)."""
     assert len(lines) < 1000, "the packing recomputation assumes one datasets map batch"
     ids = [i for line in lines for i in byte_tokenizer()(line)["input_ids"]]
     return [ids[i : i + block] for i in range(0, len(ids) // block * block, block)]
@@ -343,9 +343,10 @@ def test_single_process_padded_epoch(inproc, capsys, tmp_path, corpus):
     assert s["optimizer_steps"] == 9 == len(s["train_loss"])
     assert all(math.isfinite(x) for x in s["train_loss"])
     assert s["effective_batch_size"] == b * k
-    # One line per example (truncated to the block, at least 8 tokens); the first 50 train examples
-    # are all seen once, so the target tokens counted over the epoch are known without the order.
+    # One non-blank line (with its line break) per example (truncated to the block, at least 8 tokens); the first
+    # 50 train examples are all seen once, so the target tokens counted over the epoch are known without the order.
     _, train_lines = split_lines(corpus)
+    train_lines = [line for line in train_lines if line.strip()]
     lengths = [len(ids) for ids in byte_tokenizer()(train_lines, truncation=True, max_length=BLOCK)["input_ids"]]
     lengths = [x for x in lengths if x >= 8][:n]
     assert len(set(lengths)) > 1, "the examples should have different lengths (padding exercised)"

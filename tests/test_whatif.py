@@ -273,3 +273,60 @@ def test_whatif_starts_without_torch(profile):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["whatif"]["k_for_max_comm_share"] == 5
+
+
+# ---------------------------------------------------------------- batch size and K from the profile
+
+
+def plan_argv(capsys, *argv):
+    code = cli.run("plan", list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_batch_size_and_k_come_from_the_profile(capsys, tmp_path, monkeypatch):
+    # The profiled run: B = 3, K = 2. The command of the issue gives neither flag.
+    profile = write_summary(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=2)
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "5")  # the profile's K is the run's: not this
+    code, out, err = plan_argv(capsys, "--from_profile", profile, "--num_machines", "2", "--num_processes", "8",
+                               "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    b = d["batch"]
+    assert (b["per_device_train_batch_size"], b["gradient_accumulation_steps"], b["num_processes"]) == (3, 2, 8)
+    assert b["effective_batch_size"] == 48  # 3 x 2 x 8
+    assert d["whatif"]["arithmetic"]["shown_for_K"] == 2
+    # 8 processes: t_ar = 2 x 7/8 x 4e6 B / 0.2 GB/s = 0.035 s, e = 0.035 x 0.75 = 0.02625 s;
+    # K = 1: step 0.03 + 0.02625 + 0.01 = 0.06625 s for 3 x 8 examples.
+    assert d["whatif"]["rows"][0]["examples_per_second_no_sync"] == pytest.approx(24 / 0.06625)
+    assert any(profile in note and "--per_device_train_batch_size 3" in note for note in d["notes"])
+    code, out, _ = plan_argv(capsys, "--from_profile", profile, "--num_processes", "8")
+    assert code == 0 and "--gradient_accumulation_steps 2 from" in out and "= 3 x 2 x 8" in out
+
+
+def test_flags_override_the_profile(capsys, tmp_path):
+    profile = write_summary(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=2)
+    cases = [  # (flags, B, K): a flag given wins, the other value still comes from the profile
+        (["--per_device_train_batch_size", "5"], 5, 2),
+        (["--gradient_accumulation_steps", "6"], 3, 6),
+        (["--per_device_train_batch_size", "5", "--gradient_accumulation_steps", "6"], 5, 6),
+        (["--target_batch_size", "96"], 3, 4),  # K solved: 96 = 3 x 4 x 8 with B <= the profile's 3
+        (["--accumulation_schedule", "0:1,10:4"], 3, 1),  # K from the schedule
+    ]
+    for flags, B, K in cases:
+        code, out, err = plan_argv(capsys, "--from_profile", profile, "--num_processes", "8", "--json", *flags)
+        assert code == 0, (flags, err)
+        b = json.loads(out)["batch"]
+        assert (b["per_device_train_batch_size"], b["gradient_accumulation_steps"]) == (B, K), flags
+        assert b["effective_batch_size"] == B * K * 8
+    code, out, _ = plan_argv(capsys, "--from_profile", profile, "--per_device_train_batch_size", "5",
+                             "--gradient_accumulation_steps", "6")
+    assert code == 0 and "from " + profile not in out  # nothing was taken from the profile
+
+
+def test_batch_size_missing_everywhere_exits_2(capsys, tmp_path):
+    profile = write_summary(tmp_path, per_device_train_batch_size=None)
+    for argv in (["--from_profile", profile], ["--num_processes", "8"]):
+        code, out, err = plan_argv(capsys, *argv)
+        assert code == 2 and out == ""
+        assert err.startswith("error: --per_device_train_batch_size:") and "Fix: pass" in err, err

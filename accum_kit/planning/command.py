@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from .. import checks
 from .lr import LEARNING_RATE_FIX, LR_RULES
-from .report import check_learning_rate_flags, check_schedule_flags, check_target_flags, format_plan, make_plan
+from .report import (check_batch_size_given, check_learning_rate_flags, check_schedule_flags, check_target_flags,
+                     format_plan, make_plan)
 from .schedule import parse_accumulation_schedule
 from .fsdp_plan import MIXED_PRECISION, check_fsdp_flags
 from .whatif import DEFAULT_ACCUMULATION_STEPS, DEFAULT_MAX_COMM_SHARE, INTERCONNECTS, check_whatif_flags
@@ -28,11 +29,13 @@ DESCRIPTION = (
 class PlanArguments:
     """Flags of ``accum-kit plan`` (Hugging Face flag names), parsed by ``HfArgumentParser``."""
 
-    per_device_train_batch_size: int = field(metadata={
-        "help": "Examples per micro-batch per process (with --target_batch_size: the largest that fits)."})
+    per_device_train_batch_size: int | None = field(default=None, metadata={
+        "help": "Examples per micro-batch per process (with --target_batch_size: the largest that fits). "
+                "Required unless --from_profile gives it (this flag then overrides the profile's)."})
     gradient_accumulation_steps: int | None = field(default=None, metadata={
-        "help": "Micro-batches per optimizer step (K); None: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 4 "
-                "(the same rule as train). Solved for with --target_batch_size."})
+        "help": "Micro-batches per optimizer step (K); None: the --from_profile run's K, else "
+                "$ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 4 (the same rule as train). Solved for with "
+                "--target_batch_size."})
     num_processes: int | None = field(default=None, metadata={
         "help": "Processes over all machines; None: 1, or with --from_profile the profile's world size."})
     num_examples: int | None = field(default=None, metadata={"help": "Training examples per epoch."})
@@ -97,7 +100,10 @@ class PlanArguments:
 
     def __post_init__(self):
         """Check ranges and flag combinations; raises UsageError naming the flag."""
-        checks.at_least("--per_device_train_batch_size", self.per_device_train_batch_size)
+        if self.per_device_train_batch_size is not None:
+            checks.at_least("--per_device_train_batch_size", self.per_device_train_batch_size)
+        elif self.from_profile is None:
+            check_batch_size_given(None)
         for flag in ("gradient_accumulation_steps", "num_processes", "num_examples", "target_batch_size"):
             if getattr(self, flag) is not None:
                 checks.at_least(f"--{flag}", getattr(self, flag))

@@ -20,6 +20,7 @@ from .whatif import (
     format_whatif,
     load_profile,
     make_whatif,
+    settings_from_profile,
 )
 from .whatif_bench import compare_with_bench, format_comparison
 from .fsdp_compare import compare_fsdp_bench, format_fsdp_comparison
@@ -37,6 +38,7 @@ class PlanReport:
     learning_rates: tuple[LearningRateScaling, ...] = ()
     whatif: WhatIfReport | None = None
     schedule: tuple[SchedulePhase, ...] = ()
+    notes: tuple[str, ...] = ()  # where values the flags left unset came from
     fsdp: FSDPPlan | None = None
 
     def to_dict(self) -> dict:
@@ -47,6 +49,7 @@ class PlanReport:
             "learning_rates": [asdict(s) for s in self.learning_rates],
             "whatif": self.whatif.to_dict() if self.whatif else None,
             "schedule": [asdict(p) for p in self.schedule] or None,
+            "notes": list(self.notes),
             "fsdp": self.fsdp.to_dict() if self.fsdp else None,
         }
 
@@ -87,6 +90,18 @@ def check_schedule_flags(accumulation_schedule, gradient_accumulation_steps: int
                          "omit one of them")
 
 
+def check_batch_size_given(per_device_train_batch_size: int | None) -> None:
+    """Without a profile to take it from, the per-device batch size is required.
+
+    Raises:
+        UsageError (``--per_device_train_batch_size``): it is None.
+    """
+    if per_device_train_batch_size is None:
+        raise UsageError("--per_device_train_batch_size", "missing",
+                         "pass the examples per micro-batch per process, or --from_profile train_summary.json "
+                         "to take it (and K) from a profiled run")
+
+
 def check_target_flags(target_batch_size: int | None, gradient_accumulation_steps: int | None) -> None:
     """``--target_batch_size`` solves for K, so K must not be given with it.
 
@@ -102,7 +117,7 @@ def check_target_flags(target_batch_size: int | None, gradient_accumulation_step
 
 
 def make_plan(
-    per_device_train_batch_size: int,
+    per_device_train_batch_size: int | None = None,
     gradient_accumulation_steps: int | None = None,
     num_processes: int | None = None,
     num_examples: int | None = None,
@@ -146,6 +161,9 @@ def make_plan(
     and adds one row per phase: K, examples (and with ``block_size`` input
     tokens) per step, steps, and with ``num_examples`` micro-batches and epochs
     over ``num_train_epochs`` epochs (:func:`accum_kit.planning.schedule.schedule_phases`).
+    With ``from_profile``, ``per_device_train_batch_size`` and K default to the
+    profiled run's (:func:`accum_kit.planning.whatif.settings_from_profile`);
+    without it, ``per_device_train_batch_size`` is required.
     ``fsdp`` replaces the what-if section with the FSDP2 policy plan
     (:func:`accum_kit.planning.fsdp_plan.make_fsdp_plan`, which documents its keywords;
     ``from_profile`` is then an FSDP2 profile and ``compare_bench`` an FSDP2 bench.json).
@@ -155,6 +173,14 @@ def make_plan(
     """
     check_target_flags(target_batch_size, gradient_accumulation_steps)
     check_schedule_flags(accumulation_schedule, gradient_accumulation_steps, target_batch_size)
+    notes, k_from_profile = (), None
+    if from_profile is not None:
+        per_device_train_batch_size, k, note = settings_from_profile(
+            from_profile, per_device_train_batch_size, gradient_accumulation_steps,
+            take_k=target_batch_size is None and accumulation_schedule is None)
+        k_from_profile = k if gradient_accumulation_steps is None else None
+        notes = (note,) if note else ()
+    check_batch_size_given(per_device_train_batch_size)
     if accumulation_schedule is not None:
         gradient_accumulation_steps = accumulation_schedule[0]
     check_whatif_flags(from_profile, num_machines, num_processes, interconnect, busbw_GBps, accumulation_steps,
@@ -167,7 +193,8 @@ def make_plan(
         B, K = solution.per_device_train_batch_size, solution.gradient_accumulation_steps
     else:
         solution, B = None, per_device_train_batch_size
-        K = resolve_accumulation_steps(gradient_accumulation_steps)
+        # a K the profile recorded already followed the rule when that run started
+        K = k_from_profile or resolve_accumulation_steps(gradient_accumulation_steps)
     batch = plan_batch(B, K, num_processes, num_examples, drop_last=drop_last)
 
     check_learning_rate_flags(base_learning_rate, base_batch_size, lr_scaling)
@@ -202,7 +229,7 @@ def make_plan(
         phases = tuple(schedule_phases(accumulation_schedule, B, num_processes, block_size=block_size,
                                        micro_batches_per_epoch=batch.micro_batches_per_process,
                                        num_train_epochs=num_train_epochs))
-    return PlanReport(batch, solution, rates, whatif, phases, fsdp_plan)
+    return PlanReport(batch, solution, rates, whatif, phases, notes, fsdp_plan)
 
 
 def _g(x: float) -> str:
@@ -315,6 +342,7 @@ def format_plan(report: PlanReport) -> str:
     the what-if predictions (with a profile)."""
     lines = _solution_lines(report.solution) if report.solution is not None else []
     lines += _batch_lines(report.batch)
+    lines += [f"  note: {n}" for n in report.notes]
     if report.schedule:
         lines += _schedule_lines(report.schedule)
     if report.learning_rates:

@@ -158,6 +158,43 @@ def load_profile(path: str) -> MeasuredProfile:
     )
 
 
+def settings_from_profile(path: str, per_device_train_batch_size: int | None,
+                          gradient_accumulation_steps: int | None, take_k: bool = True):
+    """The profiled run's batch size and K where the flags leave them unset: a flag given on the command line wins.
+
+    Args:
+        path: a ``train_summary.json`` (its top-level ``per_device_train_batch_size``
+            and ``gradient_accumulation_steps``; under an accumulation schedule, K at step 0).
+        per_device_train_batch_size, gradient_accumulation_steps: the flags' values (None: not given).
+        take_k: False when K is decided otherwise (``--target_batch_size``, ``--accumulation_schedule``).
+
+    Returns:
+        ``(B, K, note)``: K stays None when not taken; ``note`` says what came from the profile, or None.
+
+    Raises:
+        UsageError: the file is unreadable (``--from_profile``), or does not record a
+            value the flags left unset (names that flag).
+    """
+    summary = checks.json_file("--from_profile", path, PROFILE_FIX)
+    summary = summary if isinstance(summary, dict) else {}
+    taken = []
+
+    def recorded(key: str) -> int:
+        value = summary.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"--{key}", f"not given, and {path} records no usable value (got {value!r})",
+                             f"pass --{key}")
+        taken.append(f"--{key} {value}")
+        return value
+
+    if per_device_train_batch_size is None:
+        per_device_train_batch_size = recorded("per_device_train_batch_size")
+    if gradient_accumulation_steps is None and take_k:
+        gradient_accumulation_steps = recorded("gradient_accumulation_steps")
+    note = f"{' and '.join(taken)} from {path} (a flag on the command line overrides)" if taken else None
+    return per_device_train_batch_size, gradient_accumulation_steps, note
+
+
 def ring_allreduce_seconds(n_bytes: float, num_processes: int, busbw_GBps: float) -> float:
     """``2 (n - 1) / n x bytes / busbw``: a ring all-reduce of ``n_bytes`` bytes over n processes, seconds.
 

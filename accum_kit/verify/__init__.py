@@ -30,11 +30,27 @@ ways on the same parameters:
     shift for models whose ``loss_type`` is None, e.g. GPT-2). It never
     changes ``passed`` or the exit code; ``--no_trainer_row`` skips it.
 
+``batchnorm (train mode)`` (informational, only for models with BatchNorm layers)
+    the ``tokens`` pass again with the BatchNorm layers normalising with
+    batch statistics, against a big batch normalised with its own
+    (:mod:`accum_kit.verify.batchnorm`): the deviation BatchNorm itself causes,
+    reported as a finding with the fixes, never as a failure.
+
+Any model, loss and data (:mod:`accum_kit.verify.workload`): by default the
+rows run verify's own random token sequences through a causal LM; from Python,
+``verify_accumulation(model=..., loss_fn=..., dataset=..., collate_fn=...)``
+runs your own (a classifier with :func:`accum_kit.classification_loss`, an
+encoder-decoder with :func:`accum_kit.seq2seq_loss`, ...) with the same rows
+and the same verdict; the oracle then applies your ``loss_fn`` to each window
+as one batch.
+
 What the optimizer sees is captured at ``optimizer.step()``
 (:mod:`accum_kit.verify.capture`) and compared, window by window, with a
 float64 single-process big batch (:mod:`accum_kit.verify.oracle`) under a
 float32 tolerance (:mod:`accum_kit.verify.compare`); :mod:`accum_kit.verify.check`
-runs it all, :mod:`accum_kit.verify.report` holds the result.
+runs it all (settings in :mod:`accum_kit.verify.settings`, the main process's
+comparisons in :mod:`accum_kit.verify.rows`), :mod:`accum_kit.verify.report`
+holds the result.
 
 Sources: transformers blog "Fixing Gradient Accumulation" (October 2024,
 https://huggingface.co/blog/gradient_accumulation); PyTorch DDP notes
@@ -53,14 +69,17 @@ when the row selected by ``--loss_normalization`` passes, 1 when it does not,
 2 on bad input. From Python: :func:`verify_accumulation`.
 """
 
+from .batchnorm import BatchNormTrainMode, big_batch_statistics
 from .capture import EvalMode, ExampleRecorder, GradientCapture
-from .check import DEFAULT_BATCH_SIZE, verify_accumulation
+from .check import verify_accumulation
+from .settings import DEFAULT_BATCH_SIZE
 from .command import ARGUMENTS, DESCRIPTION, VerifyArguments, run_command
 from .compare import DEFAULT_ATOL, DEFAULT_RTOL, compare_gradients, scaled_residual
 from .data import make_examples, pad_collate, partial_micro_batches
-from .oracle import big_batch_gradient, dataparallel_sum_gradient, summed_token_loss
+from .oracle import big_batch_gradient, dataparallel_sum_gradient, summed_token_loss, to_oracle
 from .report import SELECTABLE, Row, VerifyReport, WindowInfo
 from .trainer import capture_trainer, trainer_summary
+from .workload import IndexRecorder, Workload, token_workload, user_workload
 
 __all__ = [
     "ARGUMENTS",
@@ -69,14 +88,18 @@ __all__ = [
     "DEFAULT_RTOL",
     "DESCRIPTION",
     "SELECTABLE",
+    "BatchNormTrainMode",
     "EvalMode",
     "ExampleRecorder",
     "GradientCapture",
+    "IndexRecorder",
     "Row",
     "VerifyArguments",
     "VerifyReport",
     "WindowInfo",
+    "Workload",
     "big_batch_gradient",
+    "big_batch_statistics",
     "capture_trainer",
     "compare_gradients",
     "dataparallel_sum_gradient",
@@ -86,6 +109,9 @@ __all__ = [
     "run_command",
     "scaled_residual",
     "summed_token_loss",
+    "to_oracle",
+    "token_workload",
     "trainer_summary",
+    "user_workload",
     "verify_accumulation",
 ]

@@ -10,7 +10,8 @@ from accelerate import PartialState
 from ..errors import UsageError
 from ..outputs import atomic_write_json, check_output_dir
 from ..policies import resolve_policy
-from .check import DEFAULT_BATCH_SIZE, MODEL_PRESETS, validate, verify_accumulation
+from .check import verify_accumulation
+from .settings import DEFAULT_BATCH_SIZE, MODEL_PRESETS, validate
 from .compare import DEFAULT_ATOL, DEFAULT_RTOL, MIXED_PRECISIONS
 from .report import SELECTABLE
 

@@ -2,12 +2,16 @@
 
 On the main process, from the examples the processes actually ran (gathered
 with ``gather_object``), a copy of the initial model in float64 runs *one*
-forward and backward per window over all processes' examples padded together:
+forward and backward per window over all processes' examples batched together
+(padded together for token data, by the user's ``collate_fn`` otherwise):
 plain PyTorch, no DDP, no Accelerate. It yields the gradient of the summed
-token loss ``sum_{r,i} S_{r,i}`` (``sum`` row) and of the token mean
-``sum_{r,i} S_{r,i} / N`` with ``N`` the window's target tokens over all
-processes (``tokens`` and ``mean-of-means`` rows). Being float64, its own
-rounding is negligible next to the float32 tolerance.
+loss ``sum_{r,i} S_{r,i}`` (``sum`` row) and of the item mean
+``sum_{r,i} S_{r,i} / N`` with ``N`` the window's items (target tokens) over
+all processes (``tokens`` and ``mean-of-means`` rows). Being float64, its own
+rounding is negligible next to the float32 tolerance. On verify's own token
+data the loss is :func:`summed_token_loss`, written independently of the
+loop's :func:`accum_kit.causal_lm_loss`; on a user's workload it is the
+user's ``loss_fn`` (see :mod:`accum_kit.verify.workload`).
 
 DDP semantics: ``DistributedDataParallel`` averages gradients over processes
 (the all-reduce sums and divides by the world size; PyTorch DDP notes,
@@ -23,6 +27,7 @@ module unchanged and would prove nothing).
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -53,37 +58,60 @@ def _grads(model) -> dict:
                 else torch.zeros(p.shape, dtype=torch.float64)) for n, p in model.named_parameters()}
 
 
-def big_batch_gradient(model64, examples: list[dict], device) -> tuple[dict, int]:
-    """Gradient of the summed token loss of ONE forward/backward over all ``examples``.
+def to_oracle(batch, device, dtype=torch.float64):
+    """``batch`` (tensors in nested dicts / lists / tuples) on ``device``, floating tensors cast to ``dtype``.
+
+    The oracle's model is float64, so float inputs (images, features) must be too;
+    integer tensors (token ids, labels, masks) keep their dtype.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, dtype) if batch.is_floating_point() else batch.to(device)
+    if isinstance(batch, Mapping):  # a plain dict also for BatchEncoding-like mappings: loss_fn indexes by key
+        return {k: to_oracle(v, device, dtype) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_oracle(v, device, dtype) for v in batch)
+    return batch
+
+
+def token_batch_loss(model, batch: Mapping) -> tuple:
+    """:func:`summed_token_loss` of a padded batch dict (``input_ids``, ``attention_mask``, ``labels``)."""
+    return summed_token_loss(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+
+
+def big_batch_gradient(model64, examples: list, device, collate_fn=pad_collate, loss_fn=None) -> tuple[dict, int]:
+    """Gradient of the summed loss of ONE forward/backward over all ``examples``.
 
     Args:
         model64: a float64 copy of the initial model (eval mode), on ``device``.
         examples: every process's examples of one window.
         device: where the forward/backward runs.
+        collate_fn: list of examples -> one batch (default: verify's token padding).
+        loss_fn: ``(model, batch) -> (summed loss, items)``; default
+            :func:`summed_token_loss` on the padded token batch.
 
     Returns:
-        ``({name: float64 CPU gradient of sum_{r,i} S_{r,i}}, N)`` with ``N``
-        the target tokens of the window; the token-mean gradient is that / N.
+        ``({name: float64 CPU gradient of the summed loss}, N)`` with ``N``
+        the items (target tokens) of the window; the mean gradient is that / N.
     """
-    batch = {k: v.to(device) for k, v in pad_collate(examples).items()}
+    batch = to_oracle(collate_fn(examples), device)
     model64.zero_grad(set_to_none=True)
-    summed, n = summed_token_loss(model64, **batch)
+    summed, n = (loss_fn or token_batch_loss)(model64, batch)
     summed.backward()
-    return _grads(model64), n
+    return _grads(model64), int(n)
 
 
 class _SummedLoss(torch.nn.Module):
-    """Wraps a causal LM so that its forward returns the summed token loss, shape (1,), for DataParallel."""
+    """Wraps a model so that its forward returns ``loss_fn``'s summed loss, shape (1,), for DataParallel."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, loss_fn):
         super().__init__()
-        self.inner = inner
+        self.inner, self.loss_fn = inner, loss_fn
 
-    def forward(self, input_ids, attention_mask, labels):
-        return summed_token_loss(self.inner, input_ids, attention_mask, labels)[0].reshape(1)
+    def forward(self, batch):
+        return self.loss_fn(self.inner, batch)[0].reshape(1)
 
 
-def dataparallel_sum_gradient(model, examples: list[dict], device_ids=None) -> dict:
+def dataparallel_sum_gradient(model, examples: list, device_ids=None, collate_fn=pad_collate, loss_fn=None) -> dict:
     """Gradient of the summed loss under ``torch.nn.DataParallel`` over all ``examples`` at once.
 
     DataParallel scatters the batch over ``device_ids`` (default: all GPUs),
@@ -92,12 +120,12 @@ def dataparallel_sum_gradient(model, examples: list[dict], device_ids=None) -> d
     original parameters by summation (``torch.nn.DataParallel`` docs). Returns
     float64 CPU gradients by name, shaped like the parameters. The model is
     deep-copied to float32, so the caller's is not modified. Without GPUs
-    DataParallel calls the module directly.
+    DataParallel calls the module directly. ``collate_fn`` and ``loss_fn`` as
+    in :func:`big_batch_gradient`.
     """
     inner = copy.deepcopy(model).float().eval()
     device = torch.device("cuda", (device_ids or [0])[0]) if torch.cuda.is_available() else torch.device("cpu")
     inner.to(device)
-    dp = torch.nn.DataParallel(_SummedLoss(inner), device_ids=device_ids)
-    batch = {k: v.to(device) for k, v in pad_collate(examples).items()}
-    dp(**batch).sum().backward()
+    dp = torch.nn.DataParallel(_SummedLoss(inner, loss_fn or token_batch_loss), device_ids=device_ids)
+    dp(to_oracle(collate_fn(examples), device, torch.float32)).sum().backward()
     return _grads(inner)

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from tabulate import tabulate
 
-from .data import MIN_LENGTH
+from .batchnorm import finding_lines
 
 #: ``--loss_normalization`` value -> the row that decides ``passed`` and the exit code.
 SELECTABLE = {"tokens": "tokens", "mean": "mean-of-means"}
@@ -26,11 +26,14 @@ class WindowInfo:
         partial: fewer than K micro-batches per process.
         micro_batches_per_process: micro-batches each process ran in it.
         examples: examples over all processes.
-        target_tokens: target tokens (labels != -100 after the shift) over all processes.
-        oracle_grad_norm: L2 norm of the big-batch token-mean gradient (float64).
+        target_tokens: items over all processes: target tokens (labels != -100
+            after the shift) on verify's token data, else the sum of ``loss_fn``'s ``num_items``.
+        oracle_grad_norm: L2 norm of the big-batch item-mean (token-mean) gradient (float64).
         oracle_sum_grad_norm: L2 norm of the big-batch summed-loss gradient.
         input_ids: the examples' token ids as run (labels are the same ids);
-            lets anyone recompute the oracle.
+            lets anyone recompute the oracle. Empty for a user's dataset.
+        indices: the examples' positions in the workload (a user's dataset:
+            its first examples, in order), rank order then micro-batch order.
     """
 
     index: int
@@ -41,6 +44,7 @@ class WindowInfo:
     oracle_grad_norm: float
     oracle_sum_grad_norm: float
     input_ids: list = field(default_factory=list, repr=False)
+    indices: list = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -120,6 +124,8 @@ class VerifyReport:
     normwise: bool = False  # tolerance: normwise rel_error <= rtol (autocast) instead of elementwise
     autocast: bool = False  # the forward/backward really ran under autocast
     accumulation_policy: str = "no_sync"  # accum_kit.policies: what the windows skipped and kept
+    data: dict = field(default_factory=dict)  # description, items (what N counts), token_data
+    batchnorm: dict | None = None  # the BatchNorm finding (accum_kit.verify.batchnorm.summarize), None: no such layer
 
     def row(self, name: str) -> Row:
         """The row called ``name`` (StopIteration if none)."""
@@ -170,7 +176,7 @@ class VerifyReport:
 
     def _setup_lines(self) -> list[str]:
         K, B, W = self.gradient_accumulation_steps, self.per_device_train_batch_size, self.world_size
-        m = self.model
+        m, items = self.model, self.items
         lines = [
             "accum-kit verify: accumulated gradient vs one big batch on one process",
             f"  processes {W} ({self.distributed_type}, accumulation policy {self.accumulation_policy}), "
@@ -178,25 +184,30 @@ class VerifyReport:
             f"per_device_train_batch_size {B}, seed {self.seed}",
             f"  model: {m['description']}, {m['parameters']:,} parameters, float32, {self._compute()}, "
             "dropout off (eval mode)",
-            f"  data: {sum(w.examples for w in self.windows)} random token sequences of {MIN_LENGTH}-{m['max_length']} "
-            "tokens, right-padded per micro-batch, labels -100 on padding",
+            f"  data: {self.data.get('description', '')}",
         ]
         for w in self.windows:
             kind = (f"partial, {w.micro_batches_per_process} of {K} micro-batches per process "
                     "(the epoch's last window, closed at the end of the dataloader)" if w.partial
                     else f"full, {K} micro-batch{'es' if K > 1 else ''} per process")
-            lines.append(f"  window #{w.index}: {kind}; {w.examples} examples, {w.target_tokens} target tokens")
+            lines.append(f"  window #{w.index}: {kind}; {w.examples} examples, {w.target_tokens} {items}")
         if not self.partial_window:
             lines.append("  no partial window (--no_partial_window)")
         elif K == 1:
             lines.append("  no partial window: with K=1 every window is full")
+        together = "padded together" if self.data.get("token_data", True) else "collated together by collate_fn"
         lines += [
             f"  oracle: plain PyTorch, one process, {self.oracle['dtype']} on {self.oracle['device']}: one "
-            "forward/backward per window over all processes' examples padded together; gradient of the summed "
-            "token loss / the window's target tokens N (token mean), or of the summed loss (sum)",
+            f"forward/backward per window over all processes' examples {together}; gradient of the summed "
+            f"loss / the window's {items} N (mean), or of the summed loss (sum)",
             self._tolerance_line(),
         ]
         return lines
+
+    @property
+    def items(self) -> str:
+        """What N counts: "target tokens" (verify's token data) or "items" (a user's loss_fn)."""
+        return self.data.get("items", "target tokens")
 
     def _compute(self) -> str:
         if self.mixed_precision == "no":
@@ -262,10 +273,14 @@ class VerifyReport:
                          f"(measured ratio {self.dataparallel_sum_ratio:.4f})")
         lines.append(f"  ranks agree: gradient norms differ by at most {max(r.rank_spread for r in measured):.1e} "
                      f"(relative) across the {W} process(es)")
-        why = ("  why: tokens divides the summed token loss by the window's target tokens over all processes "
-               "(exact); mean-of-means weights short sequences more and still divides a partial window by K")
+        items = self.items
+        why = (f"  why: tokens divides the summed loss by the window's {items} over all processes (exact); "
+               f"mean-of-means weights micro-batches with fewer {items} more and still divides a partial window by K")
         lines.append(why + (f"; sum is {W}x too small because {self.reducer} averages over {W} processes"
                             if W > 1 else ""))
+        if self.batchnorm is not None:
+            lines += finding_lines(self.batchnorm, self.gradient_accumulation_steps,
+                                   self.per_device_train_batch_size, W, self.rtol)
         lines.append(f"  verdict: {self.selected_row.name} (--loss_normalization {self.selected}) "
                      f"{'PASSES' if self.passed else 'FAILS'} -> exit {self.exit_code}   ({self.seconds:.1f} s)")
         return lines
