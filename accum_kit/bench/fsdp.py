@@ -56,7 +56,7 @@ from ..memory import HeldMemory
 from ..models import build_model, count_parameters
 from ..outputs import library_versions
 from ..policies import POLICIES
-from ..profiler import CommProfiler
+from ..profiler import CommProfiler, ProfileRecords, sharded_summary
 from ..sharding import element_bytes, sharded_model
 from ..stats import median
 from .config import MODES, BenchConfig
@@ -134,6 +134,28 @@ class PolicyRotation(LoopCallback):
             self.windows.append({"step": w, "policy": self._policy(w), "cycle": (w - self.warmup) // len(self.policies),
                                  "peak_mb": self.memory.peak()[0]})
         self._start(state.step)
+
+
+def pooled_summaries(prof, cfg: BenchConfig, world: int, order: list[str]) -> dict:
+    """The profiler's figures per (K, policy) over all repeats at once (``"K<K>/<policy>"`` -> SUMMARY_KEYS).
+
+    Pooling the repeats' records gives the medians behind the exposed
+    reduce-scatter (one synchronised backward per window) several times the
+    samples of one run. Read with FSDP2's own reshard settings in force, so the
+    all-gathers the estimated saving compares with are those of the real
+    ``sync_each_batch``.
+    """
+    units = prof.collectives.unit_info()
+    every = prof.records()
+    out = {}
+    for K in cfg.accumulation_steps:
+        for policy in order:
+            tags = {f"{policy}/K{K}/r{rep}" for rep in range(cfg.repeats)}
+            mine = ProfileRecords(*([r for r in records if r.tag in tags] for records in
+                                    (every.calls, every.micro_batches, every.steps, every.collectives)))
+            summary = sharded_summary(mine, world_size=world, units=units)
+            out[f"K{K}/{policy}"] = {k: summary.get(k) for k in SUMMARY_KEYS}
+    return out
 
 
 def command(cfg: BenchConfig, world: int) -> str:
@@ -231,7 +253,7 @@ def bench_fsdp_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[
                                                               for r in recs))
             bar.update(1)
     apply_policy(accelerator, acc_model, "no_sync", defaults)
-    info = {"parameters": n_params, "micro_batch": f"{B}x{cfg.block_size} tokens", "memory_method": memory.method,
+    info = {"pooled": pooled_summaries(prof, cfg, world, order), "parameters": n_params, "micro_batch": f"{B}x{cfg.block_size} tokens", "memory_method": memory.method,
             "units": {"resharded": list(layout.resharded), "kept": list(layout.kept)},
             "element_bytes": {"b_p": b_p, "b_c": b_c, "b_r": b_r}}
     del acc_model, acc_opt, loaders, model, opt, prof

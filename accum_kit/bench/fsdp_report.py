@@ -20,10 +20,10 @@ Per (K, policy) row (seconds per optimizer step; MB = 2**20 bytes):
   ``predicted_gradient_mb`` / ``predicted_gathered_mb``
   (:func:`accum_kit.planning.fsdp.policy_costs` with the model's units) and
   ``gradient_measured_over_predicted``; ``peak_rss_mb`` (process peak);
-- the policy's own ideal from its profile, ``own_ideal_s``: the median over
-  the cell's runs of the profiler's ``ideal_seconds_per_step`` (K x compute per
-  micro-batch + exposed reduce-scatter + exposed all-gather + optimizer step,
-  all from that run's records, see :mod:`accum_kit.profiler.sharded`);
+- the policy's own ideal from its profile, ``own_ideal_s``: the profiler's
+  ``ideal_seconds_per_step`` over the cell's records of all repeats pooled
+  (K x compute per micro-batch + exposed reduce-scatter + exposed all-gather
+  + optimizer step, see :mod:`accum_kit.profiler.sharded`);
   ``over_ideal`` = measured median / own ideal, i.e. 1 + what the loop spends
   outside compute, communication and the optimizer (batches, callbacks);
 - the shared-model ideal, ``ideal_s = K c + syncs a + g + o``, with ``c`` the
@@ -34,8 +34,8 @@ Per (K, policy) row (seconds per optimizer step; MB = 2**20 bytes):
   (what one compute figure for every policy misses: FSDP2's copies around
   each all-gather belong to compute, and fewer all-gathers mean fewer copies);
 - the profiler's estimate of the saving against ``sync_each_batch``
-  (``estimated_saved_s``, from this cell's own records, see
-  :mod:`accum_kit.profiler.sharded`) and ``estimated_over_measured``.
+  (``estimated_saved_s``, from this cell's own records of all repeats pooled,
+  see :mod:`accum_kit.profiler.sharded`) and ``estimated_over_measured``.
 
 Noise floor of a preset: the median over cells of the relative half-range of
 the per-repeat medians, ``(max - min) / 2 / median`` (how much the same cell
@@ -119,8 +119,9 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
             syncs = K if policy == BASE else 1
             g, o = _m(cell, "exposed_all_gather_seconds_per_step"), _m(cell, "optimizer_seconds")
             ideal = K * c + syncs * a + g + o if None not in (c, a, g, o) else None
-            est = _m(cell, "estimated_seconds_saved_per_step")
-            own = _m(cell, "ideal_seconds_per_step")
+            pooled = info.get("pooled", {}).get(f"K{K}/{policy}", {})
+            est = pooled.get("estimated_seconds_saved_per_step", _m(cell, "estimated_seconds_saved_per_step"))
+            own = pooled.get("ideal_seconds_per_step", _m(cell, "ideal_seconds_per_step"))
             rows.append({
                 "preset": preset, "K": K, "policy": policy, "n_steps": len(steps), "n_pairs": len(ratios),
                 "step_s_median": med, "step_s_q1": q1, "step_s_q3": q3, "pass_medians": pv,

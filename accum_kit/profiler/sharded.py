@@ -65,7 +65,8 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
     """FSDP2 figures of one process from its records of one mode (see the module docstring).
 
     Args:
-        records: the process's records, already selected (one mode, maybe one tag).
+        records: the process's records, already selected (one mode, maybe one tag or several: records
+            are told apart by (tag, micro-batch) and (tag, step), so runs with their own tags can be pooled).
         world_size: processes in each collective (n of busbw).
         units: :meth:`accum_kit.profiler.collectives.CollectiveRecorder.unit_info`
             (``reshard_after_forward`` decides the all-gathers of syncing every micro-batch).
@@ -87,19 +88,19 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
     mbs, steps = records.micro_batches, records.steps
     rs = [c for c in records.collectives if c.kind == "reduce_scatter"]
     ag = [c for c in records.collectives if c.kind == "all_gather"]
-    n_steps = len(steps) or len({c.step for c in records.collectives}) or 1
+    n_steps = len(steps) or len({(c.tag, c.step) for c in records.collectives}) or 1
     k = len(mbs) / len(steps) if steps else None
 
     by_micro: dict[int, list] = defaultdict(list)
     for c in records.collectives:
-        by_micro[c.micro_batch].append(c)
+        by_micro[(c.tag, c.micro_batch)].append(c)
     rs_by_sync: dict[int, list] = defaultdict(list)
     for c in rs:
-        rs_by_sync[c.micro_batch].append(c)
-    ag_per_micro = Counter(c.micro_batch for c in ag)
+        rs_by_sync[(c.tag, c.micro_batch)].append(c)
+    ag_per_micro = Counter((c.tag, c.micro_batch) for c in ag)
 
     def collective_seconds(m, kinds) -> float:
-        return busy_seconds([c for c in by_micro.get(m.micro_batch, []) if c.kind in kinds])
+        return busy_seconds([c for c in by_micro.get((m.tag, m.micro_batch), []) if c.kind in kinds])
 
     no_sync = [m for m in mbs if not m.sync]
     if no_sync:
@@ -116,9 +117,14 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
         exposed_rs, source = (rs_per_sync, "reduce-scatter seconds per sync") if rs else (0.0, "no reduce-scatter")
     first_of_window = {}
     for m in mbs:
-        first_of_window[m.step] = min(first_of_window.get(m.step, m.micro_batch), m.micro_batch)
-    bwd_first = median(m.backward_seconds for m in no_sync if m.micro_batch == first_of_window[m.step])
-    bwd_later = median(m.backward_seconds for m in no_sync if m.micro_batch != first_of_window[m.step])
+        key = (m.tag, m.step)
+        first_of_window[key] = min(first_of_window.get(key, m.micro_batch), m.micro_batch)
+
+    def first(m) -> bool:
+        return m.micro_batch == first_of_window[(m.tag, m.step)]
+
+    bwd_first = median(m.backward_seconds for m in no_sync if first(m))
+    bwd_later = median(m.backward_seconds for m in no_sync if not first(m))
     accumulation = bwd_later - bwd_first if (bwd_first is not None and bwd_later is not None) else 0.0
     syncs = len(rs_by_sync)
     skipped = sum(1 for m in mbs if not m.sync)
@@ -153,7 +159,7 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
         "all_gather_seconds": sum(c.seconds for c in ag),
         "all_gather_calls_per_step": len(ag) / n_steps,
         "all_gather_bytes_per_step": sum(c.bytes for c in ag) / n_steps,
-        "all_gather_calls_per_micro_batch": median(ag_per_micro.get(m.micro_batch, 0) for m in mbs),
+        "all_gather_calls_per_micro_batch": median(ag_per_micro.get((m.tag, m.micro_batch), 0) for m in mbs),
         "all_gather_algbw_GBps": ag_alg,
         "all_gather_busbw_GBps": ag_bus,
         "syncs": syncs,
