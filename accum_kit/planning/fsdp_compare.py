@@ -17,6 +17,7 @@ from .. import checks
 from ..errors import UsageError
 from ..stats import median
 from .fsdp import ShardedModel, collective_seconds, policy_costs
+from .fsdp_plan import predicted_step
 
 BENCH_FIX = ("pass the bench.json of `accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m accum_kit "
              "bench ...`")
@@ -54,7 +55,6 @@ def compare_fsdp_bench(path: str, plan) -> dict:
     layout = ShardedModel(tuple(info["units"]["resharded"]), tuple(info["units"]["kept"]))
     b = info["element_bytes"]
     W = bench.get("machine", {}).get("world_size") or plan.num_processes
-    c, o = plan.profile.compute_seconds, plan.profile.other_seconds
     rows, errors = [], []
     cells = [r for r in bench["rows"] if r["preset"] == preset]
     predicted = {}
@@ -63,7 +63,7 @@ def compare_fsdp_bench(path: str, plan) -> dict:
                             compute_bytes=b["b_c"], reduce_bytes=b["b_r"])
         comm = (collective_seconds(cost.reduce_scatter_bytes, W, plan.busbw_reduce_scatter_GBps)
                 + collective_seconds(cost.all_gather_bytes, W, plan.busbw_all_gather_GBps))
-        predicted[(r["K"], r["policy"])] = r["K"] * c + comm + o
+        predicted[(r["K"], r["policy"])] = predicted_step(plan.profile, r["policy"], r["K"], comm)
     for r in cells:
         pred, meas = predicted[(r["K"], r["policy"])], r["step_s_median"]
         base = predicted.get((r["K"], "sync_each_batch"))

@@ -14,11 +14,17 @@ Time model (seconds per optimizer step, one window of K micro-batches):
 - communication per step = the policy's reduce-scattered bytes at the
   reduce-scatter busbw + its all-gathered bytes at the all-gather busbw;
 - with a profile (``--from_profile``, a ``train --profile_comm`` summary under
-  FSDP2): step = ``K c + communication + o``, with ``c`` the profiled compute
-  per micro-batch (``compute_seconds``) and ``o`` the profiled step minus
-  ``K_p c`` minus its exposed communication (at least the optimizer step);
-  without one the plan ranks the policies by communication alone (their
-  compute is the same: parameters do not change inside a window).
+  FSDP2): step = ``K (c - a) + (K - 1) a + communication + o`` for the three
+  ``no_sync`` policies and ``K (c - a) + communication + o`` for
+  ``sync_each_batch``, with ``c`` the profiled compute per micro-batch
+  (``compute_seconds``, measured on micro-batches that add into the held
+  gradient), ``a`` the profiled accumulation per micro-batch
+  (``accumulation_seconds``: adding a backward's gradients into the unsharded
+  gradient held since the window's first micro-batch, which syncing each
+  micro-batch does not do) and ``o`` the profiled step minus ``K_p c`` minus
+  its exposed communication (at least the optimizer step); without a
+  profile the plan ranks the policies by communication alone (their compute
+  is the same: parameters do not change inside a window).
 
 Every collective is counted as exposed (none hidden behind compute), which
 is what the profile measures on CPU (gloo), where FSDP2's collectives block
@@ -68,6 +74,7 @@ class FSDPProfile:
     model: str | None
     block_size: int | None
     compute_seconds: float  # c, per micro-batch
+    accumulation_seconds: float  # a, per micro-batch that adds into the held unsharded gradient
     exposed_reduce_scatter_seconds: float  # per sync
     reduce_scatter_bytes_per_sync: float
     reduce_scatter_busbw_GBps: float  # effective: S (n-1)/n / exposed per sync
@@ -119,6 +126,7 @@ def load_fsdp_profile(path: str) -> FSDPProfile:
     return FSDPProfile(
         path=str(path), world_size=n, gradient_accumulation_steps=k_p, policy=summary.get("accumulation_policy"),
         model=summary.get("model"), block_size=summary.get("block_size"), compute_seconds=c,
+        accumulation_seconds=float(comm.get("accumulation_seconds") or 0.0),
         exposed_reduce_scatter_seconds=exposed, reduce_scatter_bytes_per_sync=per_sync,
         reduce_scatter_busbw_GBps=rs_busbw, all_gather_busbw_GBps=_number(comm, "all_gather_busbw_GBps", path),
         exposed_comm_seconds_per_step=exposed_step, optimizer_seconds=opt, step_seconds=step,
@@ -282,8 +290,8 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
     for p, c in costs.items():
         rs_s, ag_s = seconds(c)
         comm = rs_s + ag_s
-        step = K * profile.compute_seconds + comm + profile.other_seconds if profile else None
-        base_step = K * profile.compute_seconds + base_comm + profile.other_seconds if profile else None
+        step = predicted_step(profile, p, K, comm) if profile else None
+        base_step = predicted_step(profile, "sync_each_batch", K, base_comm) if profile else None
         need = c.accumulation_bytes
         rows.append(PolicyPlan(policy=p, costs=c.to_dict(), memory_needed_bytes=need,
                                fits=None if free is None else need <= free, reduce_scatter_seconds=rs_s,
@@ -317,6 +325,17 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
                     notes=tuple(notes))
 
 
+def predicted_step(profile: FSDPProfile, policy: str, K: int, comm_seconds: float) -> float:
+    """Seconds per optimizer step of ``policy`` at K from a profile and the policy's communication seconds.
+
+    ``K (c - a) + (K - 1) a + comm + o``; ``sync_each_batch`` never adds into a held unsharded
+    gradient, so its ``(K - 1) a`` term is 0 (see the module docstring).
+    """
+    c, a = profile.compute_seconds, profile.accumulation_seconds
+    held = 0 if POLICIES[policy].sync_each_batch else K - 1
+    return K * (c - a) + held * a + comm_seconds + profile.other_seconds
+
+
 def _g(x: float) -> str:
     return f"{x:.4g}"
 
@@ -342,8 +361,10 @@ def _arithmetic(model, W, K, b, ag_bw, rs_bw, costs, rows, best, free, profile) 
                  f"communication per step = {_g(r.reduce_scatter_seconds)} + {_g(r.all_gather_seconds)} = "
                  f"{_g(r.comm_seconds)} s"]
         if profile is not None:
-            lines.append(f"step = K c + comm + o = {K} x {_g(profile.compute_seconds)} + {_g(r.comm_seconds)} + "
-                         f"{_g(profile.other_seconds)} = {_g(r.step_seconds)} s")
+            c, a, o = profile.compute_seconds, profile.accumulation_seconds, profile.other_seconds
+            held = 0 if name == "sync_each_batch" else K - 1
+            lines.append(f"step = K (c - a) + {'(K-1)' if held else '0 x'} a + comm + o = {K} x ({_g(c)} - {_g(a)}) + "
+                         f"{held} x {_g(a)} + {_g(r.comm_seconds)} + {_g(o)} = {_g(r.step_seconds)} s")
         out[name] = lines
     return out
 
@@ -364,7 +385,8 @@ def format_fsdp_plan(p: FSDPPlan) -> list[str]:
                                               if p.free_memory_bytes is not None else p.free_memory_source)]
     if p.profile is not None:
         pr = p.profile
-        lines.append(f"  profile {pr.path}: c = {_g(pr.compute_seconds)} s per micro-batch, o = "
+        lines.append(f"  profile {pr.path}: c = {_g(pr.compute_seconds)} s and accumulation a = "
+                     f"{_g(pr.accumulation_seconds)} s per micro-batch, o = "
                      f"{_g(pr.other_seconds)} s per step (K_p = {pr.gradient_accumulation_steps}, "
                      f"{pr.world_size} processes)")
     headers = ("policy", "grads held GB", "gathered GB", "fits", "reduce-scatters", "all-gathers", "GB gathered",
