@@ -127,3 +127,63 @@ def fsdp_summary(accelerator) -> dict | None:
             "param_dtype": str(mp.param_dtype).replace("torch.", "") if mp.param_dtype else None,
             "reduce_dtype": str(mp.reduce_dtype).replace("torch.", "") if mp.reduce_dtype else None},
     }
+
+
+def sharded_model(model):
+    """The :class:`accum_kit.planning.fsdp.ShardedModel` of a prepared FSDP2 model (None if it is not one).
+
+    Each unit is put under ``resharded`` or ``kept`` by its reshard-after-forward
+    setting now; FSDP2 settles the root's at the first forward, so read after one
+    for the split (the total P is right at any time).
+    """
+    from .compat import fsdp_reshards_after_forward, fsdp_unit_parameters, fsdp_units
+    from .planning.fsdp import ShardedModel
+
+    units = fsdp_units(model)
+    if not units:
+        return None
+    return ShardedModel.from_units([{"parameters": fsdp_unit_parameters(g),
+                                     "reshard_after_forward": fsdp_reshards_after_forward(g)} for _, g in units],
+                                   source="the prepared model's FSDP2 units")
+
+
+def element_bytes(accelerator, model) -> tuple[int, int, int]:
+    """(b_p, b_c, b_r): bytes per stored parameter, per gathered parameter, per reduced gradient element.
+
+    b_p from the parameters themselves; under FSDP2, b_c and b_r from the
+    plugin's ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``; FSDP2
+    reduces in ``param_dtype`` when ``reduce_dtype`` is unset); otherwise both b_p.
+    """
+    b_p = next((p.element_size() for p in model.parameters()), 4)
+    plugin = getattr(accelerator.state, "fsdp_plugin", None) if getattr(accelerator, "is_fsdp2", False) else None
+    mp = getattr(plugin, "mixed_precision_policy", None)
+    if mp is None:
+        return b_p, b_p, b_p
+    b_c = mp.param_dtype.itemsize if mp.param_dtype is not None else b_p
+    b_r = mp.reduce_dtype.itemsize if mp.reduce_dtype is not None else b_c
+    return b_p, b_c, b_r
+
+
+def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
+    """``{policy: PolicyCosts.to_dict()}`` for the run's policy and ``sync_each_batch``, as held between micro-batches.
+
+    Under FSDP2 from :func:`accum_kit.planning.fsdp.policy_costs` with the
+    model's units; under DDP (and one process) every policy holds the full
+    gradient, P b_p bytes, as ``.grad``. An empty dict if the model has no
+    trainable parameter.
+    """
+    from .planning.fsdp import policy_costs
+
+    layout = sharded_model(model)
+    b_p, b_c, b_r = element_bytes(accelerator, model)
+    names = {getattr(accelerator, "accumulation_policy", POLICIES[DEFAULT_POLICY]).name, "sync_each_batch"}
+    if layout is not None:
+        return {n: policy_costs(n, layout, world_size=accelerator.num_processes, accumulation_steps=accumulation_steps,
+                                param_bytes=b_p, compute_bytes=b_c, reduce_bytes=b_r).to_dict() for n in names}
+    P = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if not P:
+        return {}
+    grads = P * b_p if accumulation_steps >= 2 else 0
+    return {n: {"policy": n, "gradient_bytes": grads, "gathered_parameter_bytes": 0,
+                "formulas": {"gradients": f"P b_p = {P} x {b_p} (DDP: every process holds the full gradient)"}}
+            for n in names}

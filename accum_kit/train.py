@@ -31,7 +31,8 @@ from .planning import optimizer_steps_per_epoch
 from .planning.schedule import schedule_pairs, scheduled_steps
 from .outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
 from .profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
-from .sharding import fsdp_summary
+from .memory import HeldMemory
+from .sharding import fsdp_summary, predicted_memory
 from .tracking import TrackerLogger, check_trackers, quiet_other_processes
 
 logger = get_logger("accum_kit.train")  # logs on the main process only
@@ -189,7 +190,9 @@ def run(cfg: TrainConfig) -> dict:
 
     profiler, switches = _profiling(cfg, accelerator, model, steps)
 
-    callbacks = [LogEvery(accelerator, lr_scheduler, cfg.logging_steps), *switches]
+    # what the windows hold between micro-batches, with the prediction beside it (train_summary.json["memory"])
+    held = HeldMemory(accelerator, model, lambda: predicted_memory(accelerator, model, k))
+    callbacks = [LogEvery(accelerator, lr_scheduler, cfg.logging_steps), held, *switches]
     if cfg.with_tracking:  # hyperparameters as the tracker's config; figures per step via TrackerLogger
         accelerator.init_trackers("accum_kit", config={
             "gradient_accumulation_steps": k, "world_size": accelerator.num_processes,
@@ -268,6 +271,7 @@ def run(cfg: TrainConfig) -> dict:
     }
     if comm is not None:
         summary["comm"] = comm
+    summary["memory"] = held.summary()  # collective
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # collective under FSDP: the full, unsharded parameters
     if accelerator.is_main_process:

@@ -23,9 +23,11 @@ missing keys mean 1, None, None, None. With a schedule, ``K`` is the Accelerator
 ``build_accelerator(accumulation_policy=...)``.)
 
 Launched with accelerate_configs/cpu_fsdp.yaml the model is sharded with FSDP2:
-the worker then counts, per micro-batch, the calls of ``torch.distributed``'s
+the worker then counts, per micro-batch, the calls and bytes of ``torch.distributed``'s
 reduce-scatter and all-gather (the collectives FSDP2 issues, wrapped here, not
-in accum_kit), saves full (gathered) parameters after each step, and for each
+in accum_kit), runs accum_kit's CommProfiler and HeldMemory beside that count
+(their records go into ``rank<r>.json`` as ``profiler_calls``, ``profiler_summary``,
+``memory`` and ``predicted_memory``), saves full (gathered) parameters after each step, and for each
 step ``s`` in ``resume_from`` (the run saves a checkpoint after every step)
 trains again in a fresh Accelerator from ``step_<s>`` into ``resumed_<s>/``.
 An optional ``"example_scripts"`` list runs example scripts afterwards, in the same
@@ -39,6 +41,9 @@ For every scenario it writes under OUT_DIR/<name>/:
   loop's ``epoch`` / ``boundary`` / ``sync`` values and the number of DDP comm-hook calls
   (gradient bucket all-reduces) that happened while that micro-batch ran, or under
   FSDP2 the reduce-scatter and all-gather calls.
+
+With ``bench_argv`` in the spec, ``accum-kit bench <bench_argv> --output_dir OUT_DIR/bench``
+runs last in the same launch (under cpu_fsdp.yaml: the FSDP2 policy sweep).
 
 The worker only runs accum_kit; all expected values are computed by the test.
 """
@@ -56,6 +61,8 @@ from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import accum_kit
+import accum_kit.memory
+import accum_kit.profiler
 from job_helpers import pad_collate  # the worker runs as a script from tests/
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs
@@ -91,17 +98,20 @@ class Recorder:
         self.fsdp = True
         originals = {name: getattr(dist, name) for name in ("reduce_scatter_single", "all_gather_single")}
 
-        def counting(name, key):
+        def counting(name, key, size_arg):
             def call(*args, **kwargs):
                 if self.current is not None:
                     self.micro[self.current][key] += 1
+                    # nccl-tests' S: the gathered output / the reduce-scattered input, (position, keyword)
+                    t = kwargs[size_arg[1]] if size_arg[1] in kwargs else args[size_arg[0]]
+                    self.micro[self.current][key.replace("_calls", "_bytes")] += t.numel() * t.element_size()
                 elif key == "reduce_scatter_calls":
                     self.stray_calls += 1
                 return originals[name](*args, **kwargs)
             return call
 
-        dist.reduce_scatter_single = counting("reduce_scatter_single", "reduce_scatter_calls")
-        dist.all_gather_single = counting("all_gather_single", "all_gather_calls")
+        dist.reduce_scatter_single = counting("reduce_scatter_single", "reduce_scatter_calls", (1, "input"))
+        dist.all_gather_single = counting("all_gather_single", "all_gather_calls", (0, "output_tensor"))
         return lambda: [setattr(dist, name, fn) for name, fn in originals.items()]
 
     # --- comm hook -------------------------------------------------------
@@ -122,7 +132,8 @@ class Recorder:
         assert len(self.micro) == self.current, (len(self.micro), state.micro_step, self.offset)
         self.micro.append(
             {"micro": state.micro_step, "epoch": state.epoch, "boundary": bool(state.boundary),
-             "sync": bool(state.sync), "allreduce_calls": 0, "reduce_scatter_calls": 0, "all_gather_calls": 0}
+             "sync": bool(state.sync), "allreduce_calls": 0, "reduce_scatter_calls": 0, "all_gather_calls": 0,
+             "reduce_scatter_bytes": 0, "all_gather_bytes": 0}
         )
 
     def on_backward_end(self, state):
@@ -171,6 +182,9 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
     if hooked:
         model.register_comm_hook(None, rec.hook)  # state None: the default (WORLD) group
     restore = rec.count_fsdp_collectives() if accelerator.is_fsdp2 else (lambda: None)
+    # Under FSDP2 accum_kit's own profiler and memory measurement run too, to be checked against the counts above.
+    profiler = accum_kit.profiler.CommProfiler(accelerator, model) if accelerator.is_fsdp2 else None
+    held = accum_kit.memory.HeldMemory(accelerator, model) if accelerator.is_fsdp2 else None
     d = out_dir / sc["name"] / (f"resumed_{resume_from}" if resume_from is not None else "")
     checkpointer = None
     if sc.get("resume_from") and resume_from is None:  # the uninterrupted run saves after every step
@@ -184,7 +198,8 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         max_train_steps=sc.get("max_train_steps"),
         max_grad_norm=sc.get("max_grad_norm"),
         loss_normalization=sc["mode"],
-        callbacks=[rec],
+        callbacks=[rec] + ([held] if held is not None else []),
+        profiler=profiler,
         progress=False,
         accumulation_schedule={s: k for s, k in sc["schedule"]} if sc.get("schedule") else None,
         checkpointer=checkpointer,
@@ -217,6 +232,14 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         "micro": rec.micro,
         "stray_allreduce_calls": rec.stray_calls,
     }
+    if profiler is not None:
+        from accum_kit.sharding import predicted_memory
+
+        info["profiler_calls"] = [{"kind": c.kind, "micro_batch": c.micro_batch - rec.offset, "unit": c.unit,
+                                   "bytes": c.bytes, "seconds": c.seconds} for c in profiler.collective_calls]
+        info["profiler_summary"] = profiler.local_summary()
+        info["memory"] = held.local()
+        info["predicted_memory"] = predicted_memory(accelerator, model, sc["K"])
     (d / f"rank{rank}.json").write_text(json.dumps(info, indent=1))
     accelerator.wait_for_everyone()
     accelerator.free_memory()
@@ -230,13 +253,19 @@ def main(argv) -> int:
         run_scenario(spec, sc, out_dir)
         for step in sc.get("resume_from", []):
             run_scenario(spec, sc, out_dir, resume_from=step)
+    code = 0
     if spec.get("example_scripts"):  # example scripts in the same launch (tests/examples_worker.py's format)
         import examples_worker
 
         scripts = out_dir / f"example_scripts.rank{os.environ.get('RANK', '0')}.json"
         scripts.write_text(json.dumps({"examples": spec["example_scripts"]}))
-        return examples_worker.main(str(scripts), str(out_dir))
-    return 0
+        code = examples_worker.main(str(scripts), str(out_dir))
+    if spec.get("bench_argv") and code == 0:  # `accum-kit bench` last: it ends the process group
+        from accum_kit.cli import run as cli_run
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        code = cli_run("bench", [*spec["bench_argv"], "--output_dir", str(out_dir / "bench")])
+    return code
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ The refusals (FSDP1, policies that cannot work) are checked in-process.
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 
@@ -45,6 +46,10 @@ SCENARIOS = [
     {**_sc("resume_2ep", epochs=2, policy="no_sync_no_reshard_after_backward"), "resume_from": [1, 3]},
 ]
 BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
+# `accum-kit bench` under FSDP2, last in the same launch: every policy at two K, two passes
+BENCH_KS, BENCH_BLOCK, BENCH_VOCAB = (2, 3), 32, 384
+BENCH_ARGV = ["--model_presets", "tiny", "--accumulation_steps", *map(str, BENCH_KS), "--repeats", "2", "--steps", "2",
+              "--warmup_steps", "1", "--block_size", str(BENCH_BLOCK)]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +59,7 @@ def runs(tmp_path_factory):
     corpus = jh.write_corpus(root / "corpus.txt")  # the examples fixture's corpus and flags (tests/conftest.py)
     custom = next(e for e in example_specs(corpus) if e["name"] == "custom_loop")
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
-            "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "example_scripts": [custom]}
+            "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "example_scripts": [custom], "bench_argv": BENCH_ARGV}
     (root / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG),
            "--main_process_port", str(jh.free_port()), str(ex.WORKER), str(root / "spec.json"), str(root / "out")]
@@ -72,6 +77,7 @@ def runs(tmp_path_factory):
         d = root / "out" / sc["name"]
         out[sc["name"]] = {"scenario": sc, "init": torch.load(d / "init.pt", weights_only=True), **load(d),
                            "resumed": {s: load(d / f"resumed_{s}") for s in sc.get("resume_from", [])}}
+    out["bench"] = root / "out" / "bench"
     out["custom_loop"] = [json.loads((root / "out" / f"custom_loop.rank{r}.json").read_text()) for r in range(W)]
     return out
 
@@ -146,6 +152,135 @@ def test_all_gathers_follow_the_policy(runs):
     assert later["no_sync_no_reshard_after_backward"] == n_layer
     assert first["no_sync_no_reshard"] == every - n_layer and later["no_sync_no_reshard"] == 0
     print(f"\nall-gathers on a window's first micro-batch {first}, on the later ones {later}")
+
+
+# --------------------------------------------------------------------------- profiler, memory, cost formulas
+
+
+def _model_parameters() -> int:
+    """P of the test model, deduplicated (the tied embedding once), from a plain in-process GPT-2."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return sum(p.numel() for p in GPT2LMHeadModel(GPT2Config(**ex.MODEL_CONFIG)).parameters())
+
+
+def _layout():
+    """The test model's FSDP2 units counted from its config alone (torch-free formulas)."""
+    from accum_kit.planning.fsdp import gpt2_units_for
+
+    c = ex.MODEL_CONFIG
+    return gpt2_units_for(c["n_layer"], c["n_embd"], c["vocab_size"], c["n_positions"])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_profiler_sees_every_collective_the_independent_count_sees(runs, policy):
+    """accum_kit's recorders (FSDP2's set_custom_all_gather / set_custom_reduce_scatter) against the test's own
+    wrap of torch.distributed's functions: the same calls and bytes in every micro-batch, and summary totals."""
+    for info in runs[f"tok_k3_{policy}"]["ranks"]:
+        for m_index, m in enumerate(info["micro"]):
+            for kind in ("reduce_scatter", "all_gather"):
+                mine = [c for c in info["profiler_calls"] if c["micro_batch"] == m_index and c["kind"] == kind]
+                assert (len(mine), sum(c["bytes"] for c in mine)) == (m[f"{kind}_calls"], m[f"{kind}_bytes"]), \
+                    f"{policy} rank {info['rank']} micro-batch {m_index} {kind}"
+        s = info["profiler_summary"]
+        for kind in ("reduce_scatter", "all_gather"):
+            assert s[f"{kind}_calls"] == sum(m[f"{kind}_calls"] for m in info["micro"]) > 0
+            assert s[f"{kind}_bytes"] == sum(m[f"{kind}_bytes"] for m in info["micro"])
+            assert s[f"{kind}_busbw_GBps"] > 0
+        assert s["syncs"] == sum(m["sync"] for m in info["micro"]) and "allreduce_calls" not in s
+        assert s["ideal_seconds_per_step"] > 0 and s["compute_seconds"] > 0
+    s = runs[f"tok_k3_{policy}"]["ranks"][0]["profiler_summary"]
+    print(f"\n{policy}: reduce-scatters {s['reduce_scatter_calls']} ({s['reduce_scatter_bytes']} B), all-gathers "
+          f"{s['all_gather_calls']} ({s['all_gather_bytes']} B) on rank 0, equal to the independent count")
+
+
+def test_units_counted_from_the_config_are_fsdp2s_units(runs):
+    measured = runs["tok_k3_no_sync"]["ranks"][0]["profiler_summary"]["fsdp_units"]
+    layout = _layout()
+    assert sorted(u["parameters"] for u in measured if u["reshard_after_forward"]) == sorted(layout.resharded)
+    assert sorted(u["parameters"] for u in measured if not u["reshard_after_forward"]) == sorted(layout.kept)
+    assert layout.parameters == _model_parameters()  # the tied weight counted once, as FSDP2 holds it
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cost_formulas_give_the_collectives_counted_in_every_window(runs, policy):
+    """policy_costs (torch-free) per window, full (K=3) and partial (2 micro-batches), against the independent
+    count of calls and bytes (nccl-tests' S: the gathered output, the reduce-scattered input)."""
+    from accum_kit.planning.fsdp import policy_costs
+
+    for w in _windows_of(runs[f"tok_k3_{policy}"]["ranks"][0]["micro"]):
+        c = policy_costs(policy, _layout(), world_size=W, accumulation_steps=len(w))
+        counted = {k: sum(m[k] for m in w) for k in ("reduce_scatter_calls", "reduce_scatter_bytes",
+                                                     "all_gather_calls", "all_gather_bytes")}
+        assert counted == {"reduce_scatter_calls": c.reduce_scatter_calls, "reduce_scatter_bytes": c.reduce_scatter_bytes,
+                           "all_gather_calls": c.all_gather_calls, "all_gather_bytes": c.all_gather_bytes}, len(w)
+
+
+@pytest.mark.parametrize("name", [*(f"tok_k3_{p}" for p in POLICIES), "bf16_k3"])
+def test_memory_held_between_micro_batches_is_what_the_policy_predicts(runs, name):
+    """Gradient bytes held between two micro-batches: the full fp32 gradient under the no_sync policies (bf16
+    compute included: FSDP2's fp32 unsharded_accumulated_grad), 1/W of it when syncing each micro-batch; the
+    keep-gathered policies add the gathered parameters. Prediction within 10% (the target)."""
+    policy = BY_NAME[name]["policy"]
+    full = 4 * _model_parameters()
+    for info in runs[name]["ranks"]:
+        mem, predicted = info["memory"], info["predicted_memory"][policy]
+        held = mem["gradient_bytes"]
+        if policy == "sync_each_batch":
+            assert full / W <= held <= 1.05 * full / W and set(mem["by_kind"]) == {"sharded_grad"}, mem
+        else:
+            kind = "accumulated_grad" if name == "bf16_k3" else "unsharded_grad"
+            assert held == full and set(mem["by_kind"]) - {"gathered_parameter"} == {kind}, mem
+        gathered = mem["gathered_parameter_bytes"]
+        assert gathered == (full if policy.startswith("no_sync_no_reshard") else 0), mem
+        assert abs(held / predicted["gradient_bytes"] - 1) <= 0.10
+        assert gathered == pytest.approx(predicted["gathered_parameter_bytes"], rel=0.10, abs=0)
+    print(f"\n{name}: gradient bytes held {held} (predicted {predicted['gradient_bytes']:.0f}), gathered {gathered} "
+          f"(predicted {predicted['gathered_parameter_bytes']:.0f}); full fp32 gradient {full}")
+
+
+@pytest.fixture(scope="module")
+def bench(runs):
+    d = runs["bench"]
+    return json.loads((d / "bench.json").read_text()), list(csv.DictReader((d / "bench.csv").open())), d
+
+
+def test_fsdp_bench_sweeps_every_policy_and_writes_its_files(bench):
+    result, rows, d = bench
+    assert result["schema"] == "accum_kit.bench.fsdp/1" and result["machine"]["world_size"] == W
+    assert [(int(r["K"]), r["policy"]) for r in rows] == [(k, p) for k in BENCH_KS for p in POLICIES]
+    for col in ("reduce_scatter_calls_per_step", "all_gather_calls_per_step", "gradient_mb_peak",
+                "speedup_vs_sync_each_batch", "speedup_ci_low", "speedup_ci_high", "memory_added_mb"):
+        assert all(r[col] != "" for r in rows), col
+    assert (d / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for K in BENCH_KS:  # the repeats rotate the policies in other orders over the same windows: same training
+        runs = {r["repeat"]: r for r in result["runs"] if r["K"] == K}
+        assert len(runs) == 2 and runs[1]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-5)
+        assert {r["policy"] for r in result["runs"] if r["K"] == K} == set(POLICIES)
+    for r in result["rows"]:
+        assert r["speedup_ci_low"] <= r["speedup_vs_sync_each_batch"] <= r["speedup_ci_high"]
+
+
+def test_fsdp_bench_counts_and_memory_follow_the_formulas(bench):
+    """Collectives per step and gradient bytes held in the bench's table equal the cost formulas for the tiny
+    preset's units (counted from its config, not from the run)."""
+    from accum_kit.planning.fsdp import gpt2_units, policy_costs
+
+    result, _, _ = bench
+    layout = gpt2_units("tiny", BENCH_VOCAB, BENCH_BLOCK)
+    units = result["presets"]["tiny"]["units"]
+    assert (sorted(units["resharded"]), sorted(units["kept"])) == (sorted(layout.resharded), sorted(layout.kept))
+    for r in result["rows"]:
+        c = policy_costs(r["policy"], layout, world_size=W, accumulation_steps=r["K"])
+        assert (r["reduce_scatter_calls_per_step"], r["all_gather_calls_per_step"]) == \
+            (c.reduce_scatter_calls, c.all_gather_calls), (r["K"], r["policy"])
+        assert r["all_gather_mb_per_step"] * 2**20 == pytest.approx(c.all_gather_bytes)
+        assert r["gradient_mb_peak"] * 2**20 == c.gradient_bytes and r["gradient_measured_over_predicted"] == 1.0
+        assert r["gathered_parameter_mb_peak"] * 2**20 == c.gathered_parameter_bytes
+    base = {r["K"]: r for r in result["rows"] if r["policy"] == "sync_each_batch"}
+    for r in result["rows"]:
+        added = r["gradient_mb_peak"] + r["gathered_parameter_mb_peak"] - base[r["K"]]["gradient_mb_peak"]
+        assert r["memory_added_mb"] == pytest.approx(added)
 
 
 # --------------------------------------------------------------------------- the update equals one big batch

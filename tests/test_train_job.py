@@ -248,8 +248,9 @@ def fsdp_runs(work, corpus):
     env = jh.clean_env(HF_DATASETS_CACHE=str(work / "hf_datasets_cache"))
     config = jh.REPO / "accelerate_configs" / "cpu_fsdp.yaml"
     out = work / "fsdp_out"
+    # --profile_comm (FSDP2's collectives recorded) changes no number: the resumed run, without it, must agree
     cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "train", *job_flags(out, *extra, "--checkpointing_steps",
-                                   FSDP_CKPT_STEP, train_file=corpus), config=config)
+                                   FSDP_CKPT_STEP, "--profile_comm", train_file=corpus), config=config)
     full = jh.run(cmd, env, work, "fsdp", timeout=300)
     assert full.returncode == 0, full.describe()
     resumed_out = work / "fsdp_resumed"
@@ -291,6 +292,35 @@ def test_fsdp_job_resumes_from_its_sharded_checkpoint_exactly(fsdp_runs):
     assert again["train_loss"] == full["train_loss"]  # bitwise: restored history and recomputed steps
     assert again["eval_loss_after"] == full["eval_loss_after"]
     assert "Traceback" not in resumed.stderr
+
+
+def test_fsdp_job_reports_collectives_and_memory_held(fsdp_runs):
+    """--profile_comm under FSDP2: a reduce-scatter per unit per window (no_sync), at most one all-gather per unit
+    per window (parameters kept gathered: the evaluation before training leaves the units that are not resharded
+    after forward gathered, so the first window gathers only the others); memory: the full fp32 gradient and the
+    gathered parameters held between micro-batches, as predicted."""
+    (_, out), _ = fsdp_runs
+    s = load_summary(out)
+    comm, mem = s["comm"], s["memory"]
+    units = comm["fsdp_units"]
+    assert sum(u["parameters"] for u in units) == s["model_parameters"]
+    assert comm["reduce_scatter_calls"] == STEPS * len(units) and comm["syncs"] == STEPS
+    assert comm["skipped_syncs"] == STEPS * (K - 1)
+    kept = sum(not u["reshard_after_forward"] for u in units)
+    assert (STEPS - 1) * len(units) <= comm["all_gather_calls"] <= STEPS * len(units)
+    assert comm["spread"]["reduce_scatter_calls"]["min"] == comm["spread"]["reduce_scatter_calls"]["max"]
+    assert kept == len(units), "no_sync_no_reshard keeps every unit gathered after forward"
+    full = 4 * s["model_parameters"]
+    assert mem["policy"] == FSDP_POLICY and mem["gradient_bytes_peak"]["min"] == mem["gradient_bytes_peak"]["max"] == full
+    assert mem["gathered_parameter_bytes_peak"]["max"] == full and mem["process_peak_bytes"]["min"] > full
+    assert abs(mem["measured_over_predicted"] - 1) <= 0.10
+
+
+def test_ddp_job_holds_the_full_gradient_between_micro_batches(ddp_run):
+    mem = load_summary(ddp_run[1])["memory"]
+    full = 4 * load_summary(ddp_run[1])["model_parameters"]
+    assert mem["gradient_bytes_peak"] == {"min": full, "median": full, "max": full} and mem["by_kind"] == {"grad": full}
+    assert mem["measured_over_predicted"] == 1.0
 
 
 # --------------------------------------------------------------------------- 1 process, in-process

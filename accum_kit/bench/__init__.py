@@ -102,6 +102,13 @@ than ``sync_each_batch`` and reach at least 90 % of the ideal speedup; the
 ``no_sync`` step time must be at most 1.03x the ``raw_ddp`` one at every K;
 peak memory at K=16 must be at most 1.05x that at K=1.
 
+Under an FSDP2 launch (``accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m accum_kit
+bench``) the sweep compares the accumulation policies (``--accumulation_policies``, default all four) per K
+instead of the modes above: step time with a paired 95 % interval of the speedup over ``sync_each_batch``,
+reduce-scatters and all-gathers per step, bytes, gradient memory held between micro-batches against its
+prediction, the ideal step from the profile, and a plot of seconds saved against memory added
+(:mod:`.fsdp`, :mod:`.fsdp_report`, :mod:`.fsdp_files`; docs/fsdp_costs.md).
+
 Modules, one way: :mod:`.config` (flags) -> :mod:`.sweep` (runs, using
 :mod:`.data`, :mod:`.memory`, :mod:`.records`, :mod:`.peers`) -> :mod:`.report` (figures,
 bars) -> :mod:`.tables` (text) and :mod:`.files` (JSON, CSV, PNG); the report
@@ -129,6 +136,17 @@ DESCRIPTION = (
 
 
 def run_command(cfg: BenchConfig) -> int:
-    """``accum-kit bench``: run the sweep and write its files; 0 on success (bad input raises, the CLI exits 2)."""
-    run(cfg)
+    """``accum-kit bench``: run the sweep and write its files; 0 on success (bad input raises, the CLI exits 2).
+
+    Under an FSDP2 launch (``accelerate_configs/cpu_fsdp.yaml``) the sweep compares the accumulation
+    policies instead (:mod:`accum_kit.bench.fsdp`).
+    """
+    from ..sharding import fsdp_requested
+
+    if fsdp_requested():
+        from .fsdp import run as run_fsdp
+
+        run_fsdp(cfg)
+    else:
+        run(cfg)
     return 0

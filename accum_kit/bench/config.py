@@ -8,6 +8,7 @@ from .. import checks
 from ..errors import UsageError
 from ..models import PRESETS
 from ..outputs import check_output_dir
+from ..policies import POLICIES
 
 #: The three loops the sweep compares by default, in their default order.
 MODES = ("sync_each_batch", "no_sync", "raw_ddp")
@@ -35,13 +36,17 @@ class BenchConfig:
     modes: list[str] = field(default_factory=lambda: list(MODES), metadata={
         "help": f"Loops to run, any of {list(ALL_MODES)} (default: the first three; the peers trainer and "
                 "accelerate_guide are opt-in)."})
+    accumulation_policies: list[str] = field(default_factory=lambda: list(POLICIES), metadata={
+        "help": f"Under an FSDP2 config (accelerate_configs/cpu_fsdp.yaml): the accumulation policies to sweep, any "
+                f"of {list(POLICIES)} (the DDP --modes do not apply there)."})
     model_presets: list[str] = field(default_factory=lambda: list(DEFAULT_PRESETS), metadata={
         "help": f"Model presets, any of {sorted(PRESETS)}."})
     per_device_train_batch_size: int = field(default=1, metadata={"help": "Examples per micro-batch per process."})
     block_size: int = field(default=64, metadata={"help": "Tokens per example."})
     vocab_size: int = field(default=384, metadata={
         "help": "Vocabulary of the synthetic token ids (384: the train job's byte tokenizer)."})
-    steps: int = field(default=2, metadata={"help": "Measured optimizer steps per run."})
+    steps: int = field(default=2, metadata={"help": "Measured optimizer steps per run (under FSDP2: cycles of one "
+                                                     "window per policy)."})
     warmup_steps: int = field(default=1, metadata={"help": "Optimizer steps before measuring, per run."})
     repeats: int = field(default=3, metadata={"help": "Passes over every K and mode, interleaved."})
     learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate."})
@@ -71,6 +76,7 @@ class BenchConfig:
             raise UsageError("--gradient_as_bucket_view", "transformers' Trainer has no such DDP setting, so the "
                              "trainer mode would run with other DDP settings", "drop it or remove trainer from --modes")
         checks.distinct_choices("--model_presets", self.model_presets, sorted(PRESETS))
+        checks.distinct_choices("--accumulation_policies", self.accumulation_policies, list(POLICIES))
         for flag in ("steps", "repeats", "per_device_train_batch_size"):
             checks.at_least(f"--{flag}", getattr(self, flag))
         checks.at_least("--warmup_steps", self.warmup_steps, minimum=0, fix="pass 0 or a positive integer")

@@ -14,12 +14,14 @@ from .lr import LEARNING_RATE_FIX, LR_RULES
 from .report import (check_batch_size_given, check_learning_rate_flags, check_schedule_flags, check_target_flags,
                      format_plan, make_plan)
 from .schedule import parse_accumulation_schedule
+from .fsdp_plan import MIXED_PRECISION, check_fsdp_flags
 from .whatif import DEFAULT_ACCUMULATION_STEPS, DEFAULT_MAX_COMM_SHARE, INTERCONNECTS, check_whatif_flags
 
 DESCRIPTION = (
     "Effective batch size, optimizer steps per epoch, padded/dropped examples, learning-rate scaling, "
     "and the gradient accumulation steps that reach a target batch size. With --from_profile: predicted "
-    "step time, speedup of no_sync and communication share per K on a target cluster."
+    "step time, speedup of no_sync and communication share per K on a target cluster. With --fsdp: memory, "
+    "communication and fit of every FSDP2 accumulation policy, and the fastest one that fits."
 )
 
 
@@ -72,6 +74,28 @@ class PlanArguments:
         "help": "Tokens per example, for tokens per optimizer step in the schedule table."})
     num_train_epochs: int = field(default=1, metadata={
         "help": "With --accumulation_schedule and --num_examples: epochs of the run whose steps are counted."})
+    fsdp: bool = field(default=False, metadata={
+        "help": "Plan the FSDP2 accumulation policies: memory per process, communication per step, fit, and the "
+                "fastest that fits (docs/fsdp_costs.md). Uses --num_processes, --num_machines, "
+                "--gradient_accumulation_steps, --interconnect / --busbw_GBps and, optionally, --from_profile (an "
+                "FSDP2 profile) and --compare_bench (an FSDP2 bench.json)."})
+    model_preset: str | None = field(default=None, metadata={
+        "help": "With --fsdp: a GPT-2 preset of the train job (tiny, mini, small, comm_heavy), its units counted from "
+                "its config with --vocab_size and --block_size positions."})
+    vocab_size: int = field(default=384, metadata={
+        "help": "With --fsdp --model_preset: vocabulary (384: the train job's byte tokenizer)."})
+    num_parameters: int | None = field(default=None, metadata={
+        "help": "With --fsdp: the model's parameters (elements), instead of --model_preset; needs --num_layers."})
+    num_layers: int | None = field(default=None, metadata={
+        "help": "With --fsdp --num_parameters: layers (FSDP2 units resharded after forward) sharing the parameters."})
+    mixed_precision: str = field(default="no", metadata={
+        "choices": MIXED_PRECISION, "help": "With --fsdp: no (fp32) or bf16/fp16 (fp32 master weights, gathered in "
+                                            "16 bits, gradients reduced and held in fp32)."})
+    gpu_memory_GB: float | None = field(default=None, metadata={
+        "help": "With --fsdp: memory per GPU in GB (1e9 bytes); the plan subtracts parameter shards and AdamW state."})
+    free_memory_GB: float | None = field(default=None, metadata={
+        "help": "With --fsdp: memory per GPU left for accumulation (gradients, gathered parameters) after model, "
+                "optimizer and activations, GB; overrides --gpu_memory_GB."})
     json: bool = field(default=False, metadata={"help": "Print JSON instead of the text table."})
 
     def __post_init__(self):
@@ -98,7 +122,10 @@ class PlanArguments:
             checks.one_of("--lr_scaling", self.lr_scaling, LR_RULES)
         check_learning_rate_flags(self.base_learning_rate, self.base_batch_size, self.lr_scaling)
         check_whatif_flags(self.from_profile, self.num_machines, self.num_processes, self.interconnect,
-                           self.busbw_GBps, self.accumulation_steps, self.max_comm_share, self.compare_bench)
+                           self.busbw_GBps, self.accumulation_steps, self.max_comm_share, self.compare_bench,
+                           fsdp=self.fsdp)
+        check_fsdp_flags(self.fsdp, self.model_preset, self.num_parameters, self.num_layers, self.gpu_memory_GB,
+                         self.free_memory_GB, self.mixed_precision, self.vocab_size)
 
 
 ARGUMENTS = PlanArguments
@@ -132,6 +159,14 @@ def run_command(args: PlanArguments) -> int:
         accumulation_schedule=args.accumulation_schedule,
         block_size=args.block_size,
         num_train_epochs=args.num_train_epochs,
+        fsdp=args.fsdp,
+        model_preset=args.model_preset,
+        vocab_size=args.vocab_size,
+        num_parameters=args.num_parameters,
+        num_layers=args.num_layers,
+        mixed_precision=args.mixed_precision,
+        gpu_memory_GB=args.gpu_memory_GB,
+        free_memory_GB=args.free_memory_GB,
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_plan(report))
     return 0

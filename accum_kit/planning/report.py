@@ -23,13 +23,15 @@ from .whatif import (
     settings_from_profile,
 )
 from .whatif_bench import compare_with_bench, format_comparison
+from .fsdp_compare import compare_fsdp_bench, format_fsdp_comparison
+from .fsdp_plan import FSDPPlan, format_fsdp_plan, load_fsdp_profile, make_fsdp_plan
 
 
 @dataclass(frozen=True)
 class PlanReport:
     """Everything ``accum-kit plan`` prints: ``solution`` only with a target,
     ``learning_rates`` only with a base learning rate, ``whatif`` only with a profile,
-    ``schedule`` (one row per phase) only with an accumulation schedule."""
+    ``schedule`` (one row per phase) only with an accumulation schedule, ``fsdp`` only with ``--fsdp``."""
 
     batch: BatchPlan
     solution: AccumulationSolution | None = None
@@ -37,6 +39,7 @@ class PlanReport:
     whatif: WhatIfReport | None = None
     schedule: tuple[SchedulePhase, ...] = ()
     notes: tuple[str, ...] = ()  # where values the flags left unset came from
+    fsdp: FSDPPlan | None = None
 
     def to_dict(self) -> dict:
         """The report as plain JSON-ready dicts (what ``--json`` prints)."""
@@ -47,6 +50,7 @@ class PlanReport:
             "whatif": self.whatif.to_dict() if self.whatif else None,
             "schedule": [asdict(p) for p in self.schedule] or None,
             "notes": list(self.notes),
+            "fsdp": self.fsdp.to_dict() if self.fsdp else None,
         }
 
 
@@ -133,6 +137,14 @@ def make_plan(
     accumulation_schedule=None,
     block_size: int | None = None,
     num_train_epochs: int = 1,
+    fsdp: bool = False,
+    model_preset: str | None = None,
+    vocab_size: int = 384,
+    num_parameters: int | None = None,
+    num_layers: int | None = None,
+    mixed_precision: str = "no",
+    gpu_memory_GB: float | None = None,
+    free_memory_GB: float | None = None,
 ) -> PlanReport:
     """All of ``accum-kit plan`` from keyword arguments named like its flags.
 
@@ -152,6 +164,9 @@ def make_plan(
     With ``from_profile``, ``per_device_train_batch_size`` and K default to the
     profiled run's (:func:`accum_kit.planning.whatif.settings_from_profile`);
     without it, ``per_device_train_batch_size`` is required.
+    ``fsdp`` replaces the what-if section with the FSDP2 policy plan
+    (:func:`accum_kit.planning.fsdp_plan.make_fsdp_plan`, which documents its keywords;
+    ``from_profile`` is then an FSDP2 profile and ``compare_bench`` an FSDP2 bench.json).
 
     Raises:
         UsageError: bad or inconsistent values; the message names the flag.
@@ -169,9 +184,10 @@ def make_plan(
     if accumulation_schedule is not None:
         gradient_accumulation_steps = accumulation_schedule[0]
     check_whatif_flags(from_profile, num_machines, num_processes, interconnect, busbw_GBps, accumulation_steps,
-                       max_comm_share, compare_bench)
+                       max_comm_share, compare_bench, fsdp=fsdp)
     if num_processes is None:
-        num_processes = load_profile(from_profile).world_size if from_profile is not None else 1
+        profiled = (load_fsdp_profile if fsdp else load_profile)(from_profile) if from_profile is not None else None
+        num_processes = profiled.world_size if profiled is not None else 1
     if target_batch_size is not None:
         solution = solve_accumulation_steps(target_batch_size, per_device_train_batch_size, num_processes)
         B, K = solution.per_device_train_batch_size, solution.gradient_accumulation_steps
@@ -190,8 +206,16 @@ def make_plan(
                                 steps_per_epoch=batch.optimizer_steps_per_epoch)
             for rule in rules
         )
-    whatif = None
-    if from_profile is not None:
+    whatif = fsdp_plan = None
+    if fsdp:
+        fsdp_plan = make_fsdp_plan(
+            num_processes=num_processes, gradient_accumulation_steps=K, num_machines=num_machines,
+            model_preset=model_preset, num_parameters=num_parameters, num_layers=num_layers, vocab_size=vocab_size,
+            block_size=block_size, mixed_precision=mixed_precision, gpu_memory_GB=gpu_memory_GB,
+            free_memory_GB=free_memory_GB, interconnect=interconnect, busbw_GBps=busbw_GBps, from_profile=from_profile)
+        if compare_bench is not None:
+            fsdp_plan = replace(fsdp_plan, comparison=compare_fsdp_bench(compare_bench, fsdp_plan))
+    elif from_profile is not None:
         whatif = make_whatif(from_profile, num_processes=num_processes, num_machines=num_machines,
                              interconnect=interconnect, busbw_GBps=busbw_GBps,
                              accumulation_steps=accumulation_steps, max_comm_share=max_comm_share,
@@ -205,7 +229,7 @@ def make_plan(
         phases = tuple(schedule_phases(accumulation_schedule, B, num_processes, block_size=block_size,
                                        micro_batches_per_epoch=batch.micro_batches_per_process,
                                        num_train_epochs=num_train_epochs))
-    return PlanReport(batch, solution, rates, whatif, phases, notes)
+    return PlanReport(batch, solution, rates, whatif, phases, notes, fsdp_plan)
 
 
 def _g(x: float) -> str:
@@ -323,6 +347,10 @@ def format_plan(report: PlanReport) -> str:
         lines += _schedule_lines(report.schedule)
     if report.learning_rates:
         lines += _learning_rate_lines(report.learning_rates)
+    if report.fsdp is not None:
+        lines += format_fsdp_plan(report.fsdp)
+        if report.fsdp.comparison is not None:
+            lines += format_fsdp_comparison(report.fsdp.comparison)
     if report.whatif is not None:
         lines += format_whatif(report.whatif)
         if report.whatif.comparison is not None:

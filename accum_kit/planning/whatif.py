@@ -271,15 +271,15 @@ class WhatIfReport:
 
 
 def check_whatif_flags(from_profile, num_machines, num_processes, interconnect, busbw_GBps, accumulation_steps,
-                       max_comm_share, compare_bench) -> None:
+                       max_comm_share, compare_bench, fsdp: bool = False) -> None:
     """Ranges and combinations of the what-if flags (values may be None: not given).
 
     Raises:
-        UsageError: naming the flag: a what-if flag without ``--from_profile``,
+        UsageError: naming the flag: a what-if flag without ``--from_profile`` (``fsdp``: allowed),
             a non-positive count or bandwidth, ``--max_comm_share`` outside
             (0, 1), processes not a multiple of machines, NVLink across machines.
     """
-    if from_profile is None:
+    if from_profile is None and not fsdp:  # --fsdp plans use them without a profile
         for flag, value in (("--num_machines", num_machines), ("--interconnect", interconnect),
                             ("--busbw_GBps", busbw_GBps), ("--compare_bench", compare_bench)):
             if value is not None:

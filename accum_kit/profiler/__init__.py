@@ -1,12 +1,15 @@
-"""Communication profiler: what DDP's all-reduce costs, and what ``no_sync`` saves.
+"""Communication profiler: what DDP's all-reduce and FSDP2's collectives cost, and what ``no_sync`` saves.
 
 :class:`CommProfiler` is the front: it records, for every gradient bucket
-DDP all-reduces, the optimizer step and micro-batch it belongs to, its size
+DDP all-reduces (or, under FSDP2, every all-gather and reduce-scatter of
+every unit), the optimizer step and micro-batch it belongs to, its size
 in bytes and its latency in seconds; used as a :func:`accum_kit.train_loop`
 callback it also times the forward, backward and optimizer phases of every
 micro-batch, tagged sync or no-sync. The parts, each usable on its own:
 
 - :mod:`.buckets`: :class:`BucketRecorder`, the DDP comm hook;
+- :mod:`.collectives`: :class:`CollectiveRecorder`, FSDP2's custom all-gather
+  and reduce-scatter objects; :mod:`.sharded`: their report;
 - :mod:`.phases`: :class:`PhaseTimer`, the phase timing loop callback;
 - :mod:`.trace`: :class:`StepTrace`, a ``torch.profiler`` Chrome trace through
   Accelerate's ``ProfileKwargs`` / ``accelerator.profile()``;
@@ -24,21 +27,30 @@ from .. import checks
 from ..callbacks import LoopCallback
 from ..compat import sync_each_batch
 from .buckets import BucketRecorder, allreduce_mean_hook
+from .collectives import CollectiveRecorder
 from .phases import PhaseTimer
-from .records import MODES, BucketCall, Labels, MicroBatchTimes, ProfileRecords, StepTimes
+from .records import COLLECTIVES, MODES, BucketCall, CollectiveCall, Labels, MicroBatchTimes, ProfileRecords, StepTimes
 from .report import format_table, local_summary, summarize_processes
+from .sharded import sharded_summary
 from .switches import ABSwitch, AlternatingWindows, OverheadSwitch
 from .trace import StepTrace
 
+#: DDP's all-reduce keys of the summary, left out under FSDP2 (which reduce-scatters instead; the
+#: "upper" estimate assumes no local work around the collective, which FSDP2's copy-in contradicts).
+ALLREDUCE_KEYS = ("allreduce_calls", "allreduce_bytes", "allreduce_seconds", "allreduce_calls_per_step",
+                  "allreduce_bytes_per_step", "allreduce_calls_per_sync", "algbw_GBps", "busbw_GBps",
+                  "estimated_seconds_saved_upper")
+
 __all__ = [
-    "ABSwitch", "AlternatingWindows", "BucketCall", "BucketRecorder", "CommProfiler", "Labels", "MODES",
-    "MicroBatchTimes", "OverheadSwitch", "PhaseTimer", "ProfileRecords", "StepTimes", "StepTrace",
-    "allreduce_mean_hook", "format_table", "local_summary", "summarize_processes",
+    "ABSwitch", "AlternatingWindows", "BucketCall", "BucketRecorder", "COLLECTIVES", "CollectiveCall",
+    "CollectiveRecorder", "CommProfiler", "Labels", "MODES", "MicroBatchTimes", "OverheadSwitch", "PhaseTimer",
+    "ProfileRecords", "StepTimes", "StepTrace", "allreduce_mean_hook", "format_table", "local_summary",
+    "sharded_summary", "summarize_processes",
 ]
 
 
 class CommProfiler(LoopCallback):
-    """Records every DDP gradient all-reduce and the phase times of each micro-batch.
+    """Records every DDP gradient all-reduce (FSDP2: all-gather and reduce-scatter) and the phase times.
 
     Use it three ways:
 
@@ -50,11 +62,14 @@ class CommProfiler(LoopCallback):
 
     Args:
         accelerator: the ``accelerate.Accelerator`` that prepared ``model``.
-        model: the prepared model; without DDP (one process) nothing is
-            registered and the report shows zero communication.
+        model: the prepared model; without DDP or FSDP2 (one process) nothing is
+            registered and the report shows zero communication. Under FSDP2
+            (``accelerator.is_fsdp2``) every unit's all-gather and reduce-scatter
+            objects are wrapped (:class:`CollectiveRecorder`) and the summary
+            gains the keys of :func:`accum_kit.profiler.sharded.sharded_summary`.
         hook: a DDP comm hook ``hook(state, bucket) -> Future`` to wrap, such
             as ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook``;
-            default: plain all-reduce with mean (DDP's own default).
+            default: plain all-reduce with mean (DDP's own default). Not for FSDP2.
         hook_state: the state passed to ``hook`` (default: None, the world group).
         trace_dir: if given, a ``torch.profiler`` Chrome trace per process is
             written there at the end (``trace_rank{R}.json``, opens in
@@ -78,15 +93,22 @@ class CommProfiler(LoopCallback):
     Raises:
         RuntimeError: the model already has a comm hook (DDP allows only one):
             pass that hook as ``hook=`` instead.
+        ValueError: ``hook`` given for an FSDP2 model (FSDP2 has no comm hook).
     """
 
     def __init__(self, accelerator, model, *, hook=None, hook_state=None, trace_dir=None, trace_steps=2,
                  trace_wait=1, synchronize=None):
         self.accelerator, self.model = accelerator, model
         self.world_size = accelerator.num_processes
-        self.distributed = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self.sharded = bool(getattr(accelerator, "is_fsdp2", False)) and self.world_size > 1
+        self.distributed = self.sharded or isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if self.sharded and hook is not None:
+            raise ValueError("hook= wraps a DDP comm hook, and FSDP2 has none; the profiler records FSDP2's "
+                             "all-gathers and reduce-scatters through FSDPModule.set_custom_all_gather / "
+                             "set_custom_reduce_scatter")
         self.labels = Labels(mode=MODES[sync_each_batch(accelerator)])
         self.buckets = BucketRecorder(self.labels, hook, hook_state)
+        self.collectives = CollectiveRecorder(self.labels)
         if synchronize is None:
             synchronize = accelerator.device.type == "cuda"
         self.phases = PhaseTimer(self.labels, synchronize=synchronize)
@@ -125,10 +147,12 @@ class CommProfiler(LoopCallback):
 
     # ---- attaching -------------------------------------------------------------------------
     def attach(self) -> "CommProfiler":
-        """Register the comm hook (DDP only) and start the trace if asked; idempotent."""
+        """Register the comm hook (DDP) or the collective recorders (FSDP2) and start the trace if asked; idempotent."""
         if self._attached:
             return self
-        if self.distributed:
+        if self.sharded:
+            self.collectives.register(self.model)
+        elif self.distributed:
             self.buckets.register(self.model)
         if self.trace is not None:
             self.trace.start()
@@ -136,7 +160,7 @@ class CommProfiler(LoopCallback):
         return self
 
     def detach(self) -> None:
-        """Stop recording and write the trace (DDP cannot unregister a hook: it stays, passing buckets through)."""
+        """Stop recording and write the trace (the DDP hook and FSDP2 recorders stay, passing calls through)."""
         self.enabled = False
         if self.trace is not None:
             self.trace.stop()
@@ -184,6 +208,11 @@ class CommProfiler(LoopCallback):
         return self.buckets.calls
 
     @property
+    def collective_calls(self) -> list[CollectiveCall]:
+        """FSDP2's recorded all-gathers and reduce-scatters (empty under DDP)."""
+        return self.collectives.calls
+
+    @property
     def micro_batches(self) -> list[MicroBatchTimes]:
         return self.phases.micro_batches
 
@@ -193,15 +222,23 @@ class CommProfiler(LoopCallback):
 
     def records(self, *, mode: str | None = None, tag: str | None = None) -> ProfileRecords:
         """Every record so far, or those of one ``mode`` and / or ``tag`` (None: any)."""
-        return ProfileRecords(self.calls, list(self.micro_batches), list(self.step_records)).select(mode=mode, tag=tag)
+        return ProfileRecords(self.calls, list(self.micro_batches), list(self.step_records),
+                              self.collective_calls).select(mode=mode, tag=tag)
 
     def local_summary(self, tag: str | None = None) -> dict:
         """This process's figures for the records of the current ``mode`` (and of ``tag``, if given).
 
-        See :func:`accum_kit.profiler.report.local_summary` for the keys.
+        See :func:`accum_kit.profiler.report.local_summary` for the keys, and under FSDP2
+        :func:`accum_kit.profiler.sharded.sharded_summary` for those it adds or redefines
+        (``syncs`` are then backward passes that reduce-scattered).
         """
-        return local_summary(self.records(mode=self.mode, tag=tag), mode=self.mode, world_size=self.world_size,
-                             distributed=self.distributed)
+        records = self.records(mode=self.mode, tag=tag)
+        out = local_summary(records, mode=self.mode, world_size=self.world_size, distributed=self.distributed)
+        if self.sharded:
+            for key in ALLREDUCE_KEYS:  # DDP's all-reduce: FSDP2 has none
+                out.pop(key, None)
+            out.update(sharded_summary(records, world_size=self.world_size, units=self.collectives.unit_info()))
+        return out
 
     def summary(self, tag: str | None = None) -> dict:
         """The ``comm`` block: :meth:`local_summary` of every process, min / median / max over them.

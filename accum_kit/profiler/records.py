@@ -1,9 +1,10 @@
 """The profiler's plain records, and the labels every new record is stamped with.
 
-Three kinds of record, one per event the profiler sees (all times in seconds,
+Four kinds of record, one per event the profiler sees (all times in seconds,
 from ``time.perf_counter``; sizes in bytes):
 
 - :class:`BucketCall`: one gradient bucket's all-reduce (the DDP comm hook);
+- :class:`CollectiveCall`: one FSDP2 all-gather or reduce-scatter (a unit's collective);
 - :class:`MicroBatchTimes`: forward and backward of one micro-batch;
 - :class:`StepTimes`: one optimizer step.
 
@@ -66,6 +67,38 @@ class BucketCall:
     seconds: float
 
 
+#: The kinds of :class:`CollectiveCall`.
+COLLECTIVES = ("all_gather", "reduce_scatter")
+
+
+@dataclass
+class CollectiveCall:
+    """One FSDP2 collective of one unit (a ``fully_shard`` parameter group).
+
+    Attributes:
+        kind: ``"all_gather"`` (parameters, before a forward or backward) or
+            ``"reduce_scatter"`` (gradients, after a synchronised backward).
+        step, micro_batch, mode, tag: see :class:`Labels` (``micro_batch``
+            also tells which backward a reduce-scatter belongs to).
+        unit: index of the unit in :func:`accum_kit.compat.fsdp_units` order.
+        bytes: the size S of nccl-tests' bus-bandwidth definition: the whole
+            buffer, i.e. the all-gather's output and the reduce-scatter's
+            input (``numel x element size``), W times one process's shard.
+        start: ``perf_counter`` seconds when the collective was called.
+        seconds: from ``start`` to its completion.
+    """
+
+    kind: str
+    step: int
+    micro_batch: int
+    mode: str
+    tag: str | None
+    unit: int
+    bytes: int
+    start: float
+    seconds: float
+
+
 @dataclass
 class MicroBatchTimes:
     """Forward and backward seconds of one micro-batch; ``sync``: its backward all-reduced."""
@@ -97,11 +130,12 @@ class StepTimes:
 
 @dataclass
 class ProfileRecords:
-    """The records of one process: bucket calls, micro-batches, optimizer steps."""
+    """The records of one process: bucket calls, micro-batches, optimizer steps, FSDP2 collectives."""
 
     calls: list[BucketCall] = field(default_factory=list)
     micro_batches: list[MicroBatchTimes] = field(default_factory=list)
     steps: list[StepTimes] = field(default_factory=list)
+    collectives: list[CollectiveCall] = field(default_factory=list)
 
     def select(self, *, mode: str | None = None, tag: str | None = None) -> "ProfileRecords":
         """The records of one ``mode`` and / or one ``tag``; None keeps every value of that field."""
@@ -109,4 +143,4 @@ class ProfileRecords:
             return (mode is None or r.mode == mode) and (tag is None or r.tag == tag)
 
         return ProfileRecords([r for r in self.calls if keep(r)], [r for r in self.micro_batches if keep(r)],
-                              [r for r in self.steps if keep(r)])
+                              [r for r in self.steps if keep(r)], [r for r in self.collectives if keep(r)])

@@ -1,0 +1,236 @@
+"""Figures of the FSDP2 bench, from its run records (no torch): one row per preset x K x policy, the targets.
+
+Per (K, policy) row (seconds per optimizer step; MB = 2**20 bytes):
+
+- ``step_s_median`` / ``step_s_q1`` / ``step_s_q3``: over every measured step
+  of every repeat (process 0);
+- ``speedup_vs_sync_each_batch`` with ``speedup_ci_low`` / ``speedup_ci_high``:
+  paired ratios, one per cycle (each cycle runs one window of every policy,
+  back to back): ``sync_each_batch``'s step over this policy's; their
+  geometric mean and its 95 % Student-t interval (on the logarithms: the
+  ratio of two step times is multiplicative noise). ``seconds_saved_per_step``
+  (``sync_each_batch``'s step minus this policy's) is the mean of the paired
+  differences with its 95 % interval (``saved_ci_low`` / ``saved_ci_high``);
+- counts and bytes per step (medians over runs): ``reduce_scatter_calls_per_step``,
+  ``all_gather_calls_per_step``, ``reduce_scatter_mb_per_step``,
+  ``all_gather_mb_per_step``; bus bandwidths as the profiler defines them;
+- memory: ``gradient_mb_peak`` (gradient bytes held between two micro-batches,
+  the most over processes; median over runs), ``gathered_parameter_mb_peak``,
+  ``memory_added_mb`` (both minus ``sync_each_batch``'s at the same K),
+  ``predicted_gradient_mb`` / ``predicted_gathered_mb``
+  (:func:`accum_kit.planning.fsdp.policy_costs` with the model's units) and
+  ``gradient_measured_over_predicted``; ``peak_rss_mb`` (process peak);
+- the policy's own ideal from its profile, ``own_ideal_s``: the profiler's
+  ``ideal_seconds_per_step`` over the cell's records of all repeats pooled
+  (K x compute per micro-batch + exposed reduce-scatter + exposed all-gather
+  + optimizer step, see :mod:`accum_kit.profiler.sharded`);
+  ``over_ideal`` = measured median / own ideal, i.e. 1 + what the loop spends
+  outside compute, communication and the optimizer (batches, callbacks);
+- the shared-model ideal, ``ideal_s = K c + syncs a + g + o``, with ``c`` the
+  compute per micro-batch and ``a`` the exposed reduce-scatter per sync of
+  the preset's ``no_sync`` runs (K >= 2; medians), ``syncs`` 1 per step (K with
+  ``sync_each_batch``), and ``g`` (exposed all-gather per step) and ``o``
+  (optimizer step) this cell's own medians; ``over_shared_ideal``: measured / it
+  (what one compute figure for every policy misses: FSDP2's copies around
+  each all-gather belong to compute, and fewer all-gathers mean fewer copies);
+- the profiler's estimate of the saving against ``sync_each_batch``
+  (``estimated_saved_s``, from this cell's own records of all repeats pooled,
+  see :mod:`accum_kit.profiler.sharded`) and ``estimated_over_measured``.
+
+Noise floor of a preset: the median over cells of the relative half-range of
+the per-repeat medians, ``(max - min) / 2 / median`` (how much the same cell
+moves between runs minutes apart; the paired ratios are tighter).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from ..planning.fsdp import ShardedModel, policy_costs
+from ..stats import median, quartiles
+
+MB = 2**20
+BASE = "sync_each_batch"
+#: Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom (then the normal's 1.96).
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_interval(values, log: bool = False) -> tuple[float | None, float | None, float | None]:
+    """(mean, low, high): the mean of ``values`` and its 95 % Student-t interval.
+
+    With ``log`` the mean and interval are taken on the logarithms and mapped
+    back: the geometric mean and its interval. Fewer than 2 values: the mean
+    (or None) and no interval.
+    """
+    xs = [math.log(v) for v in values] if log else list(values)
+    if not xs:
+        return None, None, None
+    m = statistics.fmean(xs)
+    back = math.exp if log else (lambda x: x)
+    if len(xs) < 2:
+        return back(m), None, None
+    half = (T95[len(xs) - 2] if len(xs) - 1 <= len(T95) else 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return back(m), back(m - half), back(m + half)
+
+
+def _pass_medians(runs) -> dict[int, float]:
+    return {r["repeat"]: median(r["step_seconds"]) for r in runs if r["step_seconds"]}
+
+
+def _by_cycle(runs) -> dict[tuple, float]:
+    return {(r["repeat"], c): t for r in runs for c, t in zip(r["cycles"], r["step_seconds"])}
+
+
+def _m(runs, key):
+    return median(r[key] for r in runs if r.get(key) is not None)
+
+
+def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world: int) -> dict:
+    """The preset's figures and its rows (see the module docstring); ``rows`` is popped by the caller."""
+    layout = ShardedModel(tuple(info["units"]["resharded"]), tuple(info["units"]["kept"]))
+    b = info["element_bytes"]
+    nosync = [r for r in runs if r["policy"] == "no_sync" and r["K"] >= 2]
+    c, a = _m(nosync, "compute_seconds"), _m(nosync, "exposed_comm_seconds")
+    rows, spreads = [], []
+    for K in cfg.accumulation_steps:
+        base_runs = [r for r in runs if r["K"] == K and r["policy"] == BASE]
+        base_cycle = _by_cycle(base_runs)
+        base_mem = (_m(base_runs, "gradient_bytes") or 0) + (_m(base_runs, "gathered_parameter_bytes") or 0)
+        for policy in cfg.accumulation_policies:
+            cell = [r for r in runs if r["K"] == K and r["policy"] == policy]
+            steps = [x for r in cell for x in r["step_seconds"]]
+            if not steps:
+                continue
+            passes = _pass_medians(cell)
+            med = median(steps)
+            q1, q3 = quartiles(steps)
+            pv = list(passes.values())
+            spreads.append((max(pv) - min(pv)) / 2 / statistics.median(pv))
+            cycles = _by_cycle(cell)
+            ratios = [base_cycle[c] / t for c, t in cycles.items() if c in base_cycle]
+            diffs = [base_cycle[c] - t for c, t in cycles.items() if c in base_cycle]
+            speedup, lo, hi = t_interval(ratios, log=True)
+            saved, slo, shi = t_interval(diffs)
+            pred = policy_costs(policy, layout, world_size=world, accumulation_steps=K, param_bytes=b["b_p"],
+                                compute_bytes=b["b_c"], reduce_bytes=b["b_r"])
+            grad, gathered = _m(cell, "gradient_bytes"), _m(cell, "gathered_parameter_bytes")
+            syncs = K if policy == BASE else 1
+            g, o = _m(cell, "exposed_all_gather_seconds_per_step"), _m(cell, "optimizer_seconds")
+            ideal = K * c + syncs * a + g + o if None not in (c, a, g, o) else None
+            pooled = info.get("pooled", {}).get(f"K{K}/{policy}", {})
+            est = pooled.get("estimated_seconds_saved_per_step", _m(cell, "estimated_seconds_saved_per_step"))
+            own = pooled.get("ideal_seconds_per_step", _m(cell, "ideal_seconds_per_step"))
+            rows.append({
+                "preset": preset, "K": K, "policy": policy, "n_steps": len(steps), "n_pairs": len(ratios),
+                "step_s_median": med, "step_s_q1": q1, "step_s_q3": q3, "pass_medians": pv,
+                "speedup_vs_sync_each_batch": speedup,
+                "speedup_ci_low": lo, "speedup_ci_high": hi,
+                "seconds_saved_per_step": saved, "saved_ci_low": slo, "saved_ci_high": shi,
+                "reduce_scatter_calls_per_step": _m(cell, "reduce_scatter_calls_per_step"),
+                "all_gather_calls_per_step": _m(cell, "all_gather_calls_per_step"),
+                "reduce_scatter_mb_per_step": (_m(cell, "reduce_scatter_bytes_per_step") or 0) / MB,
+                "all_gather_mb_per_step": (_m(cell, "all_gather_bytes_per_step") or 0) / MB,
+                "reduce_scatter_busbw_GBps": _m(cell, "reduce_scatter_busbw_GBps"),
+                "all_gather_busbw_GBps": _m(cell, "all_gather_busbw_GBps"),
+                "gradient_mb_peak": grad / MB if grad is not None else None,
+                "gathered_parameter_mb_peak": gathered / MB if gathered is not None else None,
+                "memory_added_mb": ((grad or 0) + (gathered or 0) - base_mem) / MB if base_runs else None,
+                "predicted_gradient_mb": pred.gradient_bytes / MB,
+                "predicted_gathered_mb": pred.gathered_parameter_bytes / MB,
+                "gradient_measured_over_predicted": grad / pred.gradient_bytes if (grad and pred.gradient_bytes) else None,
+                "peak_rss_mb": _m(cell, "peak_rss_mb"),
+                "own_ideal_s": own, "over_ideal": med / own if own else None,
+                "ideal_s": ideal, "over_shared_ideal": med / ideal if ideal else None,
+                "exposed_all_gather_s": g, "optimizer_s": o,
+                "estimated_saved_s": est,
+                "estimated_over_measured": est / saved if (est is not None and saved) else None,
+            })
+    return {"rows": rows, "c_seconds": c, "a_seconds": a, "noise_floor": median(spreads),
+            "model": {"P": layout.parameters, "P_f": layout.layer_parameters, "P_0": layout.other_parameters,
+                      "U_f": len(layout.resharded), "U_0": len(layout.kept)}}
+
+
+def _status(ok: bool | None) -> str:
+    return {True: "PASS", False: "FAIL", None: "SKIP"}[ok]
+
+
+def evaluate_targets(rows: list[dict], presets: dict, K: int = 8) -> list[dict]:
+    """The targets, checked on what this run measured (never in unit tests), per preset at ``K`` (if swept).
+
+    - ``no_sync`` faster than ``sync_each_batch``: the speedup's 95 % interval lies above 1;
+    - ``no_sync_no_reshard`` at least 2x faster: PASS when the interval lies at or above 2,
+      FAIL when it lies below, otherwise INCONCLUSIVE;
+    - each policy within 10 % of its ideal: ``|over_ideal - 1| <= 0.10``;
+    - the memory prediction within 10 % of the measured gradient bytes, each policy;
+    - the profiler's estimated saving of ``no_sync`` within 20 % of the measured (paired) one.
+    """
+    out = []
+    for preset in presets:
+        cells = {r["policy"]: r for r in rows if r["preset"] == preset and r["K"] == K}
+        if not cells:
+            out.append({"preset": preset, "target": f"K={K} not swept", "status": "SKIP", "detail": ""})
+            continue
+
+        def add(target, ok, detail):
+            out.append({"preset": preset, "target": target, "status": ok if isinstance(ok, str) else _status(ok),
+                        "detail": detail})
+
+        ns = cells.get("no_sync")
+        if ns and ns["speedup_ci_low"] is not None:
+            add(f"K={K}: no_sync faster than sync_each_batch", ns["speedup_ci_low"] > 1,
+                f"speedup {ns['speedup_vs_sync_each_batch']:.3f}x, 95% CI [{ns['speedup_ci_low']:.3f}, "
+                f"{ns['speedup_ci_high']:.3f}]")
+        g = cells.get("no_sync_no_reshard")
+        if g and g["speedup_ci_low"] is not None:
+            status = "PASS" if g["speedup_ci_low"] >= 2 else ("FAIL" if g["speedup_ci_high"] < 2 else "INCONCLUSIVE")
+            add(f"K={K}: no_sync_no_reshard >= 2x sync_each_batch", status,
+                f"speedup {g['speedup_vs_sync_each_batch']:.3f}x, 95% CI [{g['speedup_ci_low']:.3f}, "
+                f"{g['speedup_ci_high']:.3f}]")
+        for policy, r in cells.items():
+            if r["over_ideal"] is not None:
+                add(f"K={K}: {policy} within 10% of its ideal", abs(r["over_ideal"] - 1) <= 0.10,
+                    f"measured {r['step_s_median']:.3f} s / own ideal {r['own_ideal_s']:.3f} s = {r['over_ideal']:.3f} "
+                    f"(shared-model ideal {_f(r['ideal_s'])} s)")
+            if r["gradient_measured_over_predicted"] is not None:
+                add(f"K={K}: {policy} gradient memory within 10% of prediction",
+                    abs(r["gradient_measured_over_predicted"] - 1) <= 0.10,
+                    f"measured {r['gradient_mb_peak']:.2f} MB / predicted {r['predicted_gradient_mb']:.2f} MB")
+        if ns and ns["estimated_over_measured"] is not None:
+            add(f"K={K}: profiler's no_sync saving within 20% of the measured one",
+                abs(ns["estimated_over_measured"] - 1) <= 0.20,
+                f"estimated {ns['estimated_saved_s']:.3f} s / measured {ns['seconds_saved_per_step']:.3f} s per step "
+                f"(95% CI [{_f(ns['saved_ci_low'])}, {_f(ns['saved_ci_high'])}]) = {ns['estimated_over_measured']:.3f}")
+    return out
+
+
+def _f(v, fmt="{:.3f}") -> str:
+    return "n/a" if v is None else fmt.format(v)
+
+
+def format_fsdp_table(preset: str, info: dict, rows: list[dict]) -> str:
+    """Text table of one preset: per K and policy, step time, speedup (interval), collectives, memory, ideal."""
+    from tabulate import tabulate
+
+    table = [(r["K"], r["policy"], _f(r["step_s_median"]),
+              f"{_f(r['speedup_vs_sync_each_batch'])}x [{_f(r['speedup_ci_low'])}, {_f(r['speedup_ci_high'])}]",
+              _f(r["seconds_saved_per_step"]), _f(r["reduce_scatter_calls_per_step"], "{:g}"),
+              _f(r["all_gather_calls_per_step"], "{:g}"), _f(r["all_gather_mb_per_step"], "{:.1f}"),
+              _f(r["gradient_mb_peak"], "{:.2f}"), _f(r["predicted_gradient_mb"], "{:.2f}"),
+              _f(r["gathered_parameter_mb_peak"], "{:.2f}"), _f(r["memory_added_mb"], "{:.2f}"),
+              _f(r["own_ideal_s"]), _f(r["over_ideal"]), _f(r["ideal_s"])) for r in rows]
+    headers = ("K", "policy", "s/step", "speedup vs sync_each [95% CI]", "saved s/step", "RS/step", "AG/step",
+               "AG MB/step", "grad MB held", "predicted", "gathered MB", "MB added", "own ideal s", "over ideal",
+               "shared ideal s")
+    m = info["model"]
+    head = (f"{preset} (FSDP2, P = {m['P']}: P_f = {m['P_f']} in {m['U_f']} layer units, P_0 = {m['P_0']} in "
+            f"{m['U_0']} others; {info['micro_batch']}): c = {_f(info['c_seconds'], '{:.4f}')} s per micro-batch, "
+            f"exposed reduce-scatter a = {_f(info['a_seconds'], '{:.4f}')} s per sync, noise floor "
+            f"{_f(info['noise_floor'], '{:.1%}')}")
+    return head + "\n" + tabulate(table, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def format_targets(targets: list[dict]) -> str:
+    """One line per target: status, preset, target, what was measured."""
+    return "\n".join(f"{t['status']:>12}  {t['preset']}: {t['target']}: {t['detail']}" for t in targets)

@@ -1,0 +1,415 @@
+"""``accum-kit plan --fsdp``: which accumulation policy to run under FSDP2, from memory and communication.
+
+For each policy of :data:`accum_kit.policies.POLICIES` the plan gives what it
+holds per process (:func:`accum_kit.planning.fsdp.policy_costs`), whether
+that fits the free memory, its communication per optimizer step in calls,
+bytes and seconds, and the saving against ``sync_each_batch``; it recommends
+the fastest policy that fits and spells out the arithmetic. Torch-free.
+
+Time model (seconds per optimizer step, one window of K micro-batches):
+
+- a ring all-gather or reduce-scatter of S bytes over W processes takes
+  ``S (W - 1) / W / busbw`` (nccl-tests' bus bandwidth for both,
+  https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md);
+- communication per step = the policy's reduce-scattered bytes at the
+  reduce-scatter busbw + its all-gathered bytes at the all-gather busbw;
+- with a profile (``--from_profile``, a ``train --profile_comm`` summary under
+  FSDP2): step = ``K (c - a) + (K - 1) a + communication + o`` for the three
+  ``no_sync`` policies and ``K (c - a) + communication + o`` for
+  ``sync_each_batch``, with ``c`` the profiled compute per micro-batch
+  (``compute_seconds``, measured on micro-batches that add into the held
+  gradient), ``a`` the profiled accumulation per micro-batch
+  (``accumulation_seconds``: adding a backward's gradients into the unsharded
+  gradient held since the window's first micro-batch, which syncing each
+  micro-batch does not do) and ``o`` the profiled step minus ``K_p c`` minus
+  its exposed communication (at least the optimizer step); without a
+  profile the plan ranks the policies by communication alone (their compute
+  is the same: parameters do not change inside a window).
+
+Every collective is counted as exposed (none hidden behind compute), which
+is what the profile measures on CPU (gloo), where FSDP2's collectives block
+the training thread. On GPUs FSDP2 prefetches all-gathers and overlaps
+reduce-scatters with the backward, so the absolute seconds are an upper
+bound; the ranking and the bytes stand.
+
+Bus bandwidth: ``--busbw_GBps``, else ``--interconnect`` (nominal peaks of
+:data:`accum_kit.planning.whatif.INTERCONNECTS`), else the profile's measured
+ones (all-gather: its ``all_gather_busbw_GBps``; reduce-scatter: its exposed
+reduce-scatter per sync, which includes FSDP2's copy into the buffer, as an
+effective bus bandwidth), else NVLink on one machine and InfiniBand across
+machines.
+
+Memory: ``--free_memory_GB`` is what is left per GPU for accumulation
+(gradients held and gathered parameters kept between micro-batches) after
+the model shards, the optimizer state and the activations; measure it, or
+give ``--gpu_memory_GB`` and the plan subtracts the shards and the optimizer
+state (not the activations: it says so).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .. import checks
+from ..errors import UsageError
+from ..policies import POLICIES
+from .fsdp import ShardedModel, collective_seconds, dtype_bytes, gpt2_units, policy_costs
+from .whatif import INTERCONNECTS
+
+GB = 1e9
+MIXED_PRECISION = ("no", "bf16", "fp16")
+PROFILE_FIX = ("pass the train_summary.json of `accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml "
+               "-m accum_kit train --profile_comm ...` (2+ processes, K >= 2, no_sync)")
+
+
+@dataclass(frozen=True)
+class FSDPProfile:
+    """What the plan reads from an FSDP2 ``train --profile_comm`` summary (seconds, bytes, GB/s)."""
+
+    path: str
+    world_size: int
+    gradient_accumulation_steps: int
+    policy: str | None
+    model: str | None
+    block_size: int | None
+    compute_seconds: float  # c, per micro-batch
+    accumulation_seconds: float  # a, per micro-batch that adds into the held unsharded gradient
+    exposed_reduce_scatter_seconds: float  # per sync
+    reduce_scatter_bytes_per_sync: float
+    reduce_scatter_busbw_GBps: float  # effective: S (n-1)/n / exposed per sync
+    all_gather_busbw_GBps: float
+    exposed_comm_seconds_per_step: float
+    optimizer_seconds: float
+    step_seconds: float
+    other_seconds: float  # o
+    units: tuple = ()
+
+
+def _number(comm: dict, key: str, path: str) -> float:
+    value = comm.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UsageError("--from_profile", f"{path}: the comm block has no number under {key!r} (got {value!r})",
+                         PROFILE_FIX)
+    return float(value)
+
+
+def load_fsdp_profile(path: str) -> FSDPProfile:
+    """Read an FSDP2 profile.
+
+    Raises:
+        UsageError (``--from_profile``): missing or unreadable file, no comm block, a DDP profile,
+            or one without a no-sync micro-batch (K of 1 or ``sync_each_batch``).
+    """
+    summary = checks.json_file("--from_profile", path, PROFILE_FIX)
+    comm = summary.get("comm") if isinstance(summary, dict) else None
+    if not isinstance(comm, dict):
+        raise UsageError("--from_profile", f"{path} has no comm block", PROFILE_FIX)
+    if not comm.get("reduce_scatter_calls"):
+        raise UsageError("--from_profile", f"{path} is not an FSDP2 profile (no reduce-scatter recorded)",
+                         PROFILE_FIX + "; a DDP profile goes to the what-if planner, without --fsdp")
+    if comm.get("backward_seconds_no_sync") is None:
+        raise UsageError("--from_profile", f"{path} has no no-sync micro-batch, so the reduce-scatter's exposed "
+                         "time was not measured", "profile with --gradient_accumulation_steps 2 or more and "
+                         "--accumulation_policy no_sync")
+    n = int(_number(comm, "world_size", path))
+    steps = _number(comm, "optimizer_steps", path)
+    k_p = round(_number(comm, "micro_batches", path) / steps) if steps else 0
+    c = _number(comm, "compute_seconds", path)
+    if k_p < 1 or c <= 0:
+        raise UsageError("--from_profile", f"{path} records no optimizer step or no compute", PROFILE_FIX)
+    exposed = _number(comm, "exposed_comm_seconds", path)
+    per_sync = _number(comm, "reduce_scatter_bytes", path) / max(_number(comm, "syncs", path), 1)
+    rs_busbw = per_sync * (n - 1) / n / exposed / GB if exposed > 0 else _number(comm, "reduce_scatter_busbw_GBps", path)
+    exposed_step = _number(comm, "exposed_comm_seconds_per_step", path)
+    opt, step = _number(comm, "optimizer_seconds", path), _number(comm, "seconds_per_step", path)
+    return FSDPProfile(
+        path=str(path), world_size=n, gradient_accumulation_steps=k_p, policy=summary.get("accumulation_policy"),
+        model=summary.get("model"), block_size=summary.get("block_size"), compute_seconds=c,
+        accumulation_seconds=float(comm.get("accumulation_seconds") or 0.0),
+        exposed_reduce_scatter_seconds=exposed, reduce_scatter_bytes_per_sync=per_sync,
+        reduce_scatter_busbw_GBps=rs_busbw, all_gather_busbw_GBps=_number(comm, "all_gather_busbw_GBps", path),
+        exposed_comm_seconds_per_step=exposed_step, optimizer_seconds=opt, step_seconds=step,
+        other_seconds=max(step - k_p * c - exposed_step, opt), units=tuple(comm.get("fsdp_units") or ()))
+
+
+@dataclass(frozen=True)
+class PolicyPlan:
+    """One policy in the plan (bytes per process; seconds per optimizer step)."""
+
+    policy: str
+    costs: dict  # PolicyCosts.to_dict()
+    memory_needed_bytes: float  # gradients held + gathered parameters kept between micro-batches
+    fits: bool | None  # None: no memory given
+    reduce_scatter_seconds: float
+    all_gather_seconds: float
+    comm_seconds: float
+    step_seconds: float | None  # with a profile
+    saved_seconds_vs_sync_each_batch: float
+    speedup_vs_sync_each_batch: float | None  # with a profile
+
+
+@dataclass(frozen=True)
+class FSDPPlan:
+    """The FSDP2 section of ``accum-kit plan``."""
+
+    model: dict  # ShardedModel as a dict, with P, P_f, P_0
+    num_processes: int
+    num_machines: int
+    gradient_accumulation_steps: int
+    mixed_precision: str
+    element_bytes: dict  # b_p, b_c, b_r
+    interconnect: str
+    busbw_all_gather_GBps: float
+    busbw_reduce_scatter_GBps: float
+    busbw_source: str
+    free_memory_bytes: float | None
+    free_memory_source: str
+    profile: FSDPProfile | None
+    rows: tuple[PolicyPlan, ...]
+    recommended: str | None
+    arithmetic: dict
+    notes: tuple[str, ...] = ()
+    comparison: dict | None = None  # predicted vs a bench.json, see accum_kit.planning.fsdp_compare
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_fsdp_flags(fsdp: bool, model_preset, num_parameters, num_layers, gpu_memory_GB, free_memory_GB,
+                     mixed_precision, vocab_size) -> None:
+    """Ranges and combinations of the ``--fsdp`` flags.
+
+    Raises:
+        UsageError: an FSDP flag without ``--fsdp``; both a preset and a parameter count; a count
+            without ``--num_layers``; non-positive sizes; an unknown precision.
+    """
+    given = {"--model_preset": model_preset, "--num_parameters": num_parameters, "--num_layers": num_layers,
+             "--gpu_memory_GB": gpu_memory_GB, "--free_memory_GB": free_memory_GB}
+    if not fsdp:
+        for flag, value in given.items():
+            if value is not None:
+                raise UsageError(flag, "only used when planning FSDP2 policies", "pass --fsdp too")
+        return
+    if model_preset is not None and num_parameters is not None:
+        raise UsageError("--num_parameters", "conflicts with --model_preset", "pass one of them")
+    if num_parameters is not None:
+        checks.at_least("--num_parameters", num_parameters)
+        if num_layers is None:
+            raise UsageError("--num_layers", "needed with --num_parameters (the units FSDP2 reshards after forward)",
+                             "pass the number of transformer layers, e.g. --num_layers 32")
+    if num_layers is not None:
+        checks.at_least("--num_layers", num_layers)
+    for flag in ("--gpu_memory_GB", "--free_memory_GB"):
+        if given[flag] is not None:
+            checks.positive(flag, given[flag], fix="pass gigabytes (1e9 bytes) per GPU, e.g. 80")
+    checks.one_of("--mixed_precision", mixed_precision, MIXED_PRECISION)
+    checks.at_least("--vocab_size", vocab_size)
+
+
+def _structure(model_preset, num_parameters, num_layers, vocab_size, block_size, profile) -> ShardedModel:
+    if model_preset is not None:
+        return gpt2_units(model_preset, vocab_size, block_size or (profile.block_size if profile else None) or 128)
+    if num_parameters is not None:
+        per_layer, rest = divmod(num_parameters, num_layers)
+        return ShardedModel(tuple([per_layer] * num_layers), (rest,) if rest else (),
+                            f"--num_parameters {num_parameters} in --num_layers {num_layers} layer units "
+                            "(the rest, if any, in one unit kept after forward)")
+    if profile is not None and any(u.get("reshard_after_forward") for u in profile.units):
+        return ShardedModel.from_units(list(profile.units), f"the FSDP2 units of {profile.path}")
+    if profile is not None and (profile.model or "").startswith("preset:"):
+        return gpt2_units(profile.model.removeprefix("preset:"), vocab_size, profile.block_size or 128)
+    raise UsageError("--model_preset", "no model to plan for", "pass --model_preset, or --num_parameters with "
+                     "--num_layers, or --from_profile of a run whose layers reshard after forward")
+
+
+def _bandwidth(interconnect, busbw_GBps, machines, profile) -> tuple[str, float, float, str]:
+    if busbw_GBps is not None:
+        return interconnect or "given", busbw_GBps, busbw_GBps, "--busbw_GBps"
+    name = interconnect or ("measured" if profile is not None else ("nvlink" if machines == 1 else "infiniband"))
+    if name == "measured":
+        if profile is None:
+            raise UsageError("--interconnect", "measured needs a profile", "pass --from_profile, or another "
+                             "--interconnect, or --busbw_GBps")
+        return name, profile.all_gather_busbw_GBps, profile.reduce_scatter_busbw_GBps, (
+            f"the profile's: all-gather busbw {profile.all_gather_busbw_GBps:.4g} GB/s; reduce-scatter "
+            f"{profile.reduce_scatter_busbw_GBps:.4g} GB/s effective (bytes per sync (n-1)/n over its exposed time)")
+    peak, source = INTERCONNECTS[name]
+    default = "" if interconnect else " (default for " + ("one machine" if machines == 1 else "several machines") + ")"
+    return name, peak, peak, source + default
+
+
+def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_machines: int | None = None,
+                   model_preset: str | None = None, num_parameters: int | None = None, num_layers: int | None = None,
+                   vocab_size: int = 384, block_size: int | None = None, mixed_precision: str = "no",
+                   gpu_memory_GB: float | None = None, free_memory_GB: float | None = None,
+                   interconnect: str | None = None, busbw_GBps: float | None = None,
+                   from_profile: str | None = None) -> FSDPPlan:
+    """The FSDP2 plan from keywords named like the flags (see the module docstring for the model).
+
+    Args:
+        num_processes: W, over all machines. gradient_accumulation_steps: K.
+        num_machines: machines (None: 1); with more than one the default link is InfiniBand.
+        model_preset / num_parameters + num_layers: the model (else the profile's units or preset).
+        vocab_size, block_size: of a preset (block_size: its positions; None: the profile's, else 128).
+        mixed_precision: ``no``, ``bf16``, ``fp16`` (accum-kit's plugin: fp32 master, low-precision gathers,
+            fp32 reduction).
+        gpu_memory_GB / free_memory_GB: memory per GPU (1e9 bytes); free wins.
+        interconnect, busbw_GBps: the bus bandwidth (see the module docstring).
+        from_profile: an FSDP2 ``train --profile_comm`` summary.
+
+    Raises:
+        UsageError: naming the flag.
+    """
+    check_fsdp_flags(True, model_preset, num_parameters, num_layers, gpu_memory_GB, free_memory_GB,
+                     mixed_precision, vocab_size)
+    profile = load_fsdp_profile(from_profile) if from_profile is not None else None
+    machines = num_machines or 1
+    W, K = num_processes, gradient_accumulation_steps
+    model = _structure(model_preset, num_parameters, num_layers, vocab_size, block_size, profile)
+    b_p, b_c, b_r = dtype_bytes(mixed_precision)
+    name, ag_bw, rs_bw, bw_source = _bandwidth(interconnect, busbw_GBps, machines, profile)
+    costs = {p: policy_costs(p, model, world_size=W, accumulation_steps=K, param_bytes=b_p, compute_bytes=b_c,
+                             reduce_bytes=b_r) for p in POLICIES}
+    base = costs["sync_each_batch"]
+    if free_memory_GB is not None:
+        free, free_source = free_memory_GB * GB, "--free_memory_GB"
+    elif gpu_memory_GB is not None:
+        free = gpu_memory_GB * GB - base.parameter_shard_bytes - base.optimizer_state_bytes
+        free_source = (f"--gpu_memory_GB {gpu_memory_GB:g} minus parameter shards and AdamW state "
+                       f"({(base.parameter_shard_bytes + base.optimizer_state_bytes) / GB:.4g} GB); activations "
+                       "not subtracted: pass --free_memory_GB measured to include them")
+    else:
+        free, free_source = None, "not given (--gpu_memory_GB or --free_memory_GB): every policy is listed as fitting"
+
+    def seconds(c) -> tuple[float, float]:
+        return (collective_seconds(c.reduce_scatter_bytes, W, rs_bw), collective_seconds(c.all_gather_bytes, W, ag_bw))
+
+    base_comm = sum(seconds(base))
+    rows = []
+    for p, c in costs.items():
+        rs_s, ag_s = seconds(c)
+        comm = rs_s + ag_s
+        step = predicted_step(profile, p, K, comm) if profile else None
+        base_step = predicted_step(profile, "sync_each_batch", K, base_comm) if profile else None
+        need = c.accumulation_bytes
+        rows.append(PolicyPlan(policy=p, costs=c.to_dict(), memory_needed_bytes=need,
+                               fits=None if free is None else need <= free, reduce_scatter_seconds=rs_s,
+                               all_gather_seconds=ag_s, comm_seconds=comm, step_seconds=step,
+                               saved_seconds_vs_sync_each_batch=base_comm - comm,
+                               speedup_vs_sync_each_batch=base_step / step if step else None))
+    fitting = [r for r in rows if r.fits is not False]
+    best = min(fitting, key=lambda r: (round(r.comm_seconds, 12), r.memory_needed_bytes)) if fitting else None
+    notes = []
+    if W < 2:
+        notes.append("1 process: FSDP has nothing to shard or communicate; pass --num_processes (all machines)")
+    if best is None:
+        notes.append("no policy fits: sync_each_batch needs P b_p / W per process, which more processes shrink "
+                     "(or offload parameters / optimizer state, which this plan does not model)")
+    if profile is not None and profile.world_size != W:
+        notes.append(f"c and o were measured on {profile.world_size} processes; only the communication is "
+                     f"recomputed for {W}")
+    if K == 1:
+        notes.append("K = 1: every policy does the same (one micro-batch per window)")
+    if profile is None:
+        notes.append("no profile: policies ranked by communication alone (compute is the same for all); pass "
+                     "--from_profile for step times")
+    arithmetic = _arithmetic(model, W, K, (b_p, b_c, b_r), ag_bw, rs_bw, costs, rows, best, free, profile)
+    return FSDPPlan(model={**asdict(model), "P": model.parameters, "P_f": model.layer_parameters,
+                           "P_0": model.other_parameters, "U_f": len(model.resharded), "U_0": len(model.kept)},
+                    num_processes=W, num_machines=machines, gradient_accumulation_steps=K,
+                    mixed_precision=mixed_precision, element_bytes={"b_p": b_p, "b_c": b_c, "b_r": b_r},
+                    interconnect=name, busbw_all_gather_GBps=ag_bw, busbw_reduce_scatter_GBps=rs_bw,
+                    busbw_source=bw_source, free_memory_bytes=free, free_memory_source=free_source, profile=profile,
+                    rows=tuple(rows), recommended=best.policy if best else None, arithmetic=arithmetic,
+                    notes=tuple(notes))
+
+
+def predicted_step(profile: FSDPProfile, policy: str, K: int, comm_seconds: float) -> float:
+    """Seconds per optimizer step of ``policy`` at K from a profile and the policy's communication seconds.
+
+    ``K (c - a) + (K - 1) a + comm + o``; ``sync_each_batch`` never adds into a held unsharded
+    gradient, so its ``(K - 1) a`` term is 0 (see the module docstring).
+    """
+    c, a = profile.compute_seconds, profile.accumulation_seconds
+    held = 0 if POLICIES[policy].sync_each_batch else K - 1
+    return K * (c - a) + held * a + comm_seconds + profile.other_seconds
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _arithmetic(model, W, K, b, ag_bw, rs_bw, costs, rows, best, free, profile) -> dict:
+    """The formulas with this plan's numbers: memory and seconds of the recommended policy and of sync_each_batch."""
+    by = {r.policy: r for r in rows}
+    out = {"P": f"P = P_f + P_0 = {model.layer_parameters} + {model.other_parameters} = {model.parameters} "
+                f"({model.source})"}
+    for name in dict.fromkeys([best.policy if best else None, "sync_each_batch"]):
+        if name is None:
+            continue
+        c, r = costs[name], by[name]
+        f = c.formulas
+        lines = [f"gradients held: {f['gradients']} = {_g(c.gradient_bytes / GB)} GB",
+                 f"gathered parameters kept: {f['gathered_parameters']} = {_g(c.gathered_parameter_bytes / GB)} GB",
+                 f"fits: {_g(r.memory_needed_bytes / GB)} GB <= {_g(free / GB)} GB free: {r.fits}" if free is not None
+                 else "fits: no memory given",
+                 f"reduce-scatters: {f['reduce_scatter']} B -> {c.reduce_scatter_bytes:.6g} B x ({W}-1)/{W} / "
+                 f"{_g(rs_bw)} GB/s = {_g(r.reduce_scatter_seconds)} s",
+                 f"all-gathers: {f['all_gather']} B -> {c.all_gather_bytes:.6g} B x ({W}-1)/{W} / {_g(ag_bw)} GB/s "
+                 f"= {_g(r.all_gather_seconds)} s",
+                 f"communication per step = {_g(r.reduce_scatter_seconds)} + {_g(r.all_gather_seconds)} = "
+                 f"{_g(r.comm_seconds)} s"]
+        if profile is not None:
+            c, a, o = profile.compute_seconds, profile.accumulation_seconds, profile.other_seconds
+            held = 0 if name == "sync_each_batch" else K - 1
+            lines.append(f"step = K (c - a) + {'(K-1)' if held else '0 x'} a + comm + o = {K} x ({_g(c)} - {_g(a)}) + "
+                         f"{held} x {_g(a)} + {_g(r.comm_seconds)} + {_g(o)} = {_g(r.step_seconds)} s")
+        out[name] = lines
+    return out
+
+
+def format_fsdp_plan(p: FSDPPlan) -> list[str]:
+    """Text lines of the FSDP2 section: inputs, one row per policy, the recommendation and its arithmetic."""
+    from tabulate import tabulate
+
+    m, b = p.model, p.element_bytes
+    lines = ["", f"FSDP2 accumulation policies ({p.num_processes} processes on {p.num_machines} machine(s), "
+                 f"K = {p.gradient_accumulation_steps}, mixed precision {p.mixed_precision}: b_p {b['b_p']}, "
+                 f"b_c {b['b_c']}, b_r {b['b_r']} bytes)",
+             f"  model: P = {m['P']} (P_f = {m['P_f']} in {m['U_f']} layer units, P_0 = {m['P_0']} in {m['U_0']} "
+             f"other units); {m['source']}",
+             f"  bus bandwidth ({p.interconnect}): all-gather {_g(p.busbw_all_gather_GBps)} GB/s, reduce-scatter "
+             f"{_g(p.busbw_reduce_scatter_GBps)} GB/s; {p.busbw_source}",
+             "  free memory per process: " + (f"{_g(p.free_memory_bytes / GB)} GB ({p.free_memory_source})"
+                                              if p.free_memory_bytes is not None else p.free_memory_source)]
+    if p.profile is not None:
+        pr = p.profile
+        lines.append(f"  profile {pr.path}: c = {_g(pr.compute_seconds)} s and accumulation a = "
+                     f"{_g(pr.accumulation_seconds)} s per micro-batch, o = "
+                     f"{_g(pr.other_seconds)} s per step (K_p = {pr.gradient_accumulation_steps}, "
+                     f"{pr.world_size} processes)")
+    headers = ("policy", "grads held GB", "gathered GB", "fits", "reduce-scatters", "all-gathers", "GB gathered",
+               "comm s", "saved s vs sync_each", *(("s/step", "speedup") if p.profile else ()))
+    table = []
+    for r in p.rows:
+        c = r.costs
+        table.append((r.policy + (" *" if r.policy == p.recommended else ""), _g(c["gradient_bytes"] / GB),
+                      _g(c["gathered_parameter_bytes"] / GB), {None: "n/a", True: "yes", False: "NO"}[r.fits],
+                      c["reduce_scatter_calls"], c["all_gather_calls"], _g(c["all_gather_bytes"] / GB),
+                      _g(r.comm_seconds), _g(r.saved_seconds_vs_sync_each_batch),
+                      *((_g(r.step_seconds), f"{r.speedup_vs_sync_each_batch:.3f}x") if p.profile else ())))
+    lines += [f"  {line}" for line in tabulate(table, headers=headers, tablefmt="simple",
+                                               disable_numparse=True).splitlines()]
+    lines.append("  recommended (fastest that fits): "
+                 + (f"--accumulation_policy {p.recommended}" if p.recommended else "none fits"))
+    lines.append(f"  arithmetic: {p.arithmetic['P']}")
+    for name, steps in p.arithmetic.items():
+        if name == "P":
+            continue
+        lines.append(f"    {name}:")
+        lines += [f"      {s}" for s in steps]
+    lines += [f"  note: {n}" for n in p.notes]
+    lines.append("  left out: overlap of collectives with compute (GPU; every collective is counted exposed), "
+                 "per-call latency, FSDP2's padding of each parameter to a multiple of W, activations")
+    return lines

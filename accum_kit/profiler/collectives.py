@@ -1,0 +1,168 @@
+"""FSDP2's collectives, recorded: every all-gather and reduce-scatter of every unit.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) has no comm hook; instead each
+``FSDPModule`` accepts objects that perform its collectives,
+``set_custom_all_gather`` and ``set_custom_reduce_scatter`` (PyTorch docs,
+"torch.distributed.fsdp.fully_shard", the ``FSDPModule`` API). An object
+must allocate the buffers (``allocate``) and run the collective
+(``__call__``). :class:`CollectiveRecorder` installs, on every unit, a
+recording object that wraps the one the unit had (FSDP2's default calls
+``torch.distributed.all_gather_single`` / ``reduce_scatter_single``; a
+user's custom object is wrapped just the same), as :class:`BucketRecorder`
+wraps a DDP comm hook.
+
+Timing: on CPU (gloo) FSDP2 calls both collectives synchronously
+(``async_op=False``): the call returns when the data is there, so the
+seconds are those of the call. An asynchronous call's completion is taken
+from its ``Work`` future. On CUDA the call only enqueues work on FSDP2's
+communication stream, so CUDA events recorded on that stream around it give
+the seconds, read when the records are read (written to the same
+interface; this project's machines have no GPU, so that path is unverified).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .records import CollectiveCall, Labels
+
+
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Recording:
+    """The part shared by the all-gather and reduce-scatter wrappers: allocation and timing."""
+
+    kind = ""
+
+    def __init__(self, inner, recorder: "CollectiveRecorder", unit: int):
+        self.inner, self.recorder, self.unit = inner, recorder, unit
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def _run(self, size_tensor, call, async_op: bool):
+        rec = self.recorder
+        if not rec.labels.enabled:
+            return call()
+        lab = rec.labels
+        fields = dict(kind=self.kind, step=lab.step, micro_batch=lab.micro_batch, mode=lab.mode, tag=lab.tag,
+                      unit=self.unit, bytes=_nbytes(size_tensor))
+        if size_tensor.is_cuda:
+            import torch
+
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            fields["start"] = time.perf_counter()
+            begin.record()
+            work = call()
+            end.record()
+            rec.add_pending(fields, begin, end)
+            return work
+        start = fields["start"] = time.perf_counter()
+        work = call()
+        if async_op and work is not None and hasattr(work, "get_future"):
+            work.get_future().then(lambda _: rec.add(CollectiveCall(**fields, seconds=time.perf_counter() - start)))
+        else:
+            rec.add(CollectiveCall(**fields, seconds=time.perf_counter() - start))
+        return work
+
+
+def recording_all_gather(inner, recorder: "CollectiveRecorder", unit: int):
+    """An FSDP2 ``AllGather`` that calls ``inner`` and records the call (size: the gathered output)."""
+    from ..compat import fsdp_comm_interfaces
+
+    AllGather, _ = fsdp_comm_interfaces()
+
+    class RecordingAllGather(_Recording, AllGather):
+        kind = "all_gather"
+
+        def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+            return self._run(output_tensor, lambda: self.inner(output_tensor=output_tensor, input_tensor=input_tensor,
+                                                               group=group, async_op=async_op), async_op)
+
+    return RecordingAllGather(inner, recorder, unit)
+
+
+def recording_reduce_scatter(inner, recorder: "CollectiveRecorder", unit: int):
+    """An FSDP2 ``ReduceScatter`` that calls ``inner`` and records the call (size: the full input)."""
+    from ..compat import fsdp_comm_interfaces
+
+    _, ReduceScatter = fsdp_comm_interfaces()
+
+    class RecordingReduceScatter(_Recording, ReduceScatter):
+        kind = "reduce_scatter"
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+            return self._run(input_tensor, lambda: self.inner(output_tensor=output_tensor, input_tensor=input_tensor,
+                                                              group=group, op=op, async_op=async_op), async_op)
+
+    return RecordingReduceScatter(inner, recorder, unit)
+
+
+class CollectiveRecorder:
+    """Records one :class:`CollectiveCall` per FSDP2 all-gather and reduce-scatter of a model.
+
+    Args:
+        labels: the shared :class:`Labels` stamped on every record; with
+            ``labels.enabled`` False calls go straight to the wrapped objects.
+
+    Attributes:
+        units: one dict per unit after :meth:`register`: ``name`` (module path,
+            ``""`` for the root), ``parameters`` (elements, unsharded) and
+            ``reshard_after_forward`` (read again by :meth:`unit_info`, since
+            FSDP2 settles the root's at the first forward).
+    """
+
+    def __init__(self, labels: Labels):
+        self.labels = labels
+        self._calls: list[CollectiveCall] = []
+        self._pending: list = []  # CUDA: (fields, begin event, end event)
+        self._lock = threading.Lock()
+        self._groups: list = []
+
+    def register(self, model) -> int:
+        """Wrap the collectives of every unit of the FSDP2 ``model``; returns the number of units.
+
+        Raises:
+            ValueError: ``model`` has no FSDP2 unit.
+        """
+        from ..compat import fsdp_unit_comms, fsdp_units
+
+        units = fsdp_units(model)
+        if not units:
+            raise ValueError("the model has no FSDP2 unit: prepare it under an FSDP2 config "
+                             "(accelerate_configs/cpu_fsdp.yaml or gpu_fsdp.yaml)")
+        for index, (module, group) in enumerate(units):
+            gather, scatter = fsdp_unit_comms(group)
+            module.set_custom_all_gather(recording_all_gather(gather, self, index))
+            module.set_custom_reduce_scatter(recording_reduce_scatter(scatter, self, index))
+        self._groups = [group for _, group in units]
+        return len(units)
+
+    def unit_info(self) -> list[dict]:
+        """Per unit: ``name``, ``parameters`` (elements, unsharded), ``reshard_after_forward`` (now)."""
+        from ..compat import fsdp_reshards_after_forward, fsdp_unit_name, fsdp_unit_parameters
+
+        return [{"name": fsdp_unit_name(g), "parameters": fsdp_unit_parameters(g),
+                 "reshard_after_forward": fsdp_reshards_after_forward(g)} for g in self._groups]
+
+    def add(self, call: CollectiveCall) -> None:
+        with self._lock:
+            self._calls.append(call)
+
+    def add_pending(self, fields: dict, begin, end) -> None:
+        with self._lock:
+            self._pending.append((fields, begin, end))
+
+    @property
+    def calls(self) -> list[CollectiveCall]:
+        """Every recorded collective so far (a copy); waits for pending CUDA ones."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for fields, begin, end in pending:
+            end.synchronize()
+            self.add(CollectiveCall(**fields, seconds=begin.elapsed_time(end) / 1000))
+        with self._lock:
+            return list(self._calls)
