@@ -340,3 +340,18 @@ def fsdp_comm_interfaces() -> tuple:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
     return AllGather, ReduceScatter
+
+
+def ddp_static_graph_unprimed(model) -> bool:
+    """True for a DDP model built with ``static_graph=True`` that has not run a synchronising backward yet.
+
+    DDP's static-graph mode fails ("expect_autograd_hooks_ INTERNAL ASSERT
+    FAILED" in ``reducer.cpp``) when its first backward runs under
+    ``no_sync``, which gradient accumulation does (pytorch/pytorch#143580,
+    huggingface/accelerate#3679; reproduced with torch 2.13 on gloo). After
+    one synchronising backward, ``no_sync`` windows give the exact averaged
+    gradients (checked against an all-reduced reference, torch 2.13 CPU).
+    Touches DDP's private ``_static_graph_delay_allreduce_enqueued``, which it
+    sets when that first synchronising backward is enqueued (torch 2.13).
+    """
+    return bool(getattr(model, "static_graph", False)) and not getattr(model, "_static_graph_delay_allreduce_enqueued", True)

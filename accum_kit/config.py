@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from . import checks
 from .clm_flags import resolve_run_clm_flags
 from .data import check_data_flags
+from .ddp_options import check_ddp_flags, ddp_field
 from .errors import UsageError
 from .loss import NORMALIZATIONS
 from .models import PRESETS
@@ -78,6 +79,11 @@ class TrainConfig:
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "Continue from a checkpoint folder, or 'latest' (the newest complete one in --output_dir)."})
     checkpoints_total_limit: int | None = field(default=None, metadata={"help": "Keep at most N checkpoints; the oldest is deleted after the new one is complete."})
     ddp_timeout: int = field(default=1800, metadata={"help": "Seconds a collective may wait for the other processes before the job fails (torch.distributed timeout)."})
+    # DDP constructor settings (Trainer's flag names), passed as Accelerate's DistributedDataParallelKwargs
+    ddp_bucket_cap_mb: float | None = ddp_field("ddp_bucket_cap_mb")
+    gradient_as_bucket_view: bool = ddp_field("gradient_as_bucket_view")
+    ddp_static_graph: bool = ddp_field("ddp_static_graph")
+    ddp_find_unused_parameters: bool = ddp_field("ddp_find_unused_parameters")
 
     def __post_init__(self):
         """Normalise 'off' values and check ranges; raises UsageError naming the flag."""
@@ -113,6 +119,7 @@ class TrainConfig:
         for flag in ("checkpoints_total_limit", "ddp_timeout"):
             if getattr(self, flag) is not None:
                 checks.at_least(f"--{flag}", getattr(self, flag))
+        check_ddp_flags(self)
 
     def _check_schedule(self) -> None:
         """Parse --accumulation_schedule into ``{step: K}``; it sets K unless --gradient_accumulation_steps agrees."""

@@ -23,7 +23,8 @@ from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, get_int_from_env
+from accelerate.utils import (DistributedDataParallelKwargs, GradientAccumulationPlugin, InitProcessGroupKwargs,
+                               get_int_from_env)
 
 from . import checks
 from .compat import enable_fsdp_on_cpu
@@ -153,6 +154,16 @@ def _with_timeout(handlers: list, seconds: float | None) -> tuple[list, timedelt
     return [dataclasses.replace(h, timeout=timeout) if h is own else h for h in handlers], timeout
 
 
+def _with_ddp_kwargs(handlers: list, ddp_kwargs: dict | None) -> list:
+    """``handlers`` with ``DistributedDataParallelKwargs(**ddp_kwargs)`` (the user's own one updated, not duplicated)."""
+    if not ddp_kwargs:
+        return handlers
+    own = next((h for h in handlers if isinstance(h, DistributedDataParallelKwargs)), None)
+    if own is None:
+        return [*handlers, DistributedDataParallelKwargs(**ddp_kwargs)]
+    return [dataclasses.replace(h, **ddp_kwargs) if h is own else h for h in handlers]
+
+
 def build_accelerator(
     gradient_accumulation_steps: int | None = None,
     *,
@@ -160,6 +171,7 @@ def build_accelerator(
     accumulation_policy: str | None = None,
     cpu: bool | None = None,
     ddp_timeout: float | None = None,
+    ddp_kwargs: dict | None = None,
     **accelerator_kwargs,
 ) -> Accelerator:
     """Build an Accelerator for gradient accumulation that is safe on CPU-only machines, with DDP or FSDP2.
@@ -184,6 +196,10 @@ def build_accelerator(
             Accelerate's default (1800 s on CPU). gloo honours it for
             ``all_reduce``, ``barrier`` and DDP's gradient all-reduce (measured,
             torch 2.13: "Timed out waiting 5000ms for recv operation").
+        ddp_kwargs: DDP constructor settings by DDP's names (``bucket_cap_mb``,
+            ``gradient_as_bucket_view``, ``static_graph``, ``find_unused_parameters``;
+            see :func:`accum_kit.ddp_options.ddp_kwargs`), passed as
+            ``DistributedDataParallelKwargs`` (updating one given in ``kwargs_handlers``).
         **accelerator_kwargs: passed to ``accelerate.Accelerator`` (e.g.
             ``mixed_precision``, ``log_with``, ``kwargs_handlers``, ``fsdp_plugin``).
 
@@ -209,6 +225,7 @@ def build_accelerator(
             unknown policy, an FSDP-only policy without FSDP, FSDP1, or FSDP on
             CPU with one process.
         ProcessCountError: launched and visible process counts differ.
+        TypeError: a ``ddp_kwargs`` key that ``DistributedDataParallelKwargs`` does not have.
     """
     from .faults import install_collective_failure_hook
     from .policies import resolve_policy
@@ -225,6 +242,7 @@ def build_accelerator(
         accelerator_kwargs["fsdp_plugin"] = fsdp_plugin_for(policy, accelerator_kwargs.get("fsdp_plugin"),
                                                             accelerator_kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION"))
     handlers, timeout = _with_timeout(list(accelerator_kwargs.pop("kwargs_handlers", None) or []), ddp_timeout)
+    handlers = _with_ddp_kwargs(handlers, ddp_kwargs)
     if cpu is None:
         cpu = launcher_world_size() > 1 and not _has_gpu()
     if cpu and fsdp and launcher_world_size() < 2:

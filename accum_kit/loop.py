@@ -22,6 +22,7 @@ from .batchnorm import warn_if_batchnorm_trains
 from .callbacks import CallbackList, LoopState
 from .checkpoint import DataCursor, load_checkpoint
 from .compat import release_dataloader, restart_window_counter, sync_each_batch
+from .ddp_options import static_graph_first_sync
 from .errors import UsageError
 from .loss import NORMALIZATIONS, LossFn, WindowNormalizer, causal_lm_loss
 from .planning.schedule import schedule_pairs
@@ -185,8 +186,9 @@ def train_loop(
     """
     _validate(train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization)
     loss_fn = loss_fn or causal_lm_loss
-    # profiler first: it must see a step before others react to it; the checkpointer last: it saves what they did
-    hooks = CallbackList([profiler, *callbacks, checkpointer])
+    # profiler first: it must see a step before others react to it; the checkpointer last: it saves what they did;
+    # a static-graph DDP model that never synchronised must sync its first backward (after every other train begin)
+    hooks = CallbackList([profiler, *callbacks, checkpointer, static_graph_first_sync(accelerator, model)])
     norm = WindowNormalizer(accelerator, loss_normalization)
     windows = WindowSchedule(accelerator, accumulation_schedule, optimizer, lr_scheduler, lr_scaling,
                              _examples_per_micro_batch(accelerator, train_dataloader))

@@ -23,8 +23,12 @@ variables, which will later be synchronized in the first forward-backward pass
 exiting the context"; ``no_sync`` is a context manager that sets the
 ``require_backward_grad_sync`` attribute set directly here (as nanoGPT does).
 
+The same loop also runs without DDP, averaging the gradients by hand after
+the window's last backward (``average_gradients``, see
+:mod:`accum_kit.manual_allreduce`; script flag ``--grad_sync``).
+
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml examples/raw_ddp_loop.py
-    torchrun --nproc_per_node 2 -m accum_kit.raw_ddp
+    torchrun --nproc_per_node 2 -m accum_kit.raw_ddp [--grad_sync manual_allreduce]
 """
 
 from __future__ import annotations
@@ -37,16 +41,18 @@ import torch.distributed as dist
 
 from . import checks
 from .callbacks import CallbackList, LoopCallback, LoopState
+from .compat import ddp_static_graph_unprimed
 from .loss import causal_lm_loss, scale_grads_
 
 
 def train_raw_ddp(model, optimizer, batches, gradient_accumulation_steps: int, max_train_steps: int, device,
-                  callbacks=()) -> list[float]:
+                  callbacks=(), average_gradients=None) -> list[float]:
     """Train ``max_train_steps`` optimizer steps of K micro-batches each; return each step's window loss.
 
     Args:
-        model: a ``torch.nn.parallel.DistributedDataParallel`` causal LM (the
-            process group must be initialised).
+        model: a ``torch.nn.parallel.DistributedDataParallel`` causal LM, or a
+            plain one when ``average_gradients`` is given (the process group
+            must be initialised).
         optimizer: any ``torch.optim`` optimizer over ``model``'s parameters.
         batches: an iterator of dicts of (batch, seq) tensors (``input_ids``,
             ``labels`` with -100 = ignored, optionally ``attention_mask``),
@@ -58,6 +64,12 @@ def train_raw_ddp(model, optimizer, batches, gradient_accumulation_steps: int, m
             points and with the same :class:`accum_kit.LoopState` fields as
             :func:`accum_kit.train_loop` calls them (``on_step_begin`` before the
             token all-reduce and the rescale).
+        average_gradients: None for a DDP ``model``; for a plain model, a
+            function ``average_gradients(parameters)`` that averages every
+            ``.grad`` over the processes (e.g.
+            :func:`accum_kit.manual_allreduce.allreduce_per_parameter`), called
+            after the backward of each window's last micro-batch, inside that
+            micro-batch's backward phase (so a profiler counts it as backward time).
 
     Returns:
         One loss per optimizer step: token-mean over the window and all processes, nats.
@@ -80,11 +92,17 @@ def train_raw_ddp(model, optimizer, batches, gradient_accumulation_steps: int, m
                 raise RuntimeError(f"batches ran out at optimizer step {state.step}: pass K x max_train_steps of them")
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             state.boundary = state.sync = micro == K - 1
-            model.require_backward_grad_sync = state.sync  # DDP all-reduces only in the window's last backward
+            if average_gradients is None:
+                # DDP all-reduces only in the window's last backward (and in the very first one of a static-graph
+                # model, which fails under no_sync before it has synchronised once; exact either way)
+                state.sync = state.sync or ddp_static_graph_unprimed(model)
+                model.require_backward_grad_sync = state.sync
             hooks("on_micro_batch_begin", state)
             summed_loss, n_tokens = causal_lm_loss(model, batch)
             hooks("on_forward_end", state)
             summed_loss.backward()  # .grad += grad S locally; on the last micro-batch DDP averages over W
+            if state.sync and average_gradients is not None:
+                average_gradients(model.parameters())  # by hand, after the backward: nothing left to overlap
             hooks("on_backward_end", state)
             state.micro_step += 1
             window += torch.stack([summed_loss.detach().double(), n_tokens.double()])
@@ -116,6 +134,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_train_steps", type=int, default=30, help="optimizer steps")
     p.add_argument("--learning_rate", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grad_sync", default="ddp", choices=["ddp", "manual_allreduce", "manual_allreduce_flat"],
+                   help="ddp: DistributedDataParallel all-reduces in the window's last backward; manual_allreduce: "
+                        "no DDP, one dist.all_reduce per parameter after it (the PyTorch tutorial's loop); "
+                        "manual_allreduce_flat: no DDP, one all-reduce of all gradients flattened")
     p.add_argument("--return_checks", action="store_true",
                    help="also return what the tests compare with plain PyTorch: the first window's token ids and "
                         "gradient, and the micro-batches whose backward all-reduced")
@@ -179,13 +201,22 @@ def main(argv=None) -> dict:
                              "add data or lower the batch size")
         model = build_model(args.model_preset, len(tokenizer), n_positions=args.block_size, seed=args.seed).to(device)
         recorder = _Recorder(model) if args.return_checks else None
-        ddp = DDP(model)  # broadcasts rank 0's weights; every rank built the same ones from the seed anyway
+        average = None
+        if args.grad_sync == "ddp":
+            ddp = DDP(model)  # broadcasts rank 0's weights; every rank built the same ones from the seed anyway
+        else:  # no DDP: start from rank 0's weights by hand, average the gradients by hand
+            from .manual_allreduce import MANUAL_MODES
+
+            for t in model.state_dict().values():
+                dist.broadcast(t, src=0)
+            ddp, sync = model, MANUAL_MODES[args.grad_sync]
+            average = (lambda params: sync(params, on_call=recorder.record_allreduce)) if recorder is not None else sync
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.learning_rate)
         batches = _forever(loader, sampler)
         if recorder is not None:
             batches = recorder.attach(ddp, optimizer, batches, args.gradient_accumulation_steps)
         losses = train_raw_ddp(ddp, optimizer, batches, args.gradient_accumulation_steps, args.max_train_steps,
-                               device, callbacks=[recorder] if recorder is not None else ())
+                               device, callbacks=[recorder] if recorder is not None else (), average_gradients=average)
         if rank == 0:
             print(f"final train loss {losses[-1]:.4f} (first {losses[0]:.4f}) after {len(losses)} steps "
                   f"of {args.gradient_accumulation_steps} micro-batches on {world} process(es)", flush=True)
@@ -205,7 +236,8 @@ class _Recorder(LoopCallback):
     Records the weights' initial sum, this process's token ids of the first
     window, each parameter's gradient (L2 norm and sum) as the first optimizer
     step sees it (after the rescale), and the micro-batch index of every
-    gradient-bucket all-reduce (a DDP comm hook wrapping the default all-reduce).
+    gradient all-reduce (a DDP comm hook wrapping the default all-reduce per
+    bucket, or, without DDP, :meth:`record_allreduce` per hand-made all-reduce).
     """
 
     def __init__(self, model):
@@ -214,9 +246,10 @@ class _Recorder(LoopCallback):
         self._micro = 0
 
     def attach(self, ddp, optimizer, batches, K: int):
-        """Register the comm hook and the optimizer pre-step hook; return ``batches``, recorded."""
-        self._named = list(ddp.module.named_parameters())
-        ddp.register_comm_hook(state=None, hook=self._comm_hook)
+        """Register the comm hook (DDP only) and the optimizer pre-step hook; return ``batches``, recorded."""
+        self._named = list(getattr(ddp, "module", ddp).named_parameters())
+        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            ddp.register_comm_hook(state=None, hook=self._comm_hook)
         self._handle = optimizer.register_step_pre_hook(self._before_step)
         return self._record(batches, K)
 
@@ -231,6 +264,9 @@ class _Recorder(LoopCallback):
 
         self.allreduce_micro_steps.append(self._micro)
         return allreduce_hook(None, bucket)
+
+    def record_allreduce(self, nbytes, start, seconds, last):
+        self.allreduce_micro_steps.append(self._micro)
 
     def _before_step(self, optimizer, args, kwargs):
         self.first_step_grads = {n: [p.grad.norm().item(), p.grad.sum().item()] for n, p in self._named}

@@ -21,6 +21,7 @@ from .checkpoint import (PREEMPTED_EXIT_CODE, Checkpointer, Preempted, check_res
                          latest_checkpoint, resolve_checkpoint)
 from .config import TrainConfig
 from .data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
+from .ddp_options import ddp_kwargs
 from .errors import UsageError
 from .evaluation import evaluate_loss
 from .launch import build_accelerator, resolve_accumulation_steps
@@ -151,7 +152,7 @@ def run(cfg: TrainConfig) -> dict:
         check_trackers(cfg.report_to, cfg.output_dir)
     tracking = dict(log_with=cfg.report_to, project_dir=cfg.output_dir) if cfg.with_tracking else {}
     accelerator = build_accelerator(k, accumulation_policy=cfg.accumulation_policy, ddp_timeout=cfg.ddp_timeout,
-                                    **tracking)
+                                    ddp_kwargs=ddp_kwargs(cfg), **tracking)
     quiet_other_processes(accelerator)
     check_supported(accelerator, cfg.loss_normalization)  # before any data or model work
     resume = _resume_path(cfg)

@@ -13,6 +13,7 @@ import job_helpers as jh  # noqa: E402
 
 EXAMPLES_TIMEOUT_S = 420
 RAW_DDP_STEPS = 6  # raw_ddp_loop's --max_train_steps in the shared launch
+RAW_GRAD_SYNCS = ("ddp", "manual_allreduce", "manual_allreduce_flat")  # raw_ddp_loop's --grad_sync, one run each
 PROFILE_COMM_STEPS = 8  # profile_comm's: 1 warm-up, 2 x 2 A/B windows, 3 more
 SCHEDULE = "0:1,2:2,5:4"  # by_feature/schedule.py's --accumulation_schedule (8 steps: K 1, 1, 2, 2, 2, 4, 4, 4)
 DIGITS_EPOCHS = 3  # by_feature/image_classification.py's --num_train_epochs in the shared launch
@@ -27,8 +28,9 @@ def example_specs(corpus: Path) -> list[dict]:
         {"name": "mean_vs_tokens", "path": str(ex / "by_feature" / "mean_vs_tokens.py"), "argv": corpus_flags},
         {"name": "verify_exactness", "path": str(ex / "by_feature" / "verify_exactness.py"),
          "argv": [*corpus_flags, "--max_train_steps", "8"]},
-        {"name": "raw_ddp_loop", "path": str(ex / "raw_ddp_loop.py"),
-         "argv": [*corpus_flags, "--max_train_steps", str(RAW_DDP_STEPS), "--return_checks"]},
+        *({"name": f"raw_ddp_loop{'' if sync == 'ddp' else '_' + sync}", "path": str(ex / "raw_ddp_loop.py"),
+           "argv": [*corpus_flags, "--max_train_steps", str(RAW_DDP_STEPS), "--return_checks", "--grad_sync", sync]}
+          for sync in RAW_GRAD_SYNCS),
         {"name": "profile_comm", "path": str(ex / "by_feature" / "profile_comm.py"),
          "argv": [*corpus_flags, "--max_train_steps", str(PROFILE_COMM_STEPS), "--ab_steps", "2"]},
         *checkpointing_specs(ex, corpus_flags, corpus.parent / "checkpointing"),

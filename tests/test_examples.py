@@ -6,6 +6,7 @@ feature's own figure is checked against an independent computation.
 
 from __future__ import annotations
 
+import pytest
 from conftest import ok
 
 
@@ -52,7 +53,8 @@ def test_verify_exactness_on_the_users_model(example_results):
     assert r0["train_loss"] == r1["train_loss"]
     base = ok(example_results["custom_loop"])[0]
     assert r0["train_loss"] == base["train_loss"], "verify changed the training that follows it"
-def test_raw_ddp_loop_equals_one_process_big_batch(example_results):
+@pytest.mark.parametrize("grad_sync", ["ddp", "manual_allreduce", "manual_allreduce_flat"])
+def test_raw_ddp_loop_equals_one_process_big_batch(example_results, grad_sync):
     """Plain-DDP reference loop: first step == one process's big batch; all-reduce only at window ends.
 
     The oracle rebuilds the same initial model in this (single) process, puts
@@ -60,7 +62,11 @@ def test_raw_ddp_loop_equals_one_process_big_batch(example_results):
     token-mean loss and its gradient with plain PyTorch. A wrong rescale
     (e.g. 1 / N instead of W / N) changes every gradient by a factor of 2; a
     missing sync leaves each rank with its own half-batch gradient; a sync on
-    every micro-batch shows in the all-reduce record.
+    every micro-batch shows in the all-reduce record. The same loop without
+    DDP (``--grad_sync manual_allreduce`` / ``manual_allreduce_flat``: the
+    gradients averaged by hand after the window's last backward) must give
+    the same first step, with one all-reduce per parameter tensor of the
+    oracle's model, or one in all, per window.
     """
     import math
 
@@ -71,7 +77,7 @@ def test_raw_ddp_loop_equals_one_process_big_batch(example_results):
     from accum_kit.models import build_model
     from conftest import RAW_DDP_STEPS
 
-    r0, r1 = ok(example_results["raw_ddp_loop"])
+    r0, r1 = ok(example_results["raw_ddp_loop" if grad_sync == "ddp" else f"raw_ddp_loop_{grad_sync}"])
     K, steps, block_size = 4, RAW_DDP_STEPS, 128  # the example's defaults
     assert r0["world_size"] == r1["world_size"] == 2
     assert len(r0["train_loss"]) == steps and r0["train_loss"] == r1["train_loss"]
@@ -86,6 +92,9 @@ def test_raw_ddp_loop_equals_one_process_big_batch(example_results):
 
     # Oracle: one process, one big batch of both ranks' first windows.
     model = build_model("tiny", len(build_tokenizer()), n_positions=block_size, seed=0)
+    per_window = {"manual_allreduce": len(list(model.parameters())), "manual_allreduce_flat": 1}.get(grad_sync)
+    if per_window is not None:  # by hand: one collective per parameter tensor (tied weights once), or one in all
+        assert len(c0["allreduce_micro_steps"]) == len(c1["allreduce_micro_steps"]) == per_window * steps
     assert math.isclose(sum(p.double().sum().item() for p in model.parameters()), c0["initial_param_sum"],
                         rel_tol=1e-9, abs_tol=1e-9)
     windows = [torch.tensor(micro) for c in (c0, c1) for micro in c["first_window_input_ids"]]

@@ -88,6 +88,18 @@ def _killed_on_rank_1():
     time.sleep(60)
 
 
+def _returns_its_rank():
+    return {"rank": int(os.environ["RANK"]), "pid": os.getpid()}
+
+
+def test_launch_returns_rank_0s_value():
+    """Each rank returns a different value: the launch must hand back rank 0's, not any other rank's."""
+    from accum_kit.notebook import launch
+
+    got = launch(_returns_its_rank, num_processes=2, timeout=60)
+    assert got["rank"] == 0 and got["pid"] != os.getpid(), got
+
+
 def _hangs():
     import time
 
@@ -145,7 +157,16 @@ def test_user_notebook_trains_on_two_processes_and_measures_the_saving(user_note
     assert "world size 2 (DistributedType.MULTI_CPU)" in out, out[-3000:]
     before, after = map(float, re.search(r"eval loss ([\d.]+) -> ([\d.]+) nats", out).groups())
     assert after < before - 0.5
-    speedup = float(re.search(r"no_sync speedup: ([\d.]+)x", out).group(1))
-    assert speedup > 1.0, out[-3000:]
+    # The A/B machinery, not its timing (a speed claim belongs to accum-kit bench, with an interval): after the
+    # warm-up window, 3 windows per mode alternate from the run's own mode, and a sync_each_batch window
+    # all-reduces every bucket on each of its K=8 micro-batches where a no_sync window does once.
+    assert re.search(r"A/B windows in order: (.+)", out).group(1).split() == ["no_sync", "sync_each_batch"] * 3, out[-3000:]
+    row = {m: re.search(rf"\b{m}\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", out).groups()
+           for m in ("sync_each_batch", "no_sync")}  # windows, s/step, all-reduces/step, speedup
+    assert int(row["no_sync"][0]) == int(row["sync_each_batch"][0]) == 3, row
+    buckets = float(row["no_sync"][2])
+    assert buckets >= 1 and buckets == int(buckets), row
+    assert float(row["sync_each_batch"][2]) == 8 * buckets, row
+    assert re.search(r"no_sync speedup: [\d.]+x", out)
     assert "verdict: tokens (--loss_normalization tokens) PASSES" in out
     assert re.search(r"effective batch size\s+256", out), out[-2000:]  # 8 x 4 x 8 processes (2 nodes x 4 GPUs)

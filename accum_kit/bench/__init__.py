@@ -5,8 +5,8 @@ Run it with::
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench
 
 It sweeps the gradient accumulation steps K (``--accumulation_steps``, default
-1 2 4 8 16) over three modes (and, opt-in through ``--modes``, two peers), on
-the same model, data and seed:
+1 2 4 8 16) over three modes (and, opt-in through ``--modes``, two loops that
+average gradients by hand and two peers), on the same model, data and seed:
 
 - ``sync_each_batch``: :func:`accum_kit.train_loop` with Accelerate's
   ``sync_each_batch`` flag on, so every micro-batch's backward all-reduces
@@ -20,6 +20,11 @@ the same model, data and seed:
   as nanoGPT does, with the same loss arithmetic (summed token loss, gradients
   scaled by ``world_size / N`` once per window after one all-reduce of the
   window's token count) and the same data;
+- ``manual_allreduce`` and ``manual_allreduce_flat``, opt-in: the raw loop
+  on a plain (not DDP-wrapped) copy of the model, averaging the gradients by
+  hand after the window's last backward, one ``dist.all_reduce`` per
+  parameter as in the PyTorch tutorial or one of all gradients flattened
+  (:mod:`accum_kit.manual_allreduce`); the same update as ``no_sync``;
 - peers, opt-in (:mod:`accum_kit.bench.peers`): ``trainer``
   (``transformers.Trainer`` with ``average_tokens_across_devices``, its
   prefetched windows and ``no_sync``, on a fresh copy of the model) and
@@ -43,10 +48,22 @@ Schedule: for each preset, one unrecorded run of every mode (a fresh model's
 first steps pay page faults and allocator growth), then for each repeat, for
 each K, the modes in an order rotated by one from one (repeat, K) to the
 next; each run is ``--warmup_steps`` optimizer steps that are not measured,
-then ``--steps`` measured ones. Medians, min / max and quartiles are over all
-measured steps of all repeats. Timings come from process 0 (the processes
-meet at every all-reduce, so their step times agree); memory is the maximum
-over processes.
+then ``--steps`` measured ones. The default (1 measured step, no warm-up, 24
+repeats) alternates the modes window by window: each repeat's ratio compares
+windows that ran seconds apart, so the machine's slow drift cancels, and the
+many repeats narrow the interval; ``--quick`` is the earlier short run (2
+steps after 1 warm-up step, 3 repeats). Medians, min / max and quartiles are
+over all measured steps of all repeats. Timings come from process 0 (the
+processes meet at every all-reduce, so their step times agree); memory is the
+maximum over processes. Every run also records the 1-minute load average and
+the process's CPU seconds per step (``time.process_time``, which other jobs'
+load does not lengthen).
+
+Intervals: every ratio of two modes is paired per repeat (below) and comes
+with a 95 % confidence interval, a t-interval on the log of the per-repeat
+ratios (:func:`accum_kit.stats.ratio_interval`); ``bench.csv`` has
+``<ratio>_ci_low`` / ``<ratio>_ci_high`` next to each ratio, and the tables
+mark an interval that contains 1 "not resolved".
 
 Every mode, the peers included, carries the same instrumentation: a
 :class:`accum_kit.profiler.CommProfiler` on its DDP model (a comm hook around
@@ -95,12 +112,14 @@ Peak memory per run: on CPU the process's resident set high-water mark
 ``/proc/self/clear_refs``; on CUDA ``torch.cuda.max_memory_allocated`` after
 ``reset_peak_memory_stats`` (:mod:`accum_kit.bench.memory`).
 
-Bars, printed PASS / FAIL / SKIP (checked on what this one run measured,
-never in unit tests; :func:`accum_kit.bench.report.evaluate_bars`): on the
-communication-heavy preset at K=8, ``no_sync`` must be at least 1.25x faster
-than ``sync_each_batch`` and reach at least 90 % of the ideal speedup; the
-``no_sync`` step time must be at most 1.03x the ``raw_ddp`` one at every K;
-peak memory at K=16 must be at most 1.05x that at K=1.
+Bars, printed PASS / FAIL / UNRESOLVED / SKIP (checked on what this one run
+measured, never in unit tests; :func:`accum_kit.bench.report.evaluate_bars`),
+judged by the 95 % intervals, not the point estimates: PASS when the whole
+interval meets the bar, FAIL when none of it does, UNRESOLVED otherwise. On
+the communication-heavy preset at K=8, ``no_sync`` must be at least 1.25x
+faster than ``sync_each_batch`` and reach at least 90 % of the ideal speedup;
+the ``no_sync`` step time must be at most 1.03x the ``raw_ddp`` one at every
+K; peak memory at K=16 must be at most 1.05x that at K=1.
 
 Under an FSDP2 launch (``accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m accum_kit
 bench``) the sweep compares the accumulation policies (``--accumulation_policies``, default all four) per K
@@ -109,10 +128,20 @@ reduce-scatters and all-gathers per step, bytes, gradient memory held between mi
 prediction, the ideal step from the profile, and a plot of seconds saved against memory added
 (:mod:`.fsdp`, :mod:`.fsdp_report`, :mod:`.fsdp_files`; docs/fsdp_costs.md).
 
-Modules, one way: :mod:`.config` (flags) -> :mod:`.sweep` (runs, using
-:mod:`.data`, :mod:`.memory`, :mod:`.records`, :mod:`.peers`) -> :mod:`.report` (figures,
-bars) -> :mod:`.tables` (text) and :mod:`.files` (JSON, CSV, PNG); the report
-side imports nothing from the sweep.
+``--tune`` (:mod:`.tune`, :mod:`.tune_report`) runs instead the ``no_sync``
+loop at one K under several DDP settings, each on its own copy of the model:
+the bench's own DDP flags, then each bucket size of ``--tune_bucket_cap_mb``,
+``gradient_as_bucket_view``, ``static_graph`` and ``find_unused_parameters``
+changed one at a time. Per setting: exposed communication per sync against
+its limit ``max(0, all-reduce - backward)``, s/step and its paired ratio to
+the base with intervals, peak memory; then it recommends the setting that is
+resolvably faster than the base, or says none is (tune.json, tune.csv).
+
+Modules, one way: :mod:`.config` (flags) -> :mod:`.sweep` and :mod:`.tune` (runs, using
+:mod:`.runs`, :mod:`.data`, :mod:`.memory`, :mod:`.records`, :mod:`.peers`) -> :mod:`.report` and
+:mod:`.tune_report` (figures, intervals, bars, recommendation) -> :mod:`.tables` (text) and
+:mod:`.files` (JSON, CSV, PNG); the report side imports nothing from the sweep. Under FSDP2: :mod:`.fsdp` ->
+:mod:`.fsdp_report` -> :mod:`.fsdp_files`.
 
 Outputs in ``--output_dir`` (default ``runs/bench``), each written atomically:
 ``bench.json`` (everything, including every run), ``bench.csv`` (one row per
@@ -131,8 +160,11 @@ ARGUMENTS = BenchConfig
 DESCRIPTION = (
     "Step time, communication and peak memory of sync_each_batch, no_sync (accum_kit.train_loop) and a "
     "hand-written raw DDP loop over gradient accumulation steps K, side by side, with the ideal no_sync "
-    "speedup; opt-in peers (--modes ... trainer accelerate_guide): transformers' Trainer and the loop of "
-    "Accelerate's gradient accumulation guide, with their loss difference from accum-kit. Run under: accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench")
+    "speedup and a 95 percent interval for every ratio; opt-in modes (--modes ...): manual_allreduce and "
+    "manual_allreduce_flat (gradients averaged by hand, no DDP), and the peers trainer (transformers' Trainer) "
+    "and accelerate_guide (the loop of Accelerate's gradient accumulation guide), with their loss difference "
+    "from accum-kit. --tune: DDP's settings at one K instead. Run under: accelerate launch --config_file "
+    "accelerate_configs/cpu_ddp.yaml -m accum_kit bench")
 
 
 def run_command(cfg: BenchConfig) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import checks
+from ..ddp_options import check_ddp_flags, ddp_field
+from ..ddp_options import ddp_kwargs as _ddp_kwargs
 from ..errors import UsageError
 from ..models import PRESETS
 from ..outputs import check_output_dir
@@ -12,15 +14,27 @@ from ..policies import POLICIES
 
 #: The three loops the sweep compares by default, in their default order.
 MODES = ("sync_each_batch", "no_sync", "raw_ddp")
+#: Hand-written gradient averaging without DDP (:mod:`accum_kit.manual_allreduce`), opt-in through ``--modes``.
+MANUAL = ("manual_allreduce", "manual_allreduce_flat")
 #: The peers, opt-in through ``--modes`` (see :mod:`accum_kit.bench.peers`): transformers' Trainer and the
 #: loop of Accelerate's gradient accumulation guide. Kept out of the default: each Trainer run builds a new
 #: Trainer, Accelerator and DDP wrapper, which adds seconds per run on 2 CPU cores.
 PEERS = ("trainer", "accelerate_guide")
-ALL_MODES = MODES + PEERS
+ALL_MODES = MODES + MANUAL + PEERS
 #: ``--comm_hook`` values: DDP's plain all-reduce, or its fp16 / bf16 compression hooks.
 COMM_HOOKS = ("none", "fp16", "bf16")
 DEFAULT_PRESETS = ("comm_heavy", "small")
 DEFAULT_KS = (1, 2, 4, 8, 16)
+#: Schedule of a run: (measured steps, warm-up steps, repeats). The default pairs single windows: every
+#: repeat runs one window of each mode back to back, so each per-repeat ratio compares two windows a few
+#: seconds apart and slow drift of the machine's load cancels; many repeats narrow the interval. The
+#: figures that chose it are in benchmarks/README.md. ``--quick`` is the short run of earlier versions.
+DEFAULT_SCHEDULE = (1, 0, 24)
+QUICK_SCHEDULE = (2, 1, 3)
+#: ``--tune``: the K and preset it uses unless given, and the bucket sizes it tries (MB).
+TUNE_K = 8
+TUNE_PRESETS = ("comm_heavy",)
+TUNE_BUCKET_CAP_MB = (5.0, 100.0)
 
 
 @dataclass
@@ -31,38 +45,63 @@ class BenchConfig:
         UsageError: naming the flag of the first bad value (nothing is written then).
     """
 
-    accumulation_steps: list[int] = field(default_factory=lambda: list(DEFAULT_KS), metadata={
-        "help": "Gradient accumulation steps K to sweep (run in increasing order)."})
+    accumulation_steps: list[int] | None = field(default=None, metadata={
+        "help": f"Gradient accumulation steps K to sweep (run in increasing order; default {list(DEFAULT_KS)}, "
+                f"with --tune {TUNE_K})."})
     modes: list[str] = field(default_factory=lambda: list(MODES), metadata={
-        "help": f"Loops to run, any of {list(ALL_MODES)} (default: the first three; the peers trainer and "
-                "accelerate_guide are opt-in)."})
+        "help": f"Loops to run, any of {list(ALL_MODES)} (default: the first three; the manual all-reduce modes "
+                "and the peers trainer and accelerate_guide are opt-in)."})
     accumulation_policies: list[str] = field(default_factory=lambda: list(POLICIES), metadata={
         "help": f"Under an FSDP2 config (accelerate_configs/cpu_fsdp.yaml): the accumulation policies to sweep, any "
                 f"of {list(POLICIES)} (the DDP --modes do not apply there)."})
-    model_presets: list[str] = field(default_factory=lambda: list(DEFAULT_PRESETS), metadata={
-        "help": f"Model presets, any of {sorted(PRESETS)}."})
+    model_presets: list[str] | None = field(default=None, metadata={
+        "help": f"Model presets, any of {sorted(PRESETS)} (default {list(DEFAULT_PRESETS)}, with --tune "
+                f"{list(TUNE_PRESETS)})."})
     per_device_train_batch_size: int = field(default=1, metadata={"help": "Examples per micro-batch per process."})
     block_size: int = field(default=64, metadata={"help": "Tokens per example."})
     vocab_size: int = field(default=384, metadata={
         "help": "Vocabulary of the synthetic token ids (384: the train job's byte tokenizer)."})
-    steps: int = field(default=2, metadata={"help": "Measured optimizer steps per run (under FSDP2: cycles of one "
-                                                     "window per policy)."})
-    warmup_steps: int = field(default=1, metadata={"help": "Optimizer steps before measuring, per run."})
-    repeats: int = field(default=3, metadata={"help": "Passes over every K and mode, interleaved."})
+    steps: int | None = field(default=None, metadata={
+        "help": f"Measured optimizer steps per run (under FSDP2: cycles of one window per policy; default {DEFAULT_SCHEDULE[0]}; --quick: {QUICK_SCHEDULE[0]})."})
+    warmup_steps: int | None = field(default=None, metadata={
+        "help": f"Optimizer steps before measuring, per run (default {DEFAULT_SCHEDULE[1]}; --quick: {QUICK_SCHEDULE[1]})."})
+    repeats: int | None = field(default=None, metadata={
+        "help": f"Passes over every K and mode, interleaved; every ratio's 95%% interval is over them, so at least 2 "
+                f"give one (default {DEFAULT_SCHEDULE[2]}; --quick: {QUICK_SCHEDULE[2]})."})
+    quick: bool = field(default=False, metadata={
+        "help": f"The short run (--steps {QUICK_SCHEDULE[0]} --warmup_steps {QUICK_SCHEDULE[1]} --repeats "
+                f"{QUICK_SCHEDULE[2]} unless given): a first look, its 95%% intervals are wide."})
     learning_rate: float = field(default=1e-4, metadata={"help": "AdamW learning rate."})
     seed: int = field(default=42, metadata={"help": "Seed of the model weights and the data."})
     variable_targets: bool = field(default=False, metadata={
         "help": "Give every row a random number of targets (labels -100 after a random length, at least 1 "
                 "target; same shapes and compute), so micro-batches differ in target tokens and a mean of "
                 "micro-batch means (accelerate_guide) differs from the token mean. Default: every position a target."})
-    bucket_cap_mb: float | None = field(default=None, metadata={"help": "DDP gradient bucket size, MB (None: DDP's 25)."})
-    gradient_as_bucket_view: bool = field(default=False, metadata={"help": "DDP gradient_as_bucket_view=True."})
-    static_graph: bool = field(default=False, metadata={"help": "DDP static_graph=True."})
+    # DDP constructor settings (Trainer's flag names), the same for every mode (accum_kit.ddp_options)
+    ddp_bucket_cap_mb: float | None = ddp_field("ddp_bucket_cap_mb")
+    gradient_as_bucket_view: bool = ddp_field("gradient_as_bucket_view")
+    ddp_static_graph: bool = ddp_field("ddp_static_graph")
+    ddp_find_unused_parameters: bool = ddp_field("ddp_find_unused_parameters")
     comm_hook: str = field(default="none", metadata={
         "help": f"DDP communication hook, one of {list(COMM_HOOKS)}: plain all-reduce, fp16 or bf16 compression."})
+    tune: bool = field(default=False, metadata={
+        "help": "Instead of the modes, sweep DDP's settings at one K (the no_sync loop, one model copy per "
+                "setting): the settings above as the base, then each of bucket sizes --tune_bucket_cap_mb, "
+                "gradient_as_bucket_view, static_graph, find_unused_parameters changed alone; reports exposed "
+                "communication against its limit, s/step with intervals and peak memory, and recommends one."})
+    tune_bucket_cap_mb: list[float] = field(default_factory=lambda: list(TUNE_BUCKET_CAP_MB), metadata={
+        "help": "Bucket sizes (MB) that --tune tries besides the base's."})
     output_dir: str = field(default="runs/bench", metadata={"help": "Where bench.json, bench.csv and bench.png go."})
 
     def __post_init__(self):
+        steps, warmup, repeats = QUICK_SCHEDULE if self.quick else DEFAULT_SCHEDULE
+        self.steps = steps if self.steps is None else self.steps
+        self.warmup_steps = warmup if self.warmup_steps is None else self.warmup_steps
+        self.repeats = repeats if self.repeats is None else self.repeats
+        if self.accumulation_steps is None:
+            self.accumulation_steps = [TUNE_K] if self.tune else list(DEFAULT_KS)
+        if self.model_presets is None:
+            self.model_presets = list(TUNE_PRESETS if self.tune else DEFAULT_PRESETS)
         ks = self.accumulation_steps
         if not ks:
             raise UsageError("--accumulation_steps", "no value given", "pass one or more integers, e.g. 1 2 4 8 16")
@@ -75,6 +114,10 @@ class BenchConfig:
         if "trainer" in self.modes and self.gradient_as_bucket_view:
             raise UsageError("--gradient_as_bucket_view", "transformers' Trainer has no such DDP setting, so the "
                              "trainer mode would run with other DDP settings", "drop it or remove trainer from --modes")
+        if "trainer" in self.modes and self.ddp_static_graph and max(self.accumulation_steps) > 1:
+            raise UsageError("--ddp_static_graph", "transformers' Trainer builds a new DDP model every run, and DDP's "
+                             "static_graph fails when its first backward runs under no_sync, as Trainer's first window "
+                             "does (pytorch/pytorch#143580)", "drop it or remove trainer from --modes")
         checks.distinct_choices("--model_presets", self.model_presets, sorted(PRESETS))
         checks.distinct_choices("--accumulation_policies", self.accumulation_policies, list(POLICIES))
         for flag in ("steps", "repeats", "per_device_train_batch_size"):
@@ -82,19 +125,19 @@ class BenchConfig:
         checks.at_least("--warmup_steps", self.warmup_steps, minimum=0, fix="pass 0 or a positive integer")
         checks.at_least("--block_size", self.block_size, minimum=2, fix="pass at least 2 tokens (one target)")
         checks.at_least("--vocab_size", self.vocab_size, minimum=2, fix="pass a vocabulary size of at least 2")
-        if self.bucket_cap_mb is not None:
-            checks.positive("--bucket_cap_mb", self.bucket_cap_mb, fix="pass a size in MB, e.g. 25 (DDP's default)")
+        check_ddp_flags(self)
         checks.one_of("--comm_hook", self.comm_hook, COMM_HOOKS)
         checks.positive("--learning_rate", self.learning_rate, fix="pass a positive float")
+        if self.tune:
+            if len(self.accumulation_steps) != 1:
+                raise UsageError("--accumulation_steps", f"--tune sweeps DDP settings at one K (got {self.accumulation_steps})",
+                                 f"pass one value, e.g. --accumulation_steps {TUNE_K}")
+            if not self.tune_bucket_cap_mb:
+                raise UsageError("--tune_bucket_cap_mb", "no value given", "pass one or more sizes in MB, e.g. 5 100")
+            for mb in self.tune_bucket_cap_mb:
+                checks.positive("--tune_bucket_cap_mb", mb, fix="pass sizes in MB, e.g. 5 100")
         check_output_dir(self.output_dir)
 
     def ddp_kwargs(self) -> dict:
-        """The DDP constructor arguments that differ from DDP's defaults (the same for every mode)."""
-        out = {}
-        if self.bucket_cap_mb is not None:
-            out["bucket_cap_mb"] = self.bucket_cap_mb
-        if self.gradient_as_bucket_view:
-            out["gradient_as_bucket_view"] = True
-        if self.static_graph:
-            out["static_graph"] = True
-        return out
+        """The DDP constructor arguments (DDP's names) that differ from DDP's defaults (the same for every mode)."""
+        return _ddp_kwargs(self)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from pathlib import Path
 
 from ..outputs import atomic_write_bytes, atomic_write_json, staged_output_dir
+from .tune_report import TUNE_CSV_FIELDS
 
 CSV_FIELDS = (
     "preset", "parameters", "K", "mode", "n_steps", "step_s_median", "step_s_min", "step_s_max", "step_s_q1",
@@ -16,19 +18,28 @@ CSV_FIELDS = (
     "c_s", "a_s", "ideal_no_sync_step_s", "ideal_sync_each_batch_step_s", "ideal_speedup", "speedup",
     "fraction_of_ideal", "overhead_s", "no_sync_over_raw_ddp",
     "no_sync_over_mode", "loss_max_abs_diff_vs_no_sync", "loss_mean_diff_vs_no_sync",
+    # 95 % intervals of the paired ratios above (t-interval on the log per-repeat ratios), and per mode the
+    # backward of the synchronising micro-batch and its exposed communication
+    "speedup_ci_low", "speedup_ci_high", "fraction_of_ideal_ci_low", "fraction_of_ideal_ci_high",
+    "no_sync_over_raw_ddp_ci_low", "no_sync_over_raw_ddp_ci_high", "no_sync_over_mode_ci_low",
+    "no_sync_over_mode_ci_high", "backward_sync_s", "exposed_comm_s_per_sync",
+    # the process's CPU seconds per step, and the ratios above in CPU seconds (see the bench's docstring)
+    "step_cpu_s_median", "no_sync_over_raw_ddp_cpu", "no_sync_over_raw_ddp_cpu_ci_low", "no_sync_over_raw_ddp_cpu_ci_high",
+    "no_sync_over_mode_cpu", "no_sync_over_mode_cpu_ci_low", "no_sync_over_mode_cpu_ci_high",
 )
 
 _COLORS = {"sync_each_batch": "tab:red", "no_sync": "tab:blue", "raw_ddp": "tab:green", "trainer": "tab:purple",
-           "accelerate_guide": "tab:orange"}
+           "accelerate_guide": "tab:orange", "manual_allreduce": "tab:brown", "manual_allreduce_flat": "tab:olive"}
 
 
-def csv_text(rows: list[dict]) -> str:
-    """The rows as CSV with the columns :data:`CSV_FIELDS` (None as an empty cell)."""
+def csv_text(rows: list[dict], fields=CSV_FIELDS) -> str:
+    """The rows as CSV with the columns ``fields`` (None as an empty cell, dicts as JSON)."""
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
+        w.writerow({k: ("" if r.get(k) is None else json.dumps(r[k], sort_keys=True) if isinstance(r[k], dict)
+                        else r[k]) for k in fields})
     return buf.getvalue()
 
 
@@ -95,4 +106,16 @@ def write_outputs(output_dir: str, result: dict) -> list[Path]:
         atomic_write_json(staging / "bench.json", result)
         atomic_write_bytes(staging / "bench.csv", csv_text(result["rows"]).encode())
         atomic_write_bytes(staging / "bench.png", png)
+    return [Path(output_dir) / n for n in names]
+
+
+def write_tune_outputs(output_dir: str, result: dict) -> list[Path]:
+    """``--tune``: write tune.json (everything) and tune.csv (one row per preset x setting); returns their paths.
+
+    Staged and moved in together, as :func:`write_outputs`.
+    """
+    names = ["tune.json", "tune.csv"]
+    with staged_output_dir(output_dir) as staging:
+        atomic_write_json(staging / "tune.json", result)
+        atomic_write_bytes(staging / "tune.csv", csv_text(result["rows"], TUNE_CSV_FIELDS).encode())
     return [Path(output_dir) / n for n in names]

@@ -19,10 +19,10 @@
     so its own DDP wrapper does not share parameters with the toolkit's):
     ``per_device_train_batch_size``, ``gradient_accumulation_steps`` = K,
     ``max_steps``, a sequential sampler, ``average_tokens_across_devices=True``,
-    ``ddp_find_unused_parameters=False``, ``max_grad_norm=0`` (no clipping,
-    as in the other modes), the same DDP bucket size and static-graph
-    setting, ``logging_steps=1`` (its per-step loss), ``report_to="none"``,
-    no checkpoints, and the same AdamW (a fresh one per run, i.e. zero state)
+    ``max_grad_norm=0`` (no clipping, as in the other modes), the same DDP
+    bucket size, static-graph and find-unused-parameters settings,
+    ``logging_steps=1`` (its per-step loss), ``report_to="none"``, no
+    checkpoints, and the same AdamW (a fresh one per run, i.e. zero state)
     with a constant ``LambdaLR``. Trainer prefetches each window, all-gathers
     its label count, runs the non-final micro-batches under ``no_sync`` and
     computes the gradient norm before every optimizer step. A new Trainer
@@ -206,8 +206,8 @@ def run_trainer(model, dataset, cfg, K: int, steps: int, accelerator, hook, make
             train_sampling_strategy="sequential", remove_unused_columns=False, report_to="none",
             save_strategy="no", logging_strategy="steps", logging_steps=1, disable_tqdm=True,
             dataloader_num_workers=0, dataloader_pin_memory=False, seed=cfg.seed,
-            ddp_find_unused_parameters=False, ddp_bucket_cap_mb=cfg.bucket_cap_mb,
-            ddp_static_graph=True if cfg.static_graph else None,
+            ddp_find_unused_parameters=cfg.ddp_find_unused_parameters, ddp_bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+            ddp_static_graph=True if cfg.ddp_static_graph else None,
             use_cpu=accelerator.device.type == "cpu")
         trainer = Trainer(model=model, args=args, train_dataset=dataset,
                           optimizers=(optimizer, constant_schedule(optimizer)), callbacks=[hooks])

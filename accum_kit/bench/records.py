@@ -33,12 +33,15 @@ class TagWindows(LoopCallback):
 def run_record(profiler, tag: str) -> dict:
     """The measured part of one run, from ``profiler``'s records tagged ``tag`` (seconds, bytes).
 
-    Keys: ``step_seconds``, ``optimizer_seconds``, ``other_seconds`` (per
+    Keys: ``step_seconds``, ``step_cpu_seconds`` (process CPU time per step),
+    ``optimizer_seconds``, ``other_seconds`` (per
     step: the step minus its timed phases, i.e. fetching batches and the
     loop's own code), ``micro_batches`` (``sync``, ``forward_s``,
     ``backward_s`` each), ``allreduce_calls``, ``allreduce_bytes``, ``syncs``,
     ``seconds_per_sync`` (median time with a bucket all-reduce in flight per
-    sync) and ``allreduce_busy_seconds`` (that times the syncs).
+    sync), ``allreduce_busy_seconds`` (that times the syncs) and
+    ``warmup_step_seconds`` (the unmeasured warm-up steps, kept to check
+    what warming up changes).
     """
     records = profiler.records(tag=tag)
     s = profiler.local_summary(tag)
@@ -48,6 +51,7 @@ def run_record(profiler, tag: str) -> dict:
     steps = records.steps
     return {
         "step_seconds": [x.step_seconds for x in steps],
+        "step_cpu_seconds": [x.cpu_seconds for x in steps],
         "optimizer_seconds": [x.optimizer_seconds for x in steps],
         "other_seconds": [x.step_seconds - phases.get(x.step, 0.0) - x.optimizer_seconds for x in steps],
         "micro_batches": [{"sync": m.sync, "forward_s": m.forward_seconds, "backward_s": m.backward_seconds}
@@ -55,4 +59,5 @@ def run_record(profiler, tag: str) -> dict:
         "allreduce_calls": s["allreduce_calls"], "allreduce_bytes": s["allreduce_bytes"], "syncs": s["syncs"],
         "seconds_per_sync": s["seconds_per_sync"],
         "allreduce_busy_seconds": s["seconds_per_sync"] * s["syncs"] if s["syncs"] else 0.0,
+        "warmup_step_seconds": [x.step_seconds for x in profiler.records(tag=f"warmup/{tag}").steps],
     }

@@ -19,7 +19,6 @@ from dataclasses import asdict, fields
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import DistributedDataParallelKwargs
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -27,62 +26,23 @@ from tqdm.auto import tqdm
 from ..compat import set_sync_each_batch
 from ..errors import UsageError
 from ..launch import build_accelerator, launcher_world_size
-from ..loop import train_loop
+from ..manual_allreduce import MANUAL_MODES
 from ..models import PRESETS, build_model, count_parameters
 from ..outputs import library_versions
 from ..profiler import CommProfiler
 from ..raw_ddp import train_raw_ddp
 from ..stats import median
-from .config import PEERS, BenchConfig
+from .config import MODES, BenchConfig
 from .data import TokenRows, raw_batch_indices, synthetic_tokens, variable_target_labels
-from .files import write_outputs
+from .files import write_outputs, write_tune_outputs
 from .memory import PeakMemory
 from .peers import constant_schedule, run_trainer, train_accelerate_guide
 from .records import TagWindows, run_record
-from .report import evaluate_bars, summarize_preset
+from .report import INTERVAL_METHOD, evaluate_bars, summarize_preset
+from .runs import comm_hook, load_average, reset_training_state, reset_weights, run_toolkit
 from .tables import format_bars, format_peer_table, format_preset_table, format_profile
-
-
-def run_toolkit(accelerator, model, optimizer, dataloader, K: int, steps: int, callbacks) -> list[float]:
-    """``sync_each_batch`` or ``no_sync`` (the caller sets the flag): :func:`accum_kit.train_loop`; returns the losses.
-
-    ``train_loop`` restarts Accelerate's window counter itself, so every run's
-    windows start at the dataloader's first batch.
-    """
-    accelerator.gradient_accumulation_steps = K
-    profiler, *others = callbacks
-    result = train_loop(accelerator, model, optimizer, dataloader, max_train_steps=steps, progress=False,
-                        profiler=profiler, callbacks=others)
-    return result.train_loss
-
-
-def reset_weights(model, initial: list) -> None:
-    """Weights back to ``initial`` (tensors in ``model.parameters()`` order), no gradients."""
-    with torch.no_grad():
-        for p, p0 in zip(model.parameters(), initial):
-            p.copy_(p0)
-            p.grad = None
-
-
-def reset_training_state(model, initial: list, optimizer) -> None:
-    """Weights back to ``initial``, AdamW moments and step counts to zero, no gradients."""
-    reset_weights(model, initial)
-    with torch.no_grad():
-        inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps it
-        for st in inner.state.values():
-            for v in st.values():
-                if torch.is_tensor(v):
-                    v.zero_()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def comm_hook(name: str):
-    """The DDP comm hook for ``--comm_hook`` (None: DDP's default all-reduce)."""
-    if name == "none":
-        return None
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    return {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[name]
+from .tune import tune_settings, tune_preset
+from .tune_report import format_tune_table, recommend, summarize_tune
 
 
 def machine(accelerator) -> dict:
@@ -124,8 +84,10 @@ def bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict,
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     model = build_model(preset, cfg.vocab_size, cfg.block_size, seed=cfg.seed)
     want_raw, want_trainer = "raw_ddp" in cfg.modes, "trainer" in cfg.modes
+    want_manual = bool(set(cfg.modes) & set(MANUAL_MODES))
     raw_model = copy.deepcopy(model).to(device) if want_raw else None  # a fresh copy of the same weights
     peer_model = copy.deepcopy(model).to(device) if want_trainer else None  # Trainer wraps its own DDP
+    manual_model = copy.deepcopy(model).to(device) if want_manual else None  # no DDP: gradients averaged by hand
     initial = [p.detach().clone() for p in model.parameters()]
     n_params = count_parameters(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -143,6 +105,10 @@ def bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict,
         raw_ddp = DistributedDataParallel(raw_model, device_ids=dev_ids, **ddp_kw)
         raw_opt = torch.optim.AdamW(raw_ddp.parameters(), lr=cfg.learning_rate)
         prof_raw = CommProfiler(accelerator, raw_ddp, hook=hook)
+    manual_opt = prof_manual = None
+    if want_manual:  # one plain copy for both manual modes (weights and AdamW state reset before every run)
+        manual_opt = torch.optim.AdamW(manual_model.parameters(), lr=cfg.learning_rate)
+        prof_manual = CommProfiler(accelerator, manual_model, distributed=True)  # told of each all-reduce
 
     # Data: the K-th dataloader holds exactly (warm-up + measured) x K micro-batches per process.
     run_steps = cfg.warmup_steps + cfg.steps
@@ -171,6 +137,8 @@ def bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict,
             prof = None
         elif mode == "raw_ddp":
             model_, opt_, prof = raw_ddp, raw_opt, prof_raw
+        elif mode in MANUAL_MODES:
+            model_, opt_, prof = manual_model, manual_opt, prof_manual
         else:
             model_, opt_, prof = acc_model, acc_opt, prof_acc
             set_sync_each_batch(accelerator, mode == "sync_each_batch")
@@ -190,6 +158,10 @@ def bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict,
             losses = train_accelerate_guide(accelerator, model_, opt_, acc_sched, loaders[K]["toolkit"], K, callbacks)
         elif mode == "raw_ddp":
             losses = train_raw_ddp(model_, opt_, iter(loaders[K]["raw"]), K, run_steps, device, callbacks=callbacks)
+        elif mode in MANUAL_MODES:
+            sync, record = MANUAL_MODES[mode], prof.record_allreduce
+            losses = train_raw_ddp(model_, opt_, iter(loaders[K]["raw"]), K, run_steps, device, callbacks=callbacks,
+                                   average_gradients=lambda params: sync(params, on_call=record))
         else:
             losses = run_toolkit(accelerator, model_, opt_, loaders[K]["toolkit"], K, run_steps, callbacks)
         wall = time.perf_counter() - t0
@@ -198,6 +170,7 @@ def bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict,
                            dtype=torch.float64, device=device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         return {"preset": preset, "K": K, "mode": mode, "wall_seconds": wall, "losses": losses,
+                "load_average_1min": load_average(),
                 "peak_rss_mb": None if peak is None else mem[0].item(),
                 "peak_increase_mb": None if increase is None else mem[1].item(),
                 **run_record(prof, tag)}
@@ -209,7 +182,8 @@ def bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict,
 
     # One unrecorded run per mode first: a fresh model's first steps pay page faults and allocator
     # growth that the per-run warm-up step does not fully absorb.
-    for mode in cfg.modes:
+    # (The guide's loop last: it shares the toolkit's DDP model, whose first run primes a static graph.)
+    for mode in sorted(cfg.modes, key=lambda m: m == "accelerate_guide"):
         one_run(mode, cfg.accumulation_steps[0], f"preset_warmup/{mode}")
     runs = []
     rotation = 0
@@ -226,6 +200,7 @@ def bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict,
                 bar.update(1)
     set_sync_each_batch(accelerator, False)
     del acc_model, acc_opt, acc_sched, raw_ddp, raw_opt, prof_acc, prof_raw, loaders, model, raw_model, peer_model, opt
+    del manual_model, manual_opt, prof_manual
     accelerator.free_memory()  # drops the prepared model, optimizer and dataloaders of this preset
     gc.unfreeze()
     gc.collect()
@@ -233,7 +208,10 @@ def bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict,
 
 
 def run(cfg: BenchConfig) -> dict:
-    """Run the sweep described by ``cfg``; return the result (also written to ``cfg.output_dir`` by process 0).
+    """Run the sweep described by ``cfg`` (or, with ``--tune``, the DDP settings' sweep); return the result.
+
+    Process 0 also writes it to ``cfg.output_dir`` (bench.json, bench.csv,
+    bench.png; with ``--tune`` tune.json and tune.csv) and prints the tables.
 
     Raises:
         UsageError: fewer than 2 processes, before any output is written.
@@ -242,46 +220,51 @@ def run(cfg: BenchConfig) -> dict:
     if launcher_world_size() < 2:
         raise UsageError("--num_processes", f"the bench compares DDP modes and needs >= 2 processes (launched: {launcher_world_size()})",
                          "run it under accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench")
-    handlers = [DistributedDataParallelKwargs(**cfg.ddp_kwargs())] if cfg.ddp_kwargs() else []
-    accelerator = build_accelerator(None, kwargs_handlers=handlers)
+    accelerator = build_accelerator(None, ddp_kwargs=cfg.ddp_kwargs())
     world = accelerator.num_processes
     started, load_start, t0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), os.getloadavg(), time.perf_counter()
-    total = len(cfg.model_presets) * cfg.repeats * len(cfg.accumulation_steps) * len(cfg.modes)
-    bar = tqdm(total=total, desc="bench runs", disable=not accelerator.is_main_process, file=sys.stdout)
-    presets, rows, per_k, all_runs, tables = {}, [], [], [], []
-    for preset in cfg.model_presets:
-        info, runs = bench_preset(cfg, preset, accelerator, bar)
-        p_rows, p_k = summarize_preset(preset, info, runs, cfg, world)
-        presets[preset], all_runs = info, all_runs + runs
-        rows += p_rows
-        per_k += p_k
-        tables.append(format_preset_table(preset, info, p_rows, p_k, cfg.modes) + "\n" + format_profile(info["profile"]))
-        if set(cfg.modes) & set(PEERS):
-            tables[-1] += "\n" + format_peer_table(p_rows, cfg.modes, cfg.variable_targets)
-        if accelerator.is_main_process:
-            bar.write(tables[-1] + "\n")
+    per_pass = len(tune_settings(cfg)) if cfg.tune else len(cfg.accumulation_steps) * len(cfg.modes)
+    bar = tqdm(total=len(cfg.model_presets) * cfg.repeats * per_pass, desc="bench runs",
+               disable=not accelerator.is_main_process, file=sys.stdout)
+    result = {"schema": "accum_kit.bench/2" if not cfg.tune else "accum_kit.bench.tune/1", "command": command(cfg, world),
+              "config": asdict(cfg), "machine": machine(accelerator), "versions": library_versions(),
+              "data": "synthetic: uniformly random token ids, every position a target; seed --seed + 1",
+              "timings_from": "process 0 (step times); peak memory: max over processes",
+              "interval_method": INTERVAL_METHOD}
+    presets, rows, all_runs, tables = {}, [], [], []
+    if cfg.tune:
+        recommendations = {}
+        for preset in cfg.model_presets:
+            info, runs = tune_preset(cfg, preset, accelerator, bar)
+            p_rows = summarize_tune(preset, runs, info["settings"])
+            recommendations[preset] = recommend(p_rows)
+            presets[preset], all_runs, rows = info, all_runs + runs, rows + p_rows
+            tables.append(format_tune_table(preset, info, p_rows, recommendations[preset]))
+            if accelerator.is_main_process:
+                bar.write(tables[-1] + "\n")
+        result.update(presets=presets, rows=rows, recommendations=recommendations, runs=all_runs)
+    else:
+        per_k = []
+        for preset in cfg.model_presets:
+            info, runs = bench_preset(cfg, preset, accelerator, bar)
+            p_rows, p_k = summarize_preset(preset, info, runs, cfg, world)
+            presets[preset], all_runs = info, all_runs + runs
+            rows += p_rows
+            per_k += p_k
+            tables.append(format_preset_table(preset, info, p_rows, p_k, cfg.modes) + "\n" + format_profile(info["profile"]))
+            if set(cfg.modes) - set(MODES):  # peers or manual all-reduce modes
+                tables[-1] += "\n" + format_peer_table(p_rows, cfg.modes, cfg.variable_targets)
+            if accelerator.is_main_process:
+                bar.write(tables[-1] + "\n")
+        bars = evaluate_bars(rows, per_k, all_runs)
+        tables.append(format_bars(bars))
+        result.update(presets=presets, rows=rows, per_k=per_k, bars=bars, runs=all_runs)
     bar.close()
-    bars = evaluate_bars(rows, per_k)
-    result = {
-        "schema": "accum_kit.bench/1",
-        "command": command(cfg, world),
-        "config": asdict(cfg),
-        "machine": machine(accelerator),
-        "versions": library_versions(),
-        "data": "synthetic: uniformly random token ids, every position a target; seed --seed + 1",
-        "timings_from": "process 0 (step times); peak memory: max over processes",
-        "presets": presets,
-        "rows": rows,
-        "per_k": per_k,
-        "bars": bars,
-        "runs": all_runs,
-        "timing": {"started": started, "total_seconds": time.perf_counter() - t0,
-                   "load_average_start": list(load_start), "load_average_end": list(os.getloadavg())},
-    }
+    result["timing"] = {"started": started, "total_seconds": time.perf_counter() - t0,
+                        "load_average_start": list(load_start), "load_average_end": list(os.getloadavg())}
     if accelerator.is_main_process:
-        paths = write_outputs(cfg.output_dir, result)
+        paths = (write_tune_outputs if cfg.tune else write_outputs)(cfg.output_dir, result)
         print("\n".join(tables))
-        print(format_bars(bars))
         print(f"wrote {', '.join(str(p) for p in paths)} ({result['timing']['total_seconds']:.0f} s; "
               f"load average {load_start[0]:.2f} at start, {result['timing']['load_average_end'][0]:.2f} at end)")
     accelerator.wait_for_everyone()

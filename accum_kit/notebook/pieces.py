@@ -67,10 +67,14 @@ def ab_compare(accelerator, model, optimizer, train_dataloader, *, windows: int 
 
     Returns:
         ``(table, result, comm)``: a DataFrame with one row per mode (``mode``,
-        ``s/step`` median seconds per optimizer step, ``all-reduces/step``
-        gradient-bucket all-reduces per step on this process, ``speedup`` =
-        sync_each_batch s/step over this mode's), the :class:`accum_kit.LoopResult`,
-        and the profiler's ``comm`` summary of the no_sync windows with the A/B figures.
+        ``windows`` measured, ``s/step`` median seconds per optimizer step,
+        ``all-reduces/step`` gradient-bucket all-reduces per measured step on
+        this process, ``speedup`` = sync_each_batch s/step over this mode's), the
+        :class:`accum_kit.LoopResult`, and the profiler's ``comm`` summary of
+        the no_sync windows with the A/B figures and ``ab_window_modes`` (the
+        mode of each measured window, in order). The speedup of so few windows
+        is a first look, not a measurement with an interval: ``accum-kit bench``
+        gives those.
     """
     import pandas as pd
 
@@ -82,14 +86,15 @@ def ab_compare(accelerator, model, optimizer, train_dataloader, *, windows: int 
     result = train_loop(accelerator, model, optimizer, train_dataloader, max_train_steps=warmup_steps + 2 * windows,
                         profiler=prof, callbacks=[ab], progress=False, **loop_kwargs)
     ab_figures = ab.summary()
-    comm = {**prof.summary(), **ab_figures}
+    comm = {**prof.summary(), **ab_figures, "ab_window_modes": list(ab.sequence)}
     seconds = {"sync_each_batch": ab_figures["seconds_per_step_sync_each_batch"],
                "no_sync": ab_figures["seconds_per_step_no_sync"]}
     rows = []
     for mode in ("sync_each_batch", "no_sync"):
-        rec = prof.records(mode=mode)
-        rows.append({"mode": mode, "s/step": seconds[mode],
-                     "all-reduces/step": len(rec.calls) / max(len(rec.steps), 1),
+        rec = prof.records(mode=mode)  # the measured windows only: the warm-up runs before DDP settles its buckets
+        steps = {st.step for st in rec.steps if st.step >= warmup_steps}
+        rows.append({"mode": mode, "windows": len(ab.times[mode]), "s/step": seconds[mode],
+                     "all-reduces/step": sum(c.step in steps for c in rec.calls) / max(len(steps), 1),
                      "speedup": seconds["sync_each_batch"] / seconds[mode]})
     return pd.DataFrame(rows), result, comm
 

@@ -80,6 +80,10 @@ class CommProfiler(LoopCallback):
             the trace clear of A/B windows, whose timing it would disturb.
         synchronize: call ``torch.cuda.synchronize()`` at phase boundaries on
             CUDA so phase times are real (default: on when the device is CUDA).
+        distributed: whether the loop synchronises gradients over processes;
+            default: True when ``model`` is DDP. Pass True for a plain model whose
+            loop all-reduces the gradients itself, and report each of those
+            all-reduces with :meth:`record_allreduce`.
 
     Attributes:
         mode: ``"no_sync"`` or ``"sync_each_batch"``, stamped on new records
@@ -97,11 +101,12 @@ class CommProfiler(LoopCallback):
     """
 
     def __init__(self, accelerator, model, *, hook=None, hook_state=None, trace_dir=None, trace_steps=2,
-                 trace_wait=1, synchronize=None):
+                 trace_wait=1, synchronize=None, distributed=None):
         self.accelerator, self.model = accelerator, model
         self.world_size = accelerator.num_processes
         self.sharded = bool(getattr(accelerator, "is_fsdp2", False)) and self.world_size > 1
-        self.distributed = self.sharded or isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self.is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        self.distributed = (self.sharded or self.is_ddp) if distributed is None else bool(distributed)
         if self.sharded and hook is not None:
             raise ValueError("hook= wraps a DDP comm hook, and FSDP2 has none; the profiler records FSDP2's "
                              "all-gathers and reduce-scatters through FSDPModule.set_custom_all_gather / "
@@ -152,7 +157,7 @@ class CommProfiler(LoopCallback):
             return self
         if self.sharded:
             self.collectives.register(self.model)
-        elif self.distributed:
+        elif self.is_ddp:
             self.buckets.register(self.model)
         if self.trace is not None:
             self.trace.start()
@@ -171,6 +176,11 @@ class CommProfiler(LoopCallback):
     def __exit__(self, *exc):
         self.detach()
         return False
+
+    def record_allreduce(self, nbytes: int, start: float, seconds: float, last: bool) -> None:
+        """Record a gradient all-reduce the loop made itself (no DDP); the signature of
+        :data:`accum_kit.manual_allreduce.OnCall`. See :meth:`BucketRecorder.record_call`."""
+        self.buckets.record_call(nbytes, start, seconds, last)
 
     # ---- loop hooks: the phase timer, with the trace's ranges and steps around it ----------
     def on_train_begin(self, state):

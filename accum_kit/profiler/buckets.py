@@ -73,6 +73,24 @@ class BucketRecorder:
         with self._lock:
             return list(self._calls)
 
+    def record_call(self, nbytes: int, start: float, seconds: float, last: bool) -> None:
+        """Record one gradient all-reduce that a loop made itself, without DDP (see :mod:`accum_kit.manual_allreduce`).
+
+        Args:
+            nbytes: bytes all-reduced by this process.
+            start: ``time.perf_counter()`` when the call began; seconds: until it returned.
+            last: True for the last call of this sync (the next call starts a new sync).
+        """
+        if not self.labels.enabled:
+            return
+        lab = self.labels
+        with self._lock:
+            index = sum(1 for c in self._calls if c.sync == self._sync)
+            self._calls.append(BucketCall(step=lab.step, micro_batch=lab.micro_batch, sync=self._sync, mode=lab.mode,
+                                          tag=lab.tag, bucket=index, bytes=nbytes, start=start, seconds=seconds))
+        if last:
+            self._sync += 1
+
     def on_bucket(self, bucket):
         """Call the wrapped hook on ``bucket`` and record it when its future completes."""
         if not self.labels.enabled:

@@ -38,6 +38,7 @@ class PhaseTimer(LoopCallback):
     def restart_step_clock(self) -> None:
         """The next step's time counts from here (called at train begin and after every step)."""
         self._t["step_start"] = self.now() if self.labels.enabled else time.perf_counter()
+        self._t["step_cpu"] = time.process_time()
 
     def on_train_begin(self, state):
         self.restart_step_clock()
@@ -69,5 +70,6 @@ class PhaseTimer(LoopCallback):
             now = self.now()
             self.steps.append(StepTimes(
                 step=state.step - 1, mode=self.labels.mode, tag=self.labels.tag,
-                optimizer_seconds=now - self._t["optimizer"], step_seconds=now - self._t["step_start"]))
+                optimizer_seconds=now - self._t["optimizer"], step_seconds=now - self._t["step_start"],
+                cpu_seconds=time.process_time() - self._t["step_cpu"]))
         self.restart_step_clock()

@@ -118,7 +118,10 @@ class StepTimes:
 
     ``optimizer_seconds``: from ``on_step_begin`` to ``on_step_end`` (window
     rescale, clipping, optimizer and scheduler step, ``zero_grad``);
-    ``step_seconds``: from the end of the previous step to the end of this one.
+    ``step_seconds``: from the end of the previous step to the end of this one;
+    ``cpu_seconds``: the CPU time this process (all its threads) used in that
+    span (``time.process_time``): the work done, without the time spent
+    waiting for other processes or descheduled by other jobs on the machine.
     """
 
     step: int
@@ -126,6 +129,7 @@ class StepTimes:
     tag: str | None
     optimizer_seconds: float
     step_seconds: float
+    cpu_seconds: float | None = None
 
 
 @dataclass

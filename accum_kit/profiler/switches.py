@@ -26,8 +26,9 @@ class AlternatingWindows(LoopCallback):
     when ``i`` is even and flipped when odd. The setting is applied between
     windows (in ``on_step_end``), before the next window's first
     ``accelerator.accumulate`` reads it. ``times[label]`` collects the seconds
-    of each window by side; subclasses name the sides in ``labels``
-    (False side, True side) and apply the setting in :meth:`apply`.
+    of each window by side and ``sequence`` the side of each measured window
+    in order; subclasses name the sides in ``labels`` (False side, True side)
+    and apply the setting in :meth:`apply`.
     """
 
     labels = ("off", "on")
@@ -35,6 +36,7 @@ class AlternatingWindows(LoopCallback):
     def __init__(self, n: int, home: bool, warmup_steps: int = 1):
         self.n, self.home, self.warmup = n, home, warmup_steps
         self.times = {label: [] for label in self.labels}
+        self.sequence: list[str] = []
         self._start = None
 
     def apply(self, value: bool) -> None:
@@ -56,6 +58,7 @@ class AlternatingWindows(LoopCallback):
         value = self._value_for(state.step - 1)
         if value is not None:
             self.times[self.labels[value]].append(now - self._start)
+            self.sequence.append(self.labels[value])
         nxt = self._value_for(state.step)
         self.apply(self.home if nxt is None else nxt)
         self._start = time.perf_counter()

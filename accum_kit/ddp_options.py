@@ -1,0 +1,98 @@
+"""DDP's constructor settings as flags, shared by ``accum-kit train`` and ``accum-kit bench``.
+
+The flag names are transformers' ``TrainingArguments`` names where it has
+one (``--ddp_bucket_cap_mb``, ``--ddp_static_graph``,
+``--ddp_find_unused_parameters``), and Accelerate's otherwise
+(``--gradient_as_bucket_view``); the DDP / Accelerate names
+(``--bucket_cap_mb``, ``--static_graph``, ``--find_unused_parameters``) are
+accepted as aliases. The values reach DDP as Accelerate's
+``DistributedDataParallelKwargs`` (:func:`accum_kit.build_accelerator`'s
+``ddp_kwargs``), whose fields carry DDP's own names; see
+https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html
+for what each one does. No torch import here (``--help`` stays fast).
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+from . import checks
+from .callbacks import LoopCallback
+
+#: flag (dataclass field) -> (DDP / DistributedDataParallelKwargs name, default, help, aliases)
+DDP_FLAGS = {
+    "ddp_bucket_cap_mb": ("bucket_cap_mb", None, "DDP gradient bucket size in MB (None: DDP's 25). Smaller buckets "
+                          "start all-reducing earlier in the backward; one big bucket overlaps nothing.", ["--bucket_cap_mb"]),
+    "gradient_as_bucket_view": ("gradient_as_bucket_view", False, "DDP gradient_as_bucket_view: gradients are views "
+                                "into the all-reduce buckets (saves one gradient-sized copy of memory).", []),
+    "ddp_static_graph": ("static_graph", False, "DDP static_graph: the set of used parameters and the graph do not "
+                         "change between iterations (lets DDP skip some per-iteration work).", ["--static_graph"]),
+    "ddp_find_unused_parameters": ("find_unused_parameters", False, "DDP find_unused_parameters: traverse the graph "
+                                   "after every forward to find parameters without gradients (needed only when some "
+                                   "get none; costs time).", ["--find_unused_parameters"]),
+}
+
+
+def ddp_field(name: str):
+    """The dataclass ``field`` of DDP flag ``name`` (a key of :data:`DDP_FLAGS`), with its default, help and aliases."""
+    _, default, help_text, aliases = DDP_FLAGS[name]
+    return field(default=default, metadata={"help": help_text, "aliases": aliases})
+
+
+def check_ddp_flags(cfg) -> None:
+    """Check the DDP flags of a config dataclass that has the :data:`DDP_FLAGS` fields.
+
+    Raises:
+        UsageError: ``--ddp_bucket_cap_mb`` not a positive number.
+    """
+    if cfg.ddp_bucket_cap_mb is not None:
+        checks.positive("--ddp_bucket_cap_mb", cfg.ddp_bucket_cap_mb,
+                        fix="pass a size in MB, e.g. 25 (DDP's default) to --ddp_bucket_cap_mb (alias --bucket_cap_mb)")
+
+
+def ddp_kwargs(cfg) -> dict:
+    """The DDP constructor arguments (DDP's names) whose flag differs from DDP's default; {} when none does."""
+    out = {}
+    for name, (ddp_name, default, _, _) in DDP_FLAGS.items():
+        value = getattr(cfg, name)
+        if value != default:
+            out[ddp_name] = value
+    return out
+
+
+class StaticGraphFirstSync(LoopCallback):
+    """Loop callback: the run's first micro-batch synchronises, so DDP's ``static_graph`` can work with ``no_sync``.
+
+    DDP with ``static_graph=True`` fails if its first backward runs under
+    ``no_sync`` (see :func:`accum_kit.compat.ddp_static_graph_unprimed`).
+    This turns Accelerate's ``sync_each_batch`` on at train begin and back to
+    its previous value after the first micro-batch's backward. The update
+    stays exact: that all-reduce averages the first micro-batch's gradients
+    over the processes, and the window's boundary all-reduce averages the sum
+    again, which leaves an already averaged term unchanged. Cost: one extra
+    gradient all-reduce per run. Put it after every callback that sets
+    ``sync_each_batch`` at train begin (:func:`accum_kit.train_loop` adds it last).
+    """
+
+    def __init__(self, accelerator):
+        self.accelerator, self._saved = accelerator, None
+
+    def on_train_begin(self, state):
+        from .compat import set_sync_each_batch, sync_each_batch
+
+        self._saved = sync_each_batch(self.accelerator)
+        set_sync_each_batch(self.accelerator, True)
+
+    def on_backward_end(self, state):
+        if self._saved is not None:
+            from .compat import set_sync_each_batch
+
+            set_sync_each_batch(self.accelerator, self._saved)
+            self._saved = None
+
+
+def static_graph_first_sync(accelerator, model) -> StaticGraphFirstSync | None:
+    """A :class:`StaticGraphFirstSync` when ``model`` is a static-graph DDP model that never synchronised, else None."""
+    from .compat import ddp_static_graph_unprimed
+
+    return StaticGraphFirstSync(accelerator) if ddp_static_graph_unprimed(model) else None
