@@ -93,6 +93,21 @@ def accelerator(monkeypatch):
     jh.reset_accelerate_state()
 
 
+@pytest.fixture
+def one_process(monkeypatch):
+    """A plain single process in this one: no launcher variables, fresh Accelerate state, one torch thread."""
+    import torch
+
+    for var in jh.LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    jh.reset_accelerate_state()
+    yield
+    jh.reset_accelerate_state()
+    torch.set_num_threads(threads)
+
+
 def ok(results: list[dict]) -> list[dict]:
     """Fail with the example's traceback if any rank raised."""
     for r in results:

@@ -225,20 +225,7 @@ def test_trainer_row_llama_is_exact(two_processes_llama):
 # --------------------------------------------------------------------------- one process, in this process
 
 
-@pytest.fixture
-def in_process(monkeypatch):
-    """Run the verify command here as a plain single process: no launcher variables, fresh Accelerate state."""
-    for var in jh.LAUNCHER_VARS:
-        monkeypatch.delenv(var, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    jh.reset_accelerate_state()
-    yield
-    jh.reset_accelerate_state()
-    torch.set_num_threads(threads)
-
-
-def test_single_process_exit_0_and_json(in_process, tmp_path, capsys):
+def test_single_process_exit_0_and_json(one_process, tmp_path, capsys):
     out = tmp_path / "sub" / "v.json"
     assert cli.run("verify", ["--json", str(out)]) == 0
     text = capsys.readouterr().out
@@ -257,7 +244,7 @@ def test_single_process_exit_0_and_json(in_process, tmp_path, capsys):
     assert "trainer (informational, exit code unaffected)" in text
 
 
-def test_trainer_row_leaves_the_callers_state_alone(in_process):
+def test_trainer_row_leaves_the_callers_state_alone(one_process):
     """Trainer builds its own Accelerator (shared GradientState, num_steps=1) and seeds Python's RNG: both restored."""
     import random
 
@@ -275,7 +262,7 @@ def test_trainer_row_leaves_the_callers_state_alone(in_process):
     assert random.getstate() == py and torch.equal(torch.get_rng_state(), before)
 
 
-def test_mean_of_means_selected_exit_1(in_process, capsys):
+def test_mean_of_means_selected_exit_1(one_process, capsys):
     assert cli.run("verify", ["--loss_normalization", "mean", "--no_trainer_row"]) == 1
     out = capsys.readouterr().out
     assert "verdict: mean-of-means (--loss_normalization mean) FAILS -> exit 1" in out
@@ -298,14 +285,14 @@ def test_mean_of_means_selected_exit_1(in_process, capsys):
         (["--model_preset", "llama_tiny", "--model_name_or_path", "MISSING_DIR"], "--model_preset"),
     ],
 )
-def test_bad_input_exit_2(in_process, tmp_path, capsys, argv, flag):
+def test_bad_input_exit_2(one_process, tmp_path, capsys, argv, flag):
     argv = [str(tmp_path / a) if a == "MISSING_DIR" else a for a in argv]
     assert cli.run("verify", argv) == 2
     err = capsys.readouterr().err
     assert "error:" in err and flag in err, err
 
 
-def test_registered_in_cli(in_process, capsys):
+def test_registered_in_cli(one_process, capsys):
     assert cli.main(["verify", "--gradient_accumulation_steps", "0"]) == 2
     assert "verify" in cli._usage()
 
@@ -313,7 +300,7 @@ def test_registered_in_cli(in_process, capsys):
 # --------------------------------------------------------------------------- Python API
 
 
-def test_python_api_and_the_check_is_not_rigged(in_process):
+def test_python_api_and_the_check_is_not_rigged(one_process):
     # K=1, one micro-batch of one example, no partial window: every normalisation is the same arithmetic,
     # so mean-of-means must pass too (the failure above is real, not built in).
     rep = verify.verify_accumulation(gradient_accumulation_steps=1, per_device_train_batch_size=1,
@@ -327,7 +314,7 @@ def test_python_api_and_the_check_is_not_rigged(in_process):
     assert "no partial window (--no_partial_window)" in text and "mean-of-means" in text
 
 
-def test_dataparallel_row_arithmetic(in_process):
+def test_dataparallel_row_arithmetic(one_process):
     """Forces the DataParallel row on CPU. Without GPUs DataParallel calls the module directly, so this
     checks the row's loss wrapper and arithmetic (ratio 1), not multi-GPU scatter/gather."""
     rep = verify.verify_accumulation(gradient_accumulation_steps=2, dataparallel=True, seed=2, trainer_row=False)
@@ -337,7 +324,7 @@ def test_dataparallel_row_arithmetic(in_process):
     assert "DataParallel sums" in rep.format()
 
 
-def test_local_model_with_dropout(in_process, tmp_path, capsys):
+def test_local_model_with_dropout(one_process, tmp_path, capsys):
     """--model_name_or_path: a saved GPT-2 with the default dropout 0.1 still matches (dropout is switched off)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -30,19 +30,6 @@ K, B = 3, 4
 R = (K + 1) // 2  # micro-batches in the partial window
 
 
-@pytest.fixture
-def one_process(monkeypatch):
-    """A plain single process: no launcher variables, fresh Accelerate state, one torch thread."""
-    for var in jh.LAUNCHER_VARS:
-        monkeypatch.delenv(var, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    jh.reset_accelerate_state()
-    yield
-    jh.reset_accelerate_state()
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def digits():
     """The first 64 digits as ``{"pixel_values": (1, 8, 8) float32, "labels": int64}``."""

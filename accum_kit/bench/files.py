@@ -86,6 +86,13 @@ def plot_png(result: dict) -> bytes:
         bottom.set_ylabel("% of step time in communication")
         bottom.set_ylim(0, 100)
         bottom.legend(fontsize=7)
+    return png_bytes(fig)
+
+
+def png_bytes(fig) -> bytes:
+    """A laid-out matplotlib figure as PNG bytes (110 dpi); the figure is closed."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
@@ -93,20 +100,25 @@ def plot_png(result: dict) -> bytes:
     return buf.getvalue()
 
 
-def write_outputs(output_dir: str, result: dict) -> list[Path]:
-    """Write bench.json, bench.csv and bench.png into ``output_dir``; returns their paths.
+def write_bench_files(output_dir: str, result: dict, csv: str, png: bytes) -> list[Path]:
+    """Write bench.json (``result``), bench.csv and bench.png into ``output_dir``; returns their paths.
 
     All three are made in a staging directory first and moved in only when
     every one of them exists, so a failure leaves ``output_dir`` as it was and
     new data never sits beside an old plot.
     """
-    png = plot_png(result)  # before anything is written: a plotting error leaves no partial output
     names = ["bench.json", "bench.csv", "bench.png"]
     with staged_output_dir(output_dir) as staging:
         atomic_write_json(staging / "bench.json", result)
-        atomic_write_bytes(staging / "bench.csv", csv_text(result["rows"]).encode())
+        atomic_write_bytes(staging / "bench.csv", csv.encode())
         atomic_write_bytes(staging / "bench.png", png)
     return [Path(output_dir) / n for n in names]
+
+
+def write_outputs(output_dir: str, result: dict) -> list[Path]:
+    """The DDP bench's bench.json, bench.csv and bench.png in ``output_dir``, via :func:`write_bench_files`."""
+    png = plot_png(result)  # before anything is written: a plotting error leaves no partial output
+    return write_bench_files(output_dir, result, csv_text(result["rows"]), png)
 
 
 def write_tune_outputs(output_dir: str, result: dict) -> list[Path]:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 
-from ..outputs import atomic_write_bytes, atomic_write_json, staged_output_dir
+from .files import csv_text, png_bytes, write_bench_files
 
 CSV_FIELDS = (
     "preset", "K", "policy", "n_steps", "n_pairs", "step_s_median", "step_s_q1", "step_s_q3",
@@ -21,16 +19,6 @@ CSV_FIELDS = (
 COLORS = {"sync_each_batch": "tab:red", "no_sync": "tab:blue", "no_sync_no_reshard_after_backward": "tab:orange",
           "no_sync_no_reshard": "tab:green"}
 MARKERS = "os^Dv<>p*h"
-
-
-def csv_text(rows: list[dict]) -> str:
-    """The rows as CSV with the columns :data:`CSV_FIELDS` (None as an empty cell)."""
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
-    return buf.getvalue()
 
 
 def plot_png(result: dict) -> bytes:
@@ -82,19 +70,10 @@ def plot_png(result: dict) -> bytes:
         right.legend(fontsize=7)
         for ax in (left, right):
             ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig)
 
 
 def write_fsdp_outputs(output_dir: str, result: dict) -> list[Path]:
     """Write bench.json, bench.csv and bench.png into ``output_dir`` (staged, all or nothing); returns their paths."""
     png = plot_png(result)  # before anything is written: a plotting error leaves no partial output
-    names = ["bench.json", "bench.csv", "bench.png"]
-    with staged_output_dir(output_dir) as staging:
-        atomic_write_json(staging / "bench.json", result)
-        atomic_write_bytes(staging / "bench.csv", csv_text(result["rows"]).encode())
-        atomic_write_bytes(staging / "bench.png", png)
-    return [Path(output_dir) / n for n in names]
+    return write_bench_files(output_dir, result, csv_text(result["rows"], CSV_FIELDS), png)

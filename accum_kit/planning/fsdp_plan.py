@@ -48,14 +48,13 @@ state (not the activations: it says so).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from .. import checks
 from ..errors import UsageError
 from ..policies import POLICIES
 from .fsdp import ShardedModel, collective_seconds, dtype_bytes, gpt2_units, policy_costs
-from .whatif import INTERCONNECTS
+from .whatif import INTERCONNECTS, profile_number
 
 GB = 1e9
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -87,11 +86,7 @@ class FSDPProfile:
 
 
 def _number(comm: dict, key: str, path: str) -> float:
-    value = comm.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise UsageError("--from_profile", f"{path}: the comm block has no number under {key!r} (got {value!r})",
-                         PROFILE_FIX)
-    return float(value)
+    return profile_number(comm, key, path, PROFILE_FIX)
 
 
 def load_fsdp_profile(path: str) -> FSDPProfile:

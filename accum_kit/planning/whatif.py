@@ -100,11 +100,15 @@ class MeasuredProfile:
     other_seconds: float  # o: per-step time besides K_p c + exposed, at least optimizer_seconds
 
 
-def _number(comm: dict, key: str, path: str) -> float:
+def profile_number(comm: dict, key: str, path: str, fix: str = PROFILE_FIX) -> float:
+    """``comm[key]`` of the profile at ``path`` as a finite float.
+
+    Raises:
+        UsageError (``--from_profile``): the key is missing or not a finite number; ``fix`` says what to pass.
+    """
     value = comm.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise UsageError("--from_profile", f"{path}: the comm block has no number under {key!r} (got {value!r})",
-                         PROFILE_FIX)
+        raise UsageError("--from_profile", f"{path}: the comm block has no number under {key!r} (got {value!r})", fix)
     return float(value)
 
 
@@ -122,7 +126,7 @@ def load_profile(path: str) -> MeasuredProfile:
     if not isinstance(comm, dict):
         raise UsageError("--from_profile", f"{path} has no comm block",
                          "rerun `accum-kit train` with --profile_comm and pass its train_summary.json")
-    n = int(_number(comm, "world_size", path))
+    n = int(profile_number(comm, "world_size", path))
     if n < 2 or not comm.get("allreduce_calls") or not comm.get("syncs"):
         raise UsageError("--from_profile", f"{path} is a {n}-process profile with no all-reduce measured",
                          "profile on 2 or more processes, e.g. accelerate launch --config_file "
@@ -131,18 +135,18 @@ def load_profile(path: str) -> MeasuredProfile:
         raise UsageError("--from_profile", f"{path} has no no-sync micro-batch, so neither the compute per "
                          "micro-batch nor the overlap was measured",
                          "profile with --gradient_accumulation_steps 2 or more and without --sync_each_batch")
-    fwd, bwd = _number(comm, "forward_seconds", path), _number(comm, "backward_seconds_no_sync", path)
-    steps = _number(comm, "optimizer_steps", path)
-    k_p = round(_number(comm, "micro_batches", path) / steps) if steps else 0
+    fwd, bwd = profile_number(comm, "forward_seconds", path), profile_number(comm, "backward_seconds_no_sync", path)
+    steps = profile_number(comm, "optimizer_steps", path)
+    k_p = round(profile_number(comm, "micro_batches", path) / steps) if steps else 0
     if k_p < 1:
         raise UsageError("--from_profile", f"{path} records no optimizer step", PROFILE_FIX)
     c = fwd + bwd
     if c <= 0:
         raise UsageError("--from_profile", f"{path}: compute per micro-batch is {c} s", PROFILE_FIX)
-    exposed, opt = _number(comm, "exposed_comm_seconds", path), _number(comm, "optimizer_seconds", path)
-    step = _number(comm, "seconds_per_step", path)
-    bytes_per_sync = _number(comm, "allreduce_bytes", path) / _number(comm, "syncs", path)
-    per_sync = _number(comm, "seconds_per_sync", path)
+    exposed, opt = profile_number(comm, "exposed_comm_seconds", path), profile_number(comm, "optimizer_seconds", path)
+    step = profile_number(comm, "seconds_per_step", path)
+    bytes_per_sync = profile_number(comm, "allreduce_bytes", path) / profile_number(comm, "syncs", path)
+    per_sync = profile_number(comm, "seconds_per_sync", path)
     if per_sync <= 0:
         raise UsageError("--from_profile", f"{path}: the all-reduce took {per_sync} s per sync", PROFILE_FIX)
     return MeasuredProfile(
@@ -151,7 +155,7 @@ def load_profile(path: str) -> MeasuredProfile:
         forward_seconds=fwd, backward_no_sync_seconds=bwd, compute_seconds=c,
         bytes_per_sync=bytes_per_sync,
         seconds_per_sync=per_sync, busbw_GBps=bytes_per_sync / per_sync * 2 * (n - 1) / n / GB,
-        overlap_fraction=_number(comm, "overlap_fraction", path), exposed_comm_seconds=exposed,
+        overlap_fraction=profile_number(comm, "overlap_fraction", path), exposed_comm_seconds=exposed,
         optimizer_seconds=opt, step_seconds=step,
         # Medians of different things need not add up: never below the optimizer step itself.
         other_seconds=max(step - k_p * c - exposed, opt),
