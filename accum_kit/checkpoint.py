@@ -300,7 +300,8 @@ def save_checkpoint(accelerator, output_dir, name: str, state: dict, data_rng: d
         total_limit: keep at most this many complete checkpoints; the oldest
             are deleted only after the new one is complete.
         timings: if given, the main process appends ``{"name", "seconds" (the whole save),
-            "fsync_seconds" (syncing files, marker and folders, with the barriers around it),
+            "fsync_seconds" (from the end of writing: syncing files, marker and folders, the
+            barriers around it, the renames and the deletion of replaced or stale checkpoints),
             "bytes"}``.
 
     Returns:
@@ -325,19 +326,19 @@ def save_checkpoint(accelerator, output_dir, name: str, state: dict, data_rng: d
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _write_synced(tmp / COMPLETE, json.dumps({"optimizer_steps": state["optimizer_steps"]}) + "\n")
+        fsync_dir(tmp)  # the marker's name, not only its bytes
+        old = root / f".{name}.replaced"
         if final.exists():  # same name from an earlier run: swap, then delete the old one
-            old = root / f".{name}.replaced"
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
+        os.rename(tmp, final)
+        fsync_dir(root)  # the new checkpoint survives a power loss before anything older is deleted
+        shutil.rmtree(old, ignore_errors=True)
         if total_limit:
             for stale in complete_checkpoints(root)[:-total_limit]:
                 if stale != final:
                     shutil.rmtree(stale)
-        fsync_dir(root)  # the rename (and deletions) survive a power loss
+        fsync_dir(root)  # and the deletions
         seconds, sync_seconds = time.perf_counter() - t0, time.perf_counter() - t_sync
         logger.info("saved checkpoint %s (%.1f MB, %.2f s, of which fsync and barriers %.2f s)", final, size / 1e6,
                     seconds, sync_seconds)

@@ -373,10 +373,10 @@ def build_tokenizer(model_name_or_path: str | None = None, *, use_slow_tokenizer
         tok = AutoTokenizer.from_pretrained(model_name_or_path, use_fast=not use_slow_tokenizer,
                                             trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        if not os.path.exists(model_name_or_path):
-            fix = "pass an existing model directory (or a reachable hub name), or use --model_preset"
-        elif "trust_remote_code" in str(exc):
+        if "trust_remote_code" in str(exc):
             flag, fix = "--trust_remote_code", f"read the code in {model_name_or_path} and pass --trust_remote_code if you trust it"
+        elif not os.path.exists(model_name_or_path):
+            fix = "pass an existing model directory (or a reachable hub name), or use --model_preset"
         raise UsageError(flag, f"cannot load a tokenizer from {model_name_or_path!r} ({exc})", fix) from exc
     # A folder without tokenizer files can yield an empty tokenizer instead of an error.
     if len(tok) <= 1 or not tok("def f():")["input_ids"]:

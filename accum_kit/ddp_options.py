@@ -50,6 +50,11 @@ def check_ddp_flags(cfg) -> None:
                         fix="pass a size in MB, e.g. 25 (DDP's default) to --ddp_bucket_cap_mb (alias --bucket_cap_mb)")
 
 
+def flag_of(ddp_name: str) -> str:
+    """The flag of DDP constructor argument ``ddp_name`` (e.g. ``bucket_cap_mb`` -> ``--ddp_bucket_cap_mb``)."""
+    return next((f"--{flag}" for flag, (name, *_) in DDP_FLAGS.items() if name == ddp_name), ddp_name)
+
+
 def ddp_kwargs(cfg) -> dict:
     """The DDP constructor arguments (DDP's names) whose flag differs from DDP's default; {} when none does."""
     out = {}

@@ -222,8 +222,8 @@ def build_accelerator(
 
     Raises:
         UsageError: K below 1, ``ddp_timeout`` not a positive number, an
-            unknown policy, an FSDP-only policy without FSDP, FSDP1, or FSDP on
-            CPU with one process.
+            unknown policy, an FSDP-only policy without FSDP, FSDP1, FSDP on
+            CPU with one process, or ``ddp_kwargs`` under FSDP.
         ProcessCountError: launched and visible process counts differ.
         TypeError: a ``ddp_kwargs`` key that ``DistributedDataParallelKwargs`` does not have.
     """
@@ -245,7 +245,11 @@ def build_accelerator(
     handlers = _with_ddp_kwargs(handlers, ddp_kwargs)
     if cpu is None:
         cpu = launcher_world_size() > 1 and not _has_gpu()
-    if cpu and fsdp and launcher_world_size() < 2:
+    if fsdp and ddp_kwargs:
+        from .ddp_options import flag_of
+        raise UsageError(flag_of(next(iter(ddp_kwargs))), "is a DDP setting and has no effect under FSDP2",
+                         "drop it, or launch with a DDP config (accelerate_configs/cpu_ddp.yaml)")
+    if fsdp and launcher_world_size() < 2 and (cpu or not _has_gpu()):
         raise UsageError("--num_processes", "FSDP on CPU needs at least 2 processes (one process has nothing to "
                          "shard with, and Accelerate would run it unsharded)",
                          "launch 2 or more processes, or use accelerate_configs/cpu_single.yaml")

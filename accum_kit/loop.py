@@ -186,8 +186,8 @@ def train_loop(
     """
     _validate(train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization)
     loss_fn = loss_fn or causal_lm_loss
-    # profiler first: it must see a step before others react to it; the checkpointer last: it saves what they did;
-    # a static-graph DDP model that never synchronised must sync its first backward (after every other train begin)
+    # profiler first: it must see a step before others react to it; the checkpointer after the user's callbacks: it
+    # saves what they did; a static-graph DDP model that never synchronised syncs its first backward (hook of its own)
     hooks = CallbackList([profiler, *callbacks, checkpointer, static_graph_first_sync(accelerator, model)])
     norm = WindowNormalizer(accelerator, loss_normalization)
     windows = WindowSchedule(accelerator, accumulation_schedule, optimizer, lr_scheduler, lr_scaling,

@@ -33,9 +33,10 @@ OnCall = Callable[[int, float, float, bool], None]
 def _timed_allreduce(tensor: torch.Tensor, world: int, on_call: OnCall | None, last: bool) -> None:
     start = time.perf_counter()
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)  # synchronous: returns when every process has the sum
+    seconds = time.perf_counter() - start
     tensor.div_(world)
     if on_call is not None:
-        on_call(tensor.numel() * tensor.element_size(), start, time.perf_counter() - start, last)
+        on_call(tensor.numel() * tensor.element_size(), start, seconds, last)
 
 
 def allreduce_per_parameter(parameters: Iterable[torch.nn.Parameter], on_call: OnCall | None = None) -> int:

@@ -156,19 +156,25 @@ def resolve_config(config_name: str | None = None, model_name_or_path: str | Non
     ``GPT2Config()``: 124M parameters for ``gpt2``).
 
     Raises:
-        UsageError: the config cannot be loaded (``--config_name``), custom
-            code not trusted (``--trust_remote_code``), an unknown type (``--model_type``).
+        UsageError: the config cannot be loaded or is not a causal LM's
+            (``--config_name``), custom code not trusted (``--trust_remote_code``),
+            an unknown type (``--model_type``).
     """
     from transformers import AutoConfig
 
     if config_name:
         try:
-            return AutoConfig.from_pretrained(config_name, trust_remote_code=trust_remote_code)
+            config = AutoConfig.from_pretrained(config_name, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as exc:
             _raise_remote_code(exc, config_name)
             raise UsageError("--config_name", f"cannot load a model configuration from {config_name!r} "
                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
                              "pass a directory with a config.json (PretrainedConfig.save_pretrained)") from exc
+        if config.model_type not in causal_lm_model_types() and not getattr(config, "auto_map", None):
+            raise UsageError("--config_name", f"{config_name!r} is a {config.model_type!r} configuration, and "
+                             "transformers has no causal LM of that type", "pass the config.json of a causal LM "
+                             "(e.g. a GPT2Config saved with save_pretrained)")
+        return config
     if model_name_or_path or model_type is None:
         return None
     check_model_type(model_type)
@@ -179,8 +185,8 @@ def check_model_type(model_type: str) -> None:
     """Raise UsageError (``--model_type``) unless transformers has a causal LM of this type."""
     if model_type not in causal_lm_model_types():
         raise UsageError("--model_type", f"unknown value {model_type!r}: transformers has no causal LM of that type",
-                         "pass e.g. gpt2, llama or mistral (a key of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), "
-                         "or --config_name with a config.json")
+                         "pass e.g. gpt2 (a key of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES; its default "
+                         "config, 124M parameters for gpt2), or --config_name with a small config.json")
 
 
 def build_from_config(config, seed: int | None = None, trust_remote_code: bool = False):

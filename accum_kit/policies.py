@@ -29,7 +29,8 @@ communication for memory in two places, and the policies name the choices:
     ``set_reshard_after_backward(False)`` inside the window): one all-gather
     per unit per window, DDP's memory for parameters and gradients during
     the window while the optimizer state stays sharded. FSDP1's ``no_sync``
-    behaved this way ("both full params and full grads", fairscale PR 752).
+    behaved this way ("both full params and full grads",
+    https://github.com/facebookresearch/fairscale/pull/752).
 
 Parameters do not change inside a window, so all four give the same update;
 the boundary backward always reshards, so the optimizer step sees sharded
@@ -45,6 +46,7 @@ trade off higher memory for reduced communication".
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from .errors import UsageError
@@ -59,8 +61,8 @@ class AccumulationPolicy:
         sync_each_batch: reduce (DDP: all-reduce; FSDP2: reduce-scatter) after every micro-batch.
         keep_params_after_backward: FSDP2 only: no reshard after a non-boundary backward.
         reshard_after_forward: FSDP2 only: the ``fully_shard`` setting the policy needs
-            (None: the launch config's ``fsdp_reshard_after_forward``, which must then be true
-            for ``no_sync_no_reshard_after_backward``).
+            (True: the config must not turn it off; False: set for the run; None: the launch
+            config's ``fsdp_reshard_after_forward``).
         fsdp_only: the policy has no meaning under DDP.
         help: one line for ``--help`` and the docs.
     """
@@ -84,6 +86,11 @@ POLICIES: dict[str, AccumulationPolicy] = {p.name: p for p in (
                        "FSDP2: no_sync, and parameters are gathered once per window and kept until its last backward"),
 )}
 DEFAULT_POLICY = "no_sync"
+
+
+def fsdp_launched() -> bool:
+    """True when ``accelerate launch`` ran with an FSDP config (it sets ``ACCELERATE_USE_FSDP=true``)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def resolve_policy(accumulation_policy: str | None, sync_each_batch: bool = False) -> AccumulationPolicy:

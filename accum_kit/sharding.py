@@ -8,17 +8,16 @@ The policies themselves (what each skips and keeps, and why) are described in
 from __future__ import annotations
 
 import contextlib
-import os
 
 from accelerate import Accelerator
 
 from .errors import UsageError
-from .policies import DEFAULT_POLICY, POLICIES, AccumulationPolicy
+from .policies import DEFAULT_POLICY, POLICIES, AccumulationPolicy, fsdp_launched
 
 
 def fsdp_requested(fsdp_plugin=None) -> bool:
     """True when the run asked for FSDP: a plugin was passed, or ``accelerate launch`` set ``ACCELERATE_USE_FSDP=true``."""
-    return fsdp_plugin is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return fsdp_plugin is not None or fsdp_launched()
 
 
 def fsdp_plugin_for(policy: AccumulationPolicy, fsdp_plugin=None, mixed_precision: str | None = None):
@@ -30,7 +29,7 @@ def fsdp_plugin_for(policy: AccumulationPolicy, fsdp_plugin=None, mixed_precisio
             (what ``accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml`` sets).
         mixed_precision: ``"no"``, ``"bf16"``, ``"fp16"`` (the Accelerator's). Unless the
             plugin has a mixed-precision policy already, low precision gets
-            ``MixedPrecisionPolicy(param_dtype=<low>, reduce_dtype=float32)``: compute in
+            ``MixedPrecisionPolicy(param_dtype=<low>, reduce_dtype=float32, output_dtype=<low>)``: compute in
             low precision, gradients reduced and accumulated in float32 (under ``no_sync`` in
             FSDP2's ``unsharded_accumulated_grad``), as torchtitan's default
             ``mixed_precision_reduce = "float32"``. Accelerate's own default reduces in the low

@@ -192,7 +192,8 @@ def run(cfg: TrainConfig) -> dict:
     profiler, switches = _profiling(cfg, accelerator, model, steps)
 
     # what the windows hold between micro-batches, with the prediction beside it (train_summary.json["memory"])
-    held = HeldMemory(accelerator, model, lambda: predicted_memory(accelerator, model, k))
+    k_max = max(schedule.values()) if schedule else k  # a schedule's largest window holds the most
+    held = HeldMemory(accelerator, model, lambda: predicted_memory(accelerator, model, k_max))
     callbacks = [LogEvery(accelerator, lr_scheduler, cfg.logging_steps), held, *switches]
     if cfg.with_tracking:  # hyperparameters as the tracker's config; figures per step via TrackerLogger
         accelerator.init_trackers("accum_kit", config={

@@ -201,11 +201,12 @@ def test_tune_summary_and_recommendation():
 # --------------------------------------------------------------------------- flags
 
 
-def test_schedule_defaults_quick_and_tune():
-    from accum_kit.bench.config import DEFAULT_SCHEDULE, QUICK_SCHEDULE, BenchConfig
+def test_schedule_defaults_quick_and_tune(monkeypatch):
+    from accum_kit.bench.config import QUICK_SCHEDULE, BenchConfig
 
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     d = BenchConfig()
-    assert (d.steps, d.warmup_steps, d.repeats) == DEFAULT_SCHEDULE and d.accumulation_steps == [1, 2, 4, 8, 16]
+    assert (d.steps, d.warmup_steps, d.repeats) == (1, 0, 24) and d.accumulation_steps == [1, 2, 4, 8, 16]
     q = BenchConfig(quick=True)
     assert (q.steps, q.warmup_steps, q.repeats) == QUICK_SCHEDULE == (2, 1, 3)  # the earlier default run
     assert BenchConfig(quick=True, repeats=5).repeats == 5  # an explicit flag wins
@@ -270,3 +271,25 @@ def test_train_refuses_a_bad_bucket_size(tmp_path, capsys):
     assert run("train", ["--ddp_bucket_cap_mb", "0", "--output_dir", str(out)]) == 2
     assert "--ddp_bucket_cap_mb" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_fsdp_launch_schedule_and_the_flags_of_the_other_launch_kind(monkeypatch, tmp_path):
+    """Under an FSDP2 launch: one warm-up window, the DDP-only flags refused; under DDP the policies refused."""
+    from accum_kit.bench.config import BenchConfig
+    from accum_kit.errors import UsageError
+
+    out = str(tmp_path / "bench")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    f = BenchConfig(output_dir=out)
+    assert (f.steps, f.warmup_steps, f.repeats) == (5, 1, 3)
+    for kwargs, flag in [({"tune": True}, "--tune"), ({"comm_hook": "fp16"}, "--comm_hook"),
+                         ({"ddp_bucket_cap_mb": 5.0}, "--ddp_bucket_cap_mb"),
+                         ({"gradient_as_bucket_view": True}, "--gradient_as_bucket_view")]:
+        with pytest.raises(UsageError) as e:
+            BenchConfig(output_dir=out, **kwargs)
+        assert e.value.flag == flag and "FSDP2" in str(e.value)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    with pytest.raises(UsageError) as e:
+        BenchConfig(output_dir=out, accumulation_policies=["no_sync", "sync_each_batch"])
+    assert e.value.flag == "--accumulation_policies"
+    assert not (tmp_path / "bench").exists()

@@ -27,8 +27,9 @@ resolve as they do for a reader in a clone. An output path
 (``--output_dir``, ``--trace_dir``, ``--json FILE``) need not exist: the
 parsers only check that it could be created. An input file the docs tell the
 reader to make, or that an earlier command of the docs writes, and that a
-parser opens (today only ``--train_file corpus.txt`` in docs/whatif.md) is
-listed in ``STAND_INS``: the test writes a small stand-in and passes its path
+parser opens (today ``--train_file corpus.txt`` in docs/whatif.md and
+``--train_file runs/clm/sample_text.txt`` in docs/run_clm.md) is listed in
+``STAND_INS``: the test writes a small stand-in and passes its path
 instead. Any other missing input file fails the check, so a typo in a path
 is caught. A shell command substitution ``$(...)`` (e.g. the GPU count
 ``$(nvidia-smi -L | wc -l)``) stands for a count and is replaced by ``2``.

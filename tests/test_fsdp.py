@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import statistics
 import sys
 
 import pytest
@@ -257,8 +259,21 @@ def test_fsdp_bench_sweeps_every_policy_and_writes_its_files(bench):
         runs = {r["repeat"]: r for r in result["runs"] if r["K"] == K}
         assert len(runs) == 2 and runs[1]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-5)
         assert {r["policy"] for r in result["runs"] if r["K"] == K} == set(POLICIES)
+    # the speedups and their intervals, recomputed from the per-window step times: one ratio per cycle
+    # (sync_each_batch's window over this policy's in the same cycle), t-interval on their logarithms
+    t_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365}  # Student's t, by df
     for r in result["rows"]:
-        assert r["speedup_ci_low"] <= r["speedup_vs_sync_each_batch"] <= r["speedup_ci_high"]
+        def windows(policy):
+            return {(x["repeat"], c): t for x in result["runs"] if x["K"] == r["K"] and x["policy"] == policy
+                    for c, t in zip(x["cycles"], x["step_seconds"])}
+        base, mine = windows("sync_each_batch"), windows(r["policy"])
+        logs = [math.log(base[c] / mine[c]) for c in mine]
+        assert len(logs) == 2 * 2  # --repeats 2 x --steps 2 cycles
+        m, half = statistics.fmean(logs), t_975[len(logs) - 1] * statistics.stdev(logs) / math.sqrt(len(logs))
+        assert r["speedup_vs_sync_each_batch"] == pytest.approx(math.exp(m), rel=1e-9)
+        if half > 0:
+            assert (r["speedup_ci_low"], r["speedup_ci_high"]) == pytest.approx((math.exp(m - half), math.exp(m + half)),
+                                                                              rel=1e-3)
 
 
 def test_fsdp_bench_counts_and_memory_follow_the_formulas(bench):
@@ -392,6 +407,8 @@ def fsdp_env(monkeypatch):
 @pytest.mark.parametrize("kwargs,env,flag", [
     (dict(), {"FSDP_VERSION": "1"}, "--fsdp_version"),
     (dict(), {}, "--num_processes"),  # FSDP on CPU with one process
+    (dict(cpu=None), {}, "--num_processes"),  # the same on a machine without a GPU, CPU not asked for
+    (dict(ddp_kwargs={"bucket_cap_mb": 5.0}), {}, "--ddp_bucket_cap_mb"),  # DDP's settings mean nothing here
     (dict(accumulation_policy="no_sync_no_reshard_after_backward"), {"FSDP_RESHARD_AFTER_FORWARD": "false"},
      "--accumulation_policy"),
     (dict(accumulation_policy="no_sync", sync_each_batch=True), {}, "--sync_each_batch"),
@@ -403,7 +420,7 @@ def test_what_cannot_work_is_refused_naming_the_flag(fsdp_env, kwargs, env, flag
     for k, v in env.items():
         fsdp_env.setenv(k, v)
     with pytest.raises(UsageError) as err:
-        build_accelerator(2, cpu=True, **kwargs)
+        build_accelerator(2, **{"cpu": True, **kwargs})
     assert err.value.flag == flag and "Fix:" in str(err.value), str(err.value)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import T5Config
 
 import job_helpers as jh
 
@@ -422,6 +423,7 @@ BAD = {
     "short_validation_file": (["--validation_file", "{tmp}/short.txt"], "--validation_file", "no validation example"),
     "workers_zero": (["--preprocessing_num_workers", "0"], "--preprocessing_num_workers", "got 0"),
     "unknown_model_type": (["--model_type", "gpt7"], "--model_type", "gpt7"),
+    "non_causal_config": (["--config_name", "{tmp}/t5"], "--config_name", "no causal LM"),
 }
 
 
@@ -429,6 +431,7 @@ BAD = {
 def test_bad_flags_exit_2_naming_the_flag_and_write_nothing(clm, inproc, capsys, tmp_path, case):
     flags, flag, words = BAD[case]
     (tmp_path / "short.txt").write_text("x = 1\n")  # fewer tokens than one block
+    T5Config(num_layers=1, d_model=8, d_ff=8, num_heads=1, d_kv=8).save_pretrained(tmp_path / "t5")  # encoder-decoder
     out = tmp_path / "out"
     code, err = run_train(capsys, ["--train_file", clm["sample"], "--model_name_or_path", clm["model_dir"],
                                    "--output_dir", out, "--max_train_steps", 1,

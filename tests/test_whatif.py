@@ -285,7 +285,7 @@ def plan_argv(capsys, *argv):
 
 
 def test_batch_size_and_k_come_from_the_profile(capsys, tmp_path, monkeypatch):
-    # The profiled run: B = 3, K = 2. The command of the issue gives neither flag.
+    # The profiled run: B = 3, K = 2. The docs/whatif.md command gives neither flag.
     profile = write_summary(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=2)
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "5")  # the profile's K is the run's: not this
     code, out, err = plan_argv(capsys, "--from_profile", profile, "--num_machines", "2", "--num_processes", "8",

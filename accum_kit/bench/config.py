@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import checks
-from ..ddp_options import check_ddp_flags, ddp_field
+from ..ddp_options import DDP_FLAGS, check_ddp_flags, ddp_field
 from ..ddp_options import ddp_kwargs as _ddp_kwargs
 from ..errors import UsageError
 from ..models import PRESETS
 from ..outputs import check_output_dir
-from ..policies import POLICIES
+from ..policies import POLICIES, fsdp_launched
 
 #: The three loops the sweep compares by default, in their default order.
 MODES = ("sync_each_batch", "no_sync", "raw_ddp")
@@ -31,6 +31,10 @@ DEFAULT_KS = (1, 2, 4, 8, 16)
 #: figures that chose it are in benchmarks/README.md. ``--quick`` is the short run of earlier versions.
 DEFAULT_SCHEDULE = (1, 0, 24)
 QUICK_SCHEDULE = (2, 1, 3)
+#: Under an FSDP2 launch a run's windows rotate through the policies, so ``steps`` counts cycles of one
+#: window per policy; one unmeasured window first keeps a run's start-up out of whichever policy leads
+#: (the schedule of the FSDP2 figures in docs/fsdp_costs.md).
+FSDP_SCHEDULE = (5, 1, 3)
 #: ``--tune``: the K and preset it uses unless given, and the bucket sizes it tries (MB).
 TUNE_K = 8
 TUNE_PRESETS = ("comm_heavy",)
@@ -62,12 +66,14 @@ class BenchConfig:
     vocab_size: int = field(default=384, metadata={
         "help": "Vocabulary of the synthetic token ids (384: the train job's byte tokenizer)."})
     steps: int | None = field(default=None, metadata={
-        "help": f"Measured optimizer steps per run (under FSDP2: cycles of one window per policy; default {DEFAULT_SCHEDULE[0]}; --quick: {QUICK_SCHEDULE[0]})."})
+        "help": f"Measured optimizer steps per run (default {DEFAULT_SCHEDULE[0]}; --quick: {QUICK_SCHEDULE[0]}; under "
+                f"FSDP2: cycles of one window per policy, default {FSDP_SCHEDULE[0]})."})
     warmup_steps: int | None = field(default=None, metadata={
-        "help": f"Optimizer steps before measuring, per run (default {DEFAULT_SCHEDULE[1]}; --quick: {QUICK_SCHEDULE[1]})."})
+        "help": f"Optimizer steps before measuring, per run (default {DEFAULT_SCHEDULE[1]}; --quick: "
+                f"{QUICK_SCHEDULE[1]}; under FSDP2 {FSDP_SCHEDULE[1]})."})
     repeats: int | None = field(default=None, metadata={
         "help": f"Passes over every K and mode, interleaved; every ratio's 95%% interval is over them, so at least 2 "
-                f"give one (default {DEFAULT_SCHEDULE[2]}; --quick: {QUICK_SCHEDULE[2]})."})
+                f"give one (default {DEFAULT_SCHEDULE[2]}; --quick: {QUICK_SCHEDULE[2]}; under FSDP2 {FSDP_SCHEDULE[2]})."})
     quick: bool = field(default=False, metadata={
         "help": f"The short run (--steps {QUICK_SCHEDULE[0]} --warmup_steps {QUICK_SCHEDULE[1]} --repeats "
                 f"{QUICK_SCHEDULE[2]} unless given): a first look, its 95%% intervals are wide."})
@@ -94,7 +100,8 @@ class BenchConfig:
     output_dir: str = field(default="runs/bench", metadata={"help": "Where bench.json, bench.csv and bench.png go."})
 
     def __post_init__(self):
-        steps, warmup, repeats = QUICK_SCHEDULE if self.quick else DEFAULT_SCHEDULE
+        fsdp = fsdp_launched()
+        steps, warmup, repeats = QUICK_SCHEDULE if self.quick else FSDP_SCHEDULE if fsdp else DEFAULT_SCHEDULE
         self.steps = steps if self.steps is None else self.steps
         self.warmup_steps = warmup if self.warmup_steps is None else self.warmup_steps
         self.repeats = repeats if self.repeats is None else self.repeats
@@ -136,7 +143,25 @@ class BenchConfig:
                 raise UsageError("--tune_bucket_cap_mb", "no value given", "pass one or more sizes in MB, e.g. 5 100")
             for mb in self.tune_bucket_cap_mb:
                 checks.positive("--tune_bucket_cap_mb", mb, fix="pass sizes in MB, e.g. 5 100")
+        self._check_launch_kind(fsdp)
         check_output_dir(self.output_dir)
+
+    def _check_launch_kind(self, fsdp: bool) -> None:
+        """Refuse the flags that mean nothing for this launch (DDP's under FSDP2, the policies under DDP)."""
+        if fsdp:
+            ddp_only = [("--tune", self.tune), ("--comm_hook", self.comm_hook != "none"),
+                        *((f"--{name}", name in self.ddp_flags_given()) for name in DDP_FLAGS)]
+            for flag, given in ddp_only:
+                if given:
+                    raise UsageError(flag, "is a DDP setting; under an FSDP2 config the bench compares "
+                                     "accumulation policies", f"drop {flag}, or launch with accelerate_configs/cpu_ddp.yaml")
+        elif self.accumulation_policies != list(POLICIES):
+            raise UsageError("--accumulation_policies", "compares FSDP2 policies, and this launch is not sharded",
+                             "launch with accelerate_configs/cpu_fsdp.yaml, or pass --modes for the DDP loops")
+
+    def ddp_flags_given(self) -> list[str]:
+        """The DDP flags (field names) whose value differs from DDP's default."""
+        return [name for name, (_, default, _, _) in DDP_FLAGS.items() if getattr(self, name) != default]
 
     def ddp_kwargs(self) -> dict:
         """The DDP constructor arguments (DDP's names) that differ from DDP's defaults (the same for every mode)."""

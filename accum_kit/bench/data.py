@@ -48,6 +48,13 @@ def variable_target_labels(tokens, seed: int):
     return tokens.masked_fill(torch.arange(block).unsqueeze(0) >= keep, -100)
 
 
+def data_description(cfg) -> str:
+    """One line for bench.json's ``data``: what the synthetic rows hold under ``cfg`` (a ``BenchConfig``)."""
+    targets = ("a random number of targets per row (--variable_targets), seed --seed + 2" if cfg.variable_targets
+               else "every position a target")
+    return f"synthetic: uniformly random token ids (seed --seed + 1), {targets}"
+
+
 def raw_batch_indices(n_batches: int, batch_size: int, rank: int, world: int) -> list[list[int]]:
     """The example indices of the micro-batches process ``rank`` gets: global batches rank, rank + W, ...
 

@@ -60,11 +60,12 @@ from ..profiler import CommProfiler, ProfileRecords, sharded_summary
 from ..sharding import element_bytes, sharded_model
 from ..stats import median
 from .config import MODES, BenchConfig
-from .data import TokenRows, synthetic_tokens, variable_target_labels
+from .data import TokenRows, data_description, synthetic_tokens, variable_target_labels
 from .fsdp_files import write_fsdp_outputs
 from .fsdp_report import evaluate_targets, format_fsdp_table, format_targets, summarize_fsdp_preset
 from .memory import PeakMemory
-from .sweep import machine, reset_training_state
+from .runs import reset_training_state
+from .sweep import machine
 
 MB = 2**20
 
@@ -242,11 +243,10 @@ def bench_fsdp_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[
     gc.freeze()  # as the DDP sweep: keep the collector from re-scanning what lives for the whole preset
     one_run(cfg.accumulation_steps[0], "preset_warmup", order)  # unrecorded: a fresh model's first steps are slow
     b_p, b_c, b_r = element_bytes(accelerator, acc_model)
-    runs, rotation_start = [], 0
+    runs = []
     for rep in range(cfg.repeats):
-        for K in cfg.accumulation_steps:
-            shift = rotation_start % len(order)
-            rotation_start += 1
+        for k_index, K in enumerate(cfg.accumulation_steps):
+            shift = (rep + k_index) % len(order)  # each K's leading policy changes every repeat
             recs = one_run(K, rep, order[shift:] + order[:shift])
             runs += recs
             bar.set_postfix_str(f"{preset} K={K} " + ", ".join(f"{r['policy']} {median(r['step_seconds']):.2f}"
@@ -297,7 +297,7 @@ def run(cfg: BenchConfig) -> dict:
         "config": asdict(cfg),
         "machine": machine(accelerator),
         "versions": library_versions(),
-        "data": "synthetic: uniformly random token ids, every position a target; seed --seed + 1",
+        "data": data_description(cfg),
         "timings_from": "process 0 (step times); memory: max over processes",
         "presets": presets,
         "rows": rows,

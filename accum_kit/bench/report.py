@@ -343,6 +343,7 @@ def evaluate_bars(rows: list[dict], per_k: list[dict], runs: list[dict] | None =
     raw["cpu_verdict"] = cpu["verdict"]
     if cpu_items:
         raw["cpu_detail"] = cpu["detail"]
+    if cpu_items and items:
         raw["detail"] += f". CPU seconds per step (for the record; the verdict is on step time): {cpu['verdict']}, {cpu['detail']}"
     bars.append(raw)
     lo, hi = BAR_MEMORY_K

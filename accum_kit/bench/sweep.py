@@ -33,7 +33,7 @@ from ..profiler import CommProfiler
 from ..raw_ddp import train_raw_ddp
 from ..stats import median
 from .config import MODES, BenchConfig
-from .data import TokenRows, raw_batch_indices, synthetic_tokens, variable_target_labels
+from .data import TokenRows, data_description, raw_batch_indices, synthetic_tokens, variable_target_labels
 from .files import write_outputs, write_tune_outputs
 from .memory import PeakMemory
 from .peers import constant_schedule, run_trainer, train_accelerate_guide
@@ -228,7 +228,7 @@ def run(cfg: BenchConfig) -> dict:
                disable=not accelerator.is_main_process, file=sys.stdout)
     result = {"schema": "accum_kit.bench/2" if not cfg.tune else "accum_kit.bench.tune/1", "command": command(cfg, world),
               "config": asdict(cfg), "machine": machine(accelerator), "versions": library_versions(),
-              "data": "synthetic: uniformly random token ids, every position a target; seed --seed + 1",
+              "data": data_description(cfg),
               "timings_from": "process 0 (step times); peak memory: max over processes",
               "interval_method": INTERVAL_METHOD}
     presets, rows, all_runs, tables = {}, [], [], []

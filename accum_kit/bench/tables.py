@@ -17,14 +17,21 @@ def _f(x, fmt: str = "{:.3f}", none: str = "n/a") -> str:
 
 
 def fmt_ratio(point, low, high, fmt: str = "{:.3f}", suffix: str = "") -> str:
-    """``point [low-high]`` (the 95 % interval), ``not resolved`` appended when the interval contains 1."""
+    """``point [low-high]`` (the 95 % interval), ``not resolved`` appended when the interval contains 1.
+
+    The point is the median of the per-pass ratios and the interval is centred
+    on their geometric mean (:func:`accum_kit.stats.ratio_interval`); when
+    skewed ratios put the median outside the interval, ``(median outside)``
+    is appended so that the pair is not read as one estimate.
+    """
     if point is None:
         return "n/a"
     text = fmt.format(point) + suffix
     if low is None or high is None:
         return text + " [n<2]"
     text += f" [{fmt.format(low)}-{fmt.format(high)}]"
-    return text + (f" {NOT_RESOLVED}" if resolved(low, high) is False else "")
+    text += f" {NOT_RESOLVED}" if resolved(low, high) is False else ""
+    return text + (" (median outside)" if not low <= point <= high else "")
 
 
 def _table(rows: list, headers: list, colalign: tuple) -> str:

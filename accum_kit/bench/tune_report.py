@@ -108,7 +108,7 @@ def format_tune_table(preset: str, info: dict, rows: list[dict], rec: dict) -> s
     head = (f"{preset} --tune at K={info['K']}: {info['parameters'] / 1e6:.1f}M parameters "
             f"({info['gradient_bytes'] / 2**20:.0f} MB of gradients), micro-batch {info['micro_batch']}, no_sync loop")
     headers = ["setting", "s/step", "geo. mean [95% CI]", "/ base [95% CI]", "exposed comm / sync", "limit", "exposed / limit",
-               "buckets / sync", "all-reduce / sync", "peak MB (+run)"]
+               "all-reduces / step", "all-reduce / sync", "peak MB (+run)"]
     table = []
     for r in rows:
         step = f"{_f(r['step_s_geomean'])} [{_f(r['step_s_ci_low'])}-{_f(r['step_s_ci_high'])}]"

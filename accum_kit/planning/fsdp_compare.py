@@ -100,7 +100,7 @@ def format_fsdp_comparison(cmp: dict) -> list[str]:
                                                                "speedup measured [95% CI]"),
                                                tablefmt="simple", disable_numparse=True).splitlines()]
     lines.append(f"  |predicted / measured - 1|: median {f(cmp['median_abs_relative_error'], '{:.1%}')}, max "
-                 f"{f(cmp['max_abs_relative_error'], '{:.1%}')}; the bench's noise floor (relative half-range of a "
-                 f"cell's per-pass medians, median over cells) {f(cmp['noise_floor'], '{:.1%}')}")
+                 f"{f(cmp['max_abs_relative_error'], '{:.1%}')}; the bench's noise floor (its bench.json's noise_floor: how "
+                 f"much a cell's per-repeat medians spread, median over cells) {f(cmp['noise_floor'], '{:.1%}')}")
     lines += [f"  note: {n}" for n in cmp["notes"]]
     return lines

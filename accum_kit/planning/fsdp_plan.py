@@ -21,8 +21,9 @@ Time model (seconds per optimizer step, one window of K micro-batches):
   gradient), ``a`` the profiled accumulation per micro-batch
   (``accumulation_seconds``: adding a backward's gradients into the unsharded
   gradient held since the window's first micro-batch, which syncing each
-  micro-batch does not do) and ``o`` the profiled step minus ``K_p c`` minus
-  its exposed communication (at least the optimizer step); without a
+  micro-batch does not do) and ``o`` the profiled step minus its window's
+  compute ``K_p c - a`` (its first micro-batch accumulates nothing) minus its
+  exposed communication (at least the optimizer step); without a
   profile the plan ranks the policies by communication alone (their compute
   is the same: parameters do not change inside a window).
 
@@ -118,14 +119,16 @@ def load_fsdp_profile(path: str) -> FSDPProfile:
     rs_busbw = per_sync * (n - 1) / n / exposed / GB if exposed > 0 else _number(comm, "reduce_scatter_busbw_GBps", path)
     exposed_step = _number(comm, "exposed_comm_seconds_per_step", path)
     opt, step = _number(comm, "optimizer_seconds", path), _number(comm, "seconds_per_step", path)
+    acc = float(comm.get("accumulation_seconds") or 0.0)
     return FSDPProfile(
         path=str(path), world_size=n, gradient_accumulation_steps=k_p, policy=summary.get("accumulation_policy"),
         model=summary.get("model"), block_size=summary.get("block_size"), compute_seconds=c,
-        accumulation_seconds=float(comm.get("accumulation_seconds") or 0.0),
+        accumulation_seconds=acc,
         exposed_reduce_scatter_seconds=exposed, reduce_scatter_bytes_per_sync=per_sync,
         reduce_scatter_busbw_GBps=rs_busbw, all_gather_busbw_GBps=_number(comm, "all_gather_busbw_GBps", path),
         exposed_comm_seconds_per_step=exposed_step, optimizer_seconds=opt, step_seconds=step,
-        other_seconds=max(step - k_p * c - exposed_step, opt), units=tuple(comm.get("fsdp_units") or ()))
+        # the profiled no_sync window: K_p micro-batches of compute, the first without the accumulation
+        other_seconds=max(step - (k_p * c - acc) - exposed_step, opt), units=tuple(comm.get("fsdp_units") or ()))
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ Definitions (seconds, bytes; "per step" divides by the optimizer steps recorded)
   accumulation per micro-batch), plus, per unit, the all-gathers syncing
   every micro-batch would make (K per step, 2K for a unit that reshards after
   forward) minus those recorded, times that unit's median seconds per
-  all-gather. (With K no-sync micro-batches of which the first allocates and
-  the other K - 2 and the boundary add, syncing each would instead pay the
+  all-gather. (A window of K micro-batches: the first allocates the gradient,
+  the K - 2 other no-sync ones and the boundary add to it; syncing each would instead pay the
   reduce-scatter K - 1 more times and the accumulation K - 1 fewer times.)
 """
 
@@ -82,7 +82,7 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
     ``accumulation_seconds`` (per micro-batch; 0 without a window of 3 or more),
     ``compute_seconds`` (per micro-batch), ``ideal_seconds_per_step``,
     ``seconds_per_step_over_ideal``, ``estimated_seconds_saved``,
-    ``estimated_seconds_saved_per_step``, ``fsdp_units`` (``units``).
+    ``estimated_seconds_saved_per_step``, ``overlap_fraction``, ``fsdp_units`` (``units``).
     """
     n = world_size
     mbs, steps = records.micro_batches, records.steps
