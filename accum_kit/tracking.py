@@ -58,6 +58,9 @@ class TrackerLogger(LoopCallback):
     all-reduced by this process in that step) and ``comm/exposed_seconds`` (the
     step's synchronised backward passes minus the median no-sync backward of
     the latest window that had one: all-reduce time not hidden behind compute).
+    Under FSDP2, ``comm/reduce_scatter_calls``, ``comm/reduce_scatter_bytes``,
+    ``comm/all_gather_calls`` and ``comm/all_gather_bytes`` (the collectives of
+    that step, bytes as the profiler counts them) replace the all-reduce pair.
     Each step reads only the records added since the previous step, so the
     cost per step does not grow with the run.
 
@@ -71,7 +74,7 @@ class TrackerLogger(LoopCallback):
         self.accelerator, self.optimizer, self.profiler = accelerator, optimizer, profiler
         self._t = None
         self._lr = None
-        self._seen_calls = self._seen_micro = 0  # profiler records already read
+        self._seen_calls = self._seen_micro = self._seen_collectives = 0  # profiler records already read
         self._no_sync = None  # median no-sync backward seconds of the latest window with one
 
     def on_train_begin(self, state):
@@ -101,8 +104,16 @@ class TrackerLogger(LoopCallback):
         self._no_sync = median(m.backward_seconds for m in micro if not m.sync) or self._no_sync
         synced = [m.backward_seconds for m in micro if m.sync]
         exposed = sum(max(b - self._no_sync, 0.0) for b in synced) if (self._no_sync is not None and calls) else 0.0
-        return {"comm/allreduce_calls": len(calls), "comm/allreduce_bytes": sum(c.bytes for c in calls),
-                "comm/exposed_seconds": exposed}
+        out = {"comm/allreduce_calls": len(calls), "comm/allreduce_bytes": sum(c.bytes for c in calls),
+               "comm/exposed_seconds": exposed}
+        if getattr(self.profiler, "sharded", False):  # FSDP2: its collectives instead of DDP's buckets
+            coll = [c for c in self.profiler.collective_calls[self._seen_collectives:] if c.step == step]
+            self._seen_collectives = len(self.profiler.collective_calls)
+            del out["comm/allreduce_calls"], out["comm/allreduce_bytes"]
+            for kind in ("reduce_scatter", "all_gather"):
+                mine = [c for c in coll if c.kind == kind]
+                out[f"comm/{kind}_calls"], out[f"comm/{kind}_bytes"] = len(mine), sum(c.bytes for c in mine)
+        return out
 
 
 def quiet_other_processes(accelerator) -> None:

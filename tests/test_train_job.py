@@ -250,7 +250,8 @@ def fsdp_runs(work, corpus):
     out = work / "fsdp_out"
     # --profile_comm (FSDP2's collectives recorded) changes no number: the resumed run, without it, must agree
     cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "train", *job_flags(out, *extra, "--checkpointing_steps",
-                                   FSDP_CKPT_STEP, "--profile_comm", train_file=corpus), config=config)
+                                   FSDP_CKPT_STEP, "--profile_comm", "--with_tracking", "--report_to", "tensorboard",
+                                   train_file=corpus), config=config)
     full = jh.run(cmd, env, work, "fsdp", timeout=300)
     assert full.returncode == 0, full.describe()
     resumed_out = work / "fsdp_resumed"
@@ -314,6 +315,11 @@ def test_fsdp_job_reports_collectives_and_memory_held(fsdp_runs):
     assert mem["policy"] == FSDP_POLICY and mem["gradient_bytes_peak"]["min"] == mem["gradient_bytes_peak"]["max"] == full
     assert mem["gathered_parameter_bytes_peak"]["max"] == full and mem["process_peak_bytes"]["min"] > full
     assert abs(mem["measured_over_predicted"] - 1) <= 0.10
+    # TensorBoard, per step: one reduce-scatter per unit, the whole fp32 gradient, and the run's all-gathers
+    tb = tensorboard_scalars(out / "accum_kit")
+    assert tb["comm/reduce_scatter_calls"] == {step: len(units) for step in range(1, STEPS + 1)}
+    assert set(tb["comm/reduce_scatter_bytes"].values()) == {full}
+    assert sum(tb["comm/all_gather_calls"].values()) == comm["all_gather_calls"] and "comm/allreduce_calls" not in tb
 
 
 def test_ddp_job_holds_the_full_gradient_between_micro_batches(ddp_run):
