@@ -124,6 +124,18 @@ def finish(started: tuple, timeout: float) -> Finished:
     return Finished(cmd, rc, texts[0], texts[1], time.monotonic() - t0)
 
 
+def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Poll the log file ``path`` until ``text`` appears; AssertionError if ``proc`` ends or time runs out first."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} never appeared in {path} (rc={proc.poll()})")
+
+
 def run(cmd: list[str], env: dict, log_dir: Path, name: str, timeout: float = 240) -> Finished:
     return finish(start(cmd, env, log_dir, name), timeout)
 

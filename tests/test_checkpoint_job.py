@@ -56,15 +56,6 @@ def _launch(work, name, *argv, **env):
     return jh.start(cmd, jh.clean_env(HF_DATASETS_CACHE=str(work / "hf"), **env), work / "logs", name)
 
 
-def _wait_for(path: Path, text: str, proc, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if text in path.read_text(errors="replace"):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{text!r} never appeared in {path} (rc={proc.poll()})")
-
-
 def _lone(work, name, *argv):
     cmd = [sys.executable, "-m", "accum_kit", "train", "--train_file", str(work / "corpus.txt"), *argv]
     return jh.start(cmd, jh.clean_env(HF_DATASETS_CACHE=str(work / "hf")), work / "logs", name)
@@ -83,9 +74,9 @@ def jobs(work):
                     **{CRASH_HOOK: "step_10"})
     term = _launch(work, "sigterm", *chain_flags)
 
-    _wait_for(work / "logs" / "lone.stderr", "step 3:", lone[1])
+    jh.wait_for_text(work / "logs" / "lone.stderr", "step 3:", lone[1])
     os.kill(lone[1].pid, signal.SIGUSR1)  # SLURM's warning signal, to a plain process: its exit code is visible
-    _wait_for(work / "logs" / "sigterm.stderr", "step 12:", term[1])
+    jh.wait_for_text(work / "logs" / "sigterm.stderr", "step 12:", term[1])
     t0 = time.monotonic()
     os.kill(term[1].pid, signal.SIGTERM)  # the accelerate launch process only: torchrun forwards it
     res["sigterm"] = jh.finish(term, TIMEOUT_S)

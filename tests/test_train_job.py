@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -241,7 +243,9 @@ FSDP_CKPT_STEP = 4
 @pytest.fixture(scope="module")
 def fsdp_runs(work, corpus):
     """The DDP job's flags under accelerate_configs/cpu_fsdp.yaml, saving every 4 steps; then the same job
-    resumed from step_4 into a second output directory. Returns ``(uninterrupted, resumed)`` (result, dir)."""
+    resumed from step_4 into a second output directory; and the same job preempted by SIGTERM to accelerate
+    launch after step 2, then resumed from ``latest``. Returns ``(uninterrupted, resumed, preempted)``
+    (result, dir) and, last, the resumed-from-latest result."""
     flags = dict(max_train_steps=STEPS, per_device_train_batch_size=B, gradient_accumulation_steps=K,
                  max_train_samples=MAX_TRAIN, max_eval_samples=MAX_EVAL, accumulation_policy=FSDP_POLICY)
     extra = [x for k, v in flags.items() for x in (f"--{k}", v)]
@@ -260,7 +264,18 @@ def fsdp_runs(work, corpus):
         config=config)
     resumed = jh.run(cmd, env, work, "fsdp_resumed", timeout=300)
     assert resumed.returncode == 0, resumed.describe()
-    return (full, out), (resumed, resumed_out)
+    preempted_out = work / "fsdp_preempted"
+    preempt_flags = job_flags(preempted_out, *extra, "--checkpointing_steps", FSDP_CKPT_STEP, "--logging_steps", 1,
+                              train_file=corpus)
+    started = jh.start(jh.accelerate_launch_cmd("-m", "accum_kit", "train", *preempt_flags, config=config), env,
+                       work, "fsdp_preempted")
+    jh.wait_for_text(work / "fsdp_preempted.stderr", "step 2:", started[1])
+    os.kill(started[1].pid, signal.SIGTERM)  # the accelerate launch process: torchrun forwards it to the workers
+    preempted = jh.finish(started, 300)
+    latest = jh.run(jh.accelerate_launch_cmd("-m", "accum_kit", "train", *preempt_flags, "--resume_from_checkpoint",
+                                             "latest", config=config), env, work, "fsdp_latest", timeout=300)
+    assert latest.returncode == 0, latest.describe()
+    return (full, out), (resumed, resumed_out), (preempted, preempted_out), latest
 
 
 def test_fsdp_job_trains_as_the_ddp_job_and_says_it_was_sharded(fsdp_runs, ddp_run):
@@ -268,7 +283,7 @@ def test_fsdp_job_trains_as_the_ddp_job_and_says_it_was_sharded(fsdp_runs, ddp_r
     losses; the summary records the sharding; the full model saved from the shards loads and matches."""
     from transformers import AutoModelForCausalLM
 
-    (_, out), _ = fsdp_runs
+    (_, out), *_ = fsdp_runs
     s, ddp = load_summary(out), load_summary(ddp_run[1])
     assert s["distributed_type"] == "DistributedType.FSDP" and s["world_size"] == WORLD
     assert s["fsdp"] == {"version": 2, "accumulation_policy": FSDP_POLICY, "reshard_after_forward": False,
@@ -284,7 +299,7 @@ def test_fsdp_job_trains_as_the_ddp_job_and_says_it_was_sharded(fsdp_runs, ddp_r
 
 
 def test_fsdp_job_resumes_from_its_sharded_checkpoint_exactly(fsdp_runs):
-    (_, out), (resumed, resumed_out) = fsdp_runs
+    (_, out), (resumed, resumed_out), *_ = fsdp_runs
     ckpt = out / f"step_{FSDP_CKPT_STEP}"
     assert {"pytorch_model_fsdp_0", "optimizer_0", "checkpoint_complete", "loop_state.json"} <= {
         p.name for p in ckpt.iterdir()}, "not a sharded (torch distributed checkpoint) save"
@@ -295,12 +310,28 @@ def test_fsdp_job_resumes_from_its_sharded_checkpoint_exactly(fsdp_runs):
     assert "Traceback" not in resumed.stderr
 
 
+def test_fsdp_job_preempted_by_sigterm_saves_a_sharded_checkpoint_and_resumes_from_latest_exactly(fsdp_runs):
+    from accum_kit.checkpoint import complete_checkpoints
+
+    (_, out), _, (preempted, preempted_out), latest = fsdp_runs
+    assert preempted.returncode != 0, preempted.describe()  # torchrun re-raises the signal: accelerate launch exits 1
+    lines = [line for line in preempted.stderr.splitlines() if "preempted by SIGTERM" in line]
+    assert len(lines) == WORLD, preempted.describe()  # one per rank
+    again, full = load_summary(preempted_out), load_summary(out)
+    n = again["resumed_from_step"]  # the resumed run continued in the same folder: "latest" was the preemption's
+    assert 2 <= n < STEPS and f"step_{n}" in lines[0]  # saved at the first window boundary after the signal
+    assert "pytorch_model_fsdp_0" in {p.name for p in (preempted_out / f"step_{n}").iterdir()}
+    assert f"step_{n}" in [p.name for p in complete_checkpoints(preempted_out)] and "Traceback" not in latest.stderr
+    assert again["train_loss"] == full["train_loss"]  # bitwise: restored history and recomputed steps
+    assert again["eval_loss_after"] == full["eval_loss_after"]
+
+
 def test_fsdp_job_reports_collectives_and_memory_held(fsdp_runs):
     """--profile_comm under FSDP2: a reduce-scatter per unit per window (no_sync), at most one all-gather per unit
     per window (parameters kept gathered: the evaluation before training leaves the units that are not resharded
     after forward gathered, so the first window gathers only the others); memory: the full fp32 gradient and the
     gathered parameters held between micro-batches, as predicted."""
-    (_, out), _ = fsdp_runs
+    (_, out), *_ = fsdp_runs
     s = load_summary(out)
     comm, mem = s["comm"], s["memory"]
     units = comm["fsdp_units"]
