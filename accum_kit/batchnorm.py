@@ -24,6 +24,12 @@ class BatchNormAccumulationWarning(UserWarning):
     """BatchNorm layers train under gradient accumulation (filter it with ``warnings.filterwarnings``)."""
 
 
+def is_batchnorm(module: torch.nn.Module) -> bool:
+    """Whether ``module`` normalises with batch statistics in training mode: any subclass of
+    ``torch.nn.modules.batchnorm._BatchNorm`` (``BatchNorm1d/2d/3d``, their lazy forms, ``SyncBatchNorm``)."""
+    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+
+
 def batchnorm_layers(model: torch.nn.Module, training_only: bool = False) -> list[str]:
     """Names of the BatchNorm layers of ``model``.
 
@@ -34,7 +40,7 @@ def batchnorm_layers(model: torch.nn.Module, training_only: bool = False) -> lis
     DDP-wrapped model's names keep DDP's ``module.`` prefix.
     """
     return [name or type(model).__name__ for name, m in model.named_modules()
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and (m.training or not training_only)]
+            if is_batchnorm(m) and (m.training or not training_only)]
 
 
 def batchnorm_message(layers: list[str], accumulation_steps: int, world_size: int) -> str:

@@ -52,7 +52,7 @@ import torch
 from accelerate.logging import get_logger
 
 from .callbacks import LoopCallback
-from .compat import shuffle_generators
+from .data_cursor import DataCursor, rng_snapshot
 from .errors import UsageError
 from .outputs import atomic_write_json, fsync_dir, fsync_tree
 from .planning.schedule import accumulation_steps_at
@@ -83,84 +83,6 @@ class Preempted(Exception):
     def __init__(self, step: int, path: Path, signal_name: str):
         self.step, self.path, self.signal_name = step, path, signal_name
         super().__init__(f"stopped by {signal_name} after optimizer step {step}; saved {path}")
-
-
-# --------------------------------------------------------------------------- the data position
-
-
-def _rng_snapshot(dataloader) -> dict:
-    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in shuffle_generators(dataloader)]}
-
-
-def _rng_restore(dataloader, snap: dict) -> None:
-    torch.set_rng_state(snap["torch"])
-    gens = shuffle_generators(dataloader)
-    if len(gens) != len(snap["generators"]):
-        raise UsageError("--resume_from_checkpoint", f"the checkpoint holds {len(snap['generators'])} shuffling "
-                         f"generator(s) but this dataloader has {len(gens)}", "build the dataloader as the saved run did")
-    for g, s in zip(gens, snap["generators"]):
-        g.set_state(s)
-
-
-class DataCursor:
-    """The loop's way through the data: epoch, micro-batches done in it, and a mid-epoch resume.
-
-    :meth:`batches` calls ``set_epoch`` (reshuffle, as in Accelerate's
-    examples), snapshots the RNG that decides the epoch's order, and yields
-    the epoch's batches. After :meth:`resume_at` the first epoch restores the
-    saved snapshot and skips the consumed batches with Accelerate's
-    ``skip_first_batches``; before its first batch the global torch RNG is
-    set back to the state saved with the checkpoint (dropout then continues
-    where the saved run was), since iterating may draw from it.
-
-    Args:
-        dataloader: the prepared train dataloader.
-    """
-
-    def __init__(self, dataloader):
-        self.dataloader = dataloader
-        self.batches_per_epoch = len(dataloader)
-        self.epoch, self.position = 0, 0  # position: micro-batches of ``epoch`` done on this process
-        self.epoch_rng: dict | None = None
-        self._resume: tuple | None = None
-        self._active = None
-
-    @property
-    def epoch_done(self) -> bool:
-        return self.position >= self.batches_per_epoch
-
-    def resume_at(self, epoch: int, position: int, epoch_rng: dict, rng_now: torch.Tensor) -> None:
-        """Make the next :meth:`batches` call continue epoch ``epoch`` after ``position`` batches."""
-        self.epoch, self.position, self._resume = epoch, position, (position, epoch_rng, rng_now)
-
-    def batches(self, epoch: int):
-        """Yield the batches of ``epoch`` that are still to run."""
-        dl = self.dataloader
-        if hasattr(dl, "set_epoch"):
-            dl.set_epoch(epoch)
-        skip, rng_at_save = 0, None
-        if self._resume is not None:
-            (skip, epoch_rng, rng_at_save), self._resume = self._resume, None
-            # The epoch's order is drawn when its iterator starts: from the sampler's generator, or (one
-            # process, no generator) from the global torch RNG. Put both back as they were at the epoch start.
-            _rng_restore(dl, epoch_rng)
-            if skip:
-                from accelerate import skip_first_batches
-
-                dl = skip_first_batches(dl, skip)
-        self.epoch, self.position = epoch, skip
-        self.epoch_rng = _rng_snapshot(self.dataloader)
-        self._active = dl
-        for i, batch in enumerate(dl):
-            if i == 0 and skip:
-                torch.set_rng_state(rng_at_save)  # then continue the global RNG (dropout) where the save left it
-            self.position += 1
-            yield batch
-
-    @property
-    def active(self):
-        """The dataloader being iterated (a skipping copy during a resumed epoch)."""
-        return self._active if self._active is not None else self.dataloader
 
 
 # --------------------------------------------------------------------------- finding checkpoints
@@ -446,7 +368,7 @@ class Checkpointer(LoopCallback):
     def save(self, name: str, micro_batches: int) -> Path:
         """Save checkpoint ``name`` now (collective; at a window boundary only)."""
         state = loop_state(self.accelerator, self._cursor, self._result, micro_batches)
-        rng = self._cursor.epoch_rng if not self._cursor.epoch_done else _rng_snapshot(self._cursor.dataloader)
+        rng = self._cursor.epoch_rng if not self._cursor.epoch_done else rng_snapshot(self._cursor.dataloader)
         path = save_checkpoint(self.accelerator, self.output_dir, name, state, rng, self.total_limit, self.timings)
         self.saved.append(path)
         return path

@@ -20,7 +20,8 @@ from tqdm import tqdm  # text bar: a widget cannot be drawn from processes forke
 from . import checks
 from .batchnorm import warn_if_batchnorm_trains
 from .callbacks import CallbackList, LoopState
-from .checkpoint import DataCursor, load_checkpoint
+from .checkpoint import load_checkpoint
+from .data_cursor import DataCursor
 from .compat import release_dataloader, restart_window_counter, sync_each_batch
 from .ddp_options import static_graph_first_sync
 from .errors import UsageError

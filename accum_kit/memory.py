@@ -62,14 +62,22 @@ def process_peak_bytes(device) -> tuple[int | None, str | None]:
         import torch
 
         return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    kb = proc_status_kb("VmHWM")
+    if kb is None:
+        return None, None
+    return kb * 1024, "VmHWM of /proc/self/status (resident set high-water mark)"
+
+
+def proc_status_kb(key: str) -> int | None:
+    """The ``key:`` line of ``/proc/self/status`` (Linux, ``proc(5)``) in kB, or None where there is none."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024, "VmHWM of /proc/self/status (resident set high-water mark)"
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
     except OSError:
-        pass
-    return None, None
+        return None
+    return None
 
 
 class HeldMemory(LoopCallback):

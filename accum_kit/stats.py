@@ -101,6 +101,28 @@ def t_quantile(q: float, df: int) -> float:
     return t if q > 0.5 else -t
 
 
+def mean_interval(values, level: float = 0.95) -> tuple[float | None, float | None, float | None]:
+    """``(mean, low, high)``: the mean of ``values`` and its Student t interval, ``m -+ t_{(1+level)/2, n-1} s / sqrt(n)``.
+
+    The standard one-sample t interval (NIST/SEMATECH e-Handbook of
+    Statistical Methods, 7.2.2.1). Fewer than 2 values: the mean (or None) and
+    no interval (``low``, ``high`` None).
+
+    Raises:
+        ValueError: ``level`` outside (0, 1).
+    """
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must lie in (0, 1) (got {level})")
+    xs = list(values)
+    if not xs:
+        return None, None, None
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, None, None
+    half = t_quantile(0.5 + level / 2, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return m, m - half, m + half
+
+
 #: How :func:`ratio_interval` computes its interval, as reports state it.
 RATIO_INTERVAL_METHOD = ("95% t-interval on the log of the paired per-pass ratios "
                          "(exp(mean +- t_0.975,n-1 x sd / sqrt(n)) of log ratio), n = passes")
@@ -129,19 +151,11 @@ def ratio_interval(ratios, level: float = 0.95) -> dict:
     Raises:
         ValueError: ``level`` outside (0, 1).
     """
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must lie in (0, 1) (got {level})")
     rs = [r for r in ratios if r is not None and r > 0]
-    out = {"n": len(rs), "median": median(rs), "geometric_mean": None, "low": None, "high": None, "level": level}
-    if not rs:
-        return out
-    logs = [math.log(r) for r in rs]
-    m = statistics.fmean(logs)
-    out["geometric_mean"] = math.exp(m)
-    if len(rs) >= 2:
-        half = t_quantile(0.5 + level / 2, len(rs) - 1) * statistics.stdev(logs) / math.sqrt(len(rs))
-        out["low"], out["high"] = math.exp(m - half), math.exp(m + half)
-    return out
+    m, low, high = mean_interval([math.log(r) for r in rs], level)
+    exp = lambda x: None if x is None else math.exp(x)  # noqa: E731
+    return {"n": len(rs), "median": median(rs), "geometric_mean": exp(m), "low": exp(low), "high": exp(high),
+            "level": level}
 
 
 def interval_verdict(low, high, threshold: float, at_most: bool) -> str | None:

@@ -164,6 +164,20 @@ def test_ratio_cells_mark_intervals_that_contain_one():
     assert fmt_ratio(0.99, 0.95, 1.03) == "0.990 [0.950-1.030] not resolved"
     assert fmt_ratio(1.45, 1.40, 1.50, "{:.2f}", "x") == "1.45x [1.40-1.50]"
     assert fmt_ratio(1.2, None, None) == "1.200 [n<2]"
+    # skewed per-pass ratios: the median can fall outside the interval, which is centred on the geometric mean
+    assert fmt_ratio(1.30, 1.09, 1.22) == "1.300 [1.090-1.220] (median outside)"
+
+
+def test_mean_interval_is_the_textbook_t_interval():
+    from accum_kit import stats
+
+    xs = [0.21, 0.35, 0.18, 0.40, 0.29]  # n = 5: t(0.975, 4) = 2.776 (any t table)
+    m = sum(xs) / 5
+    sd = (sum((x - m) ** 2 for x in xs) / 4) ** 0.5
+    mean, low, high = stats.mean_interval(xs)
+    assert mean == pytest.approx(m)
+    assert (low, high) == pytest.approx((m - 2.776 * sd / 5 ** 0.5, m + 2.776 * sd / 5 ** 0.5), rel=1e-3)
+    assert stats.mean_interval([0.3]) == (0.3, None, None) and stats.mean_interval([]) == (None, None, None)
 
 
 def _tune_runs(factor: dict, reps=4):

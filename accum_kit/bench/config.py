@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import checks
-from ..ddp_options import DDP_FLAGS, check_ddp_flags, ddp_field
+from ..ddp_options import check_ddp_flags, ddp_field, flag_of
 from ..ddp_options import ddp_kwargs as _ddp_kwargs
 from ..errors import UsageError
 from ..models import PRESETS
@@ -150,7 +150,7 @@ class BenchConfig:
         """Refuse the flags that mean nothing for this launch (DDP's under FSDP2, the policies under DDP)."""
         if fsdp:
             ddp_only = [("--tune", self.tune), ("--comm_hook", self.comm_hook != "none"),
-                        *((f"--{name}", name in self.ddp_flags_given()) for name in DDP_FLAGS)]
+                        *((flag_of(name), True) for name in self.ddp_kwargs())]
             for flag, given in ddp_only:
                 if given:
                     raise UsageError(flag, "is a DDP setting; under an FSDP2 config the bench compares "
@@ -158,10 +158,6 @@ class BenchConfig:
         elif self.accumulation_policies != list(POLICIES):
             raise UsageError("--accumulation_policies", "compares FSDP2 policies, and this launch is not sharded",
                              "launch with accelerate_configs/cpu_fsdp.yaml, or pass --modes for the DDP loops")
-
-    def ddp_flags_given(self) -> list[str]:
-        """The DDP flags (field names) whose value differs from DDP's default."""
-        return [name for name, (_, default, _, _) in DDP_FLAGS.items() if getattr(self, name) != default]
 
     def ddp_kwargs(self) -> dict:
         """The DDP constructor arguments (DDP's names) that differ from DDP's defaults (the same for every mode)."""

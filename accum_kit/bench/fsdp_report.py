@@ -44,33 +44,14 @@ cell moves between runs minutes apart; the paired ratios are tighter).
 
 from __future__ import annotations
 
-import math
 import statistics
 
 from ..planning.fsdp import ShardedModel, policy_costs
-from ..stats import interval_verdict, median, quartiles, t_quantile
+from ..stats import interval_verdict, mean_interval, median, quartiles, ratio_interval
 from .tables import fmt_ratio
 
 MB = 2**20
 BASE = "sync_each_batch"
-
-
-def t_interval(values, log: bool = False) -> tuple[float | None, float | None, float | None]:
-    """(mean, low, high): the mean of ``values`` and its 95 % Student-t interval.
-
-    With ``log`` the mean and interval are taken on the logarithms and mapped
-    back: the geometric mean and its interval. Fewer than 2 values: the mean
-    (or None) and no interval.
-    """
-    xs = [math.log(v) for v in values] if log else list(values)
-    if not xs:
-        return None, None, None
-    m = statistics.fmean(xs)
-    back = math.exp if log else (lambda x: x)
-    if len(xs) < 2:
-        return back(m), None, None
-    half = t_quantile(0.975, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
-    return back(m), back(m - half), back(m + half)
 
 
 def _pass_medians(runs) -> dict[int, float]:
@@ -110,8 +91,9 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
             cycles = _by_cycle(cell)
             ratios = [base_cycle[c] / t for c, t in cycles.items() if c in base_cycle]
             diffs = [base_cycle[c] - t for c, t in cycles.items() if c in base_cycle]
-            speedup, lo, hi = t_interval(ratios, log=True)
-            saved, slo, shi = t_interval(diffs)
+            est = ratio_interval(ratios)
+            speedup, lo, hi = est["geometric_mean"], est["low"], est["high"]
+            saved, slo, shi = mean_interval(diffs)
             pred = policy_costs(policy, layout, world_size=world, accumulation_steps=K, param_bytes=b["b_p"],
                                 compute_bytes=b["b_c"], reduce_bytes=b["b_r"])
             grad, gathered = _m(cell, "gradient_bytes"), _m(cell, "gathered_parameter_bytes")

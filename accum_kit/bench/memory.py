@@ -10,17 +10,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _proc_status_kb(key: str) -> int | None:
-    """The ``key:`` line of ``/proc/self/status`` in kB, or None where there is none."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+from ..memory import proc_status_kb
 
 
 class PeakMemory:
@@ -49,7 +39,7 @@ class PeakMemory:
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current RSS
-            return _proc_status_kb("VmHWM") is not None
+            return proc_status_kb("VmHWM") is not None
         except OSError:
             return False
 
@@ -61,7 +51,7 @@ class PeakMemory:
             self.start_mb = torch.cuda.memory_allocated(self.device) / 2**20
         elif self.method:
             self._clear_refs()
-            self.start_mb = _proc_status_kb("VmRSS") / 1024
+            self.start_mb = proc_status_kb("VmRSS") / 1024
 
     def peak(self) -> tuple[float | None, float | None]:
         """(peak MB since :meth:`reset`, that peak minus the usage at reset, MB)."""
@@ -69,7 +59,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) / 2**20
         elif self.method:
-            peak = _proc_status_kb("VmHWM") / 1024
+            peak = proc_status_kb("VmHWM") / 1024
         else:
             return None, None
         return peak, peak - self.start_mb

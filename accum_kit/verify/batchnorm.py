@@ -31,10 +31,9 @@ import contextlib
 import math
 import types
 
-import torch
 import torch.nn.functional as F
 
-from ..batchnorm import batchnorm_layers
+from ..batchnorm import batchnorm_layers, is_batchnorm
 from ..callbacks import LoopCallback, LoopState
 
 __all__ = ["FIXES", "BatchNormTrainMode", "big_batch_statistics", "finding_lines", "summarize",
@@ -48,10 +47,6 @@ FIXES = (
     "K=1 only",
     "a larger micro-batch and a smaller K: each micro-batch's statistics come closer to the big batch's",
 )
-
-
-def _is_batchnorm(m) -> bool:
-    return isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
 
 
 class BatchNormTrainMode(LoopCallback):
@@ -68,7 +63,7 @@ class BatchNormTrainMode(LoopCallback):
     def on_train_begin(self, state: LoopState) -> None:
         self.model.eval()
         for m in self.model.modules():
-            if _is_batchnorm(m):
+            if is_batchnorm(m):
                 m.train()
 
 
@@ -87,7 +82,7 @@ def big_batch_statistics(model):
     in the batch). The running buffers are left untouched. Other modules keep
     their mode.
     """
-    layers = [m for m in model.modules() if _is_batchnorm(m)]
+    layers = [m for m in model.modules() if is_batchnorm(m)]
     for m in layers:
         m.forward = types.MethodType(_batch_statistics_forward, m)
     try:
