@@ -10,6 +10,7 @@ what it touches, why, and the version it was checked against (accelerate
 from __future__ import annotations
 
 import contextlib
+import os
 
 
 def sync_each_batch(accelerator) -> bool:
@@ -173,6 +174,56 @@ def enable_fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
                            "see accum_kit.compat.enable_fsdp_on_cpu")
 
 
+@contextlib.contextmanager
+def parallelism_config_from_env_off():
+    """Keep ``Accelerator()`` from reading the launcher's parallelism config while it is built on CPU.
+
+    ``accelerate launch`` with a ``parallelism_config`` exports
+    ``ACCELERATE_USE_PARALLELISM_CONFIG=true``; the ``Accelerator`` constructor
+    then builds a ``ParallelismConfig`` from the environment and validates it
+    against the distributed type, which on CPU is ``MULTI_CPU`` until
+    :func:`enable_fsdp_on_cpu` has run: it raises "ParallelismConfig is only
+    compatible DistributedType.FSDP" (accelerate 1.15). The variable is set to
+    false for the constructor and put back after; :func:`enable_hsdp_on_cpu`
+    applies the config afterwards.
+    """
+    key = "ACCELERATE_USE_PARALLELISM_CONFIG"
+    saved = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = saved
+
+
+def enable_hsdp_on_cpu(accelerator, parallelism_config) -> None:
+    """Give a CPU Accelerator already switched to FSDP2 (:func:`enable_fsdp_on_cpu`) its 2-D device mesh.
+
+    What the ``Accelerator`` constructor does with a ``parallelism_config``
+    when the distributed type is FSDP from the start (accelerate 1.15): store
+    the config in the shared ``AcceleratorState`` (``accelerator.parallelism_config``
+    reads it), build the mesh with ``ParallelismConfig.get_device_mesh(device_type)``
+    into ``state.device_mesh`` (``accelerator.torch_device_mesh``, which
+    ``prepare`` passes to ``fully_shard`` as ``mesh[parallelism_config.fsdp_dim_names]``)
+    and run ``ParallelismConfig._validate_accelerator``. Checked on 4 gloo
+    processes (2 x 2): every parameter is a DTensor on the mesh
+    ``(dp_replicate, dp_shard_cp)`` with placements ``(Replicate(), Shard(0))``.
+
+    Call right after :func:`enable_fsdp_on_cpu`, before ``prepare``.
+    """
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._shared_state["parallelism_config"] = parallelism_config
+    AcceleratorState._shared_state["device_mesh"] = parallelism_config.get_device_mesh(accelerator.device.type)
+    parallelism_config._validate_accelerator(accelerator)
+    if accelerator.torch_device_mesh is None:  # a later Accelerate keeps the mesh elsewhere
+        raise RuntimeError("accelerate no longer reads its device mesh from the shared state; "
+                           "see accum_kit.compat.enable_hsdp_on_cpu")
+
+
 def reset_accelerate_state() -> None:
     """Forget Accelerate's process-wide singletons so the next ``Accelerator()`` starts afresh.
 
@@ -312,11 +363,19 @@ def fsdp_held_tensors(group):
     the full gradient kept under ``no_sync`` when it is accumulated in the
     parameter's dtype), ``"accumulated_grad"`` (``FSDPParam.unsharded_accumulated_grad``:
     the full gradient in the reduce dtype, when that differs from the compute
-    dtype) and ``"gathered_parameter"`` (the unsharded parameter, when its
-    storage is allocated, i.e. not resharded). Attributes of torch 2.13's
-    ``FSDPParam``; several tensors may share one storage (a unit's shards are
-    views of one reduce-scatter output), so count storages, not tensors.
+    dtype), ``"gathered_parameter"`` (the unsharded parameter, when its
+    storage is allocated, i.e. not resharded) and, under HSDP with the
+    all-reduce deferred (``set_requires_all_reduce(False)``),
+    ``"partial_reduce_output"`` (``FSDPParamGroup._partial_reduce_output``: the
+    unit's reduce-scattered shard, summed over the window's micro-batches
+    until the boundary all-reduces it). Attributes of torch 2.13's
+    ``FSDPParam`` and ``FSDPParamGroup``; several tensors may share one storage
+    (a unit's shards are views of one reduce-scatter output), so count
+    storages, not tensors.
     """
+    partial = getattr(group, "_partial_reduce_output", None)
+    if partial is not None:
+        yield "partial_reduce_output", partial
     for p in group.fsdp_params:
         grad = p.sharded_param.grad
         if grad is not None:

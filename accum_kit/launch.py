@@ -17,6 +17,7 @@ attempt's keys (see :func:`init_restartable_process_group`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from datetime import timedelta
@@ -27,8 +28,9 @@ from accelerate.utils import (DistributedDataParallelKwargs, GradientAccumulatio
                                get_int_from_env)
 
 from . import checks
-from .compat import enable_fsdp_on_cpu
+from .compat import enable_fsdp_on_cpu, enable_hsdp_on_cpu, parallelism_config_from_env_off
 from .errors import ProcessCountError, UsageError
+from .hsdp import resolve_parallelism_config
 # The default-K rule lives in the torch-free settings module (``accum-kit plan`` uses it too);
 # re-exported here for callers of ``accum_kit.launch.resolve_accumulation_steps``.
 from .settings import DEFAULT_GRADIENT_ACCUMULATION_STEPS, resolve_accumulation_steps  # noqa: F401
@@ -164,6 +166,18 @@ def _with_ddp_kwargs(handlers: list, ddp_kwargs: dict | None) -> list:
     return [dataclasses.replace(h, **ddp_kwargs) if h is own else h for h in handlers]
 
 
+def _check_policy_fits(policy, fsdp: bool, parallelism) -> None:
+    """Refuse a policy the run's engine cannot apply (FSDP2-only without FSDP2, HSDP-only without replicas)."""
+    if policy.fsdp_only and not fsdp:
+        raise UsageError("--accumulation_policy", f"{policy.name} needs FSDP2 (it acts on sharded parameters or "
+                         "gradients), but this run is not sharded", "launch with an FSDP2 config "
+                         "(accelerate_configs/cpu_fsdp.yaml, cpu_hsdp.yaml or their gpu_ twins), or use no_sync")
+    if policy.hsdp_only and (parallelism is None or parallelism.dp_replicate_size < 2):
+        raise UsageError("--accumulation_policy", f"{policy.name} defers the all-reduce across replicas, but this "
+                         "run has no replicate group (it is not HSDP)", "launch with accelerate_configs/"
+                         "cpu_hsdp.yaml (or gpu_hsdp.yaml) with dp_replicate_size > 1, or use no_sync")
+
+
 def build_accelerator(
     gradient_accumulation_steps: int | None = None,
     *,
@@ -185,8 +199,8 @@ def build_accelerator(
             option of the same name); the same as ``accumulation_policy="sync_each_batch"``.
         accumulation_policy: one of :data:`accum_kit.policies.POLICIES`
             (``no_sync``, the default; ``sync_each_batch``; under FSDP2 also
-            ``no_sync_no_reshard_after_backward`` and ``no_sync_no_reshard``),
-            see :mod:`accum_kit.policies`.
+            ``no_sync_no_reshard_after_backward`` and ``no_sync_no_reshard``;
+            under HSDP also ``reduce_scatter_each_batch``), see :mod:`accum_kit.policies`.
         cpu: force CPU; None means "CPU when several processes were launched
             and no GPU exists", which is what makes gloo DDP work.
         ddp_timeout: seconds any collective (and the initial rendezvous) may
@@ -202,6 +216,13 @@ def build_accelerator(
             ``DistributedDataParallelKwargs`` (updating one given in ``kwargs_handlers``).
         **accelerator_kwargs: passed to ``accelerate.Accelerator`` (e.g.
             ``mixed_precision``, ``log_with``, ``kwargs_handlers``, ``fsdp_plugin``).
+
+    HSDP: an accelerate config with ``parallelism_config`` (accelerate_configs/cpu_hsdp.yaml,
+    or the launch flags ``--parallelism_config_dp_replicate_size R
+    --parallelism_config_dp_shard_size S``) or ``parallelism_config=ParallelismConfig(...)``
+    in ``accelerator_kwargs`` gives FSDP2 the 2-D mesh (replicate x shard) on CPU
+    and GPU alike; checked by :func:`accum_kit.hsdp.resolve_parallelism_config`,
+    applied on CPU by :func:`accum_kit.compat.enable_hsdp_on_cpu`.
 
     FSDP2: when ``accelerate launch`` ran with an FSDP config
     (``ACCELERATE_USE_FSDP=true``, e.g. accelerate_configs/cpu_fsdp.yaml) or a
@@ -222,8 +243,10 @@ def build_accelerator(
 
     Raises:
         UsageError: K below 1, ``ddp_timeout`` not a positive number, an
-            unknown policy, an FSDP-only policy without FSDP, FSDP1, FSDP on
-            CPU with one process, or ``ddp_kwargs`` under FSDP.
+            unknown policy, an FSDP-only policy without FSDP, an HSDP-only policy
+            without a replicate group, FSDP1, FSDP on CPU with one process,
+            ``ddp_kwargs`` under FSDP, or a parallelism config that cannot work
+            (see :func:`accum_kit.hsdp.resolve_parallelism_config`).
         ProcessCountError: launched and visible process counts differ.
         TypeError: a ``ddp_kwargs`` key that ``DistributedDataParallelKwargs`` does not have.
     """
@@ -234,10 +257,9 @@ def build_accelerator(
     steps = resolve_accumulation_steps(gradient_accumulation_steps)
     policy = resolve_policy(accumulation_policy, sync_each_batch)
     fsdp = fsdp_requested(accelerator_kwargs.get("fsdp_plugin"))
-    if policy.fsdp_only and not fsdp:
-        raise UsageError("--accumulation_policy", f"{policy.name} keeps FSDP2 parameters gathered, but this run "
-                         "is not sharded", "launch with an FSDP2 config (accelerate_configs/cpu_fsdp.yaml or "
-                         "gpu_fsdp.yaml), or use no_sync")
+    parallelism = resolve_parallelism_config(accelerator_kwargs.pop("parallelism_config", None),
+                                             world_size=launcher_world_size(), fsdp=fsdp)
+    _check_policy_fits(policy, fsdp, parallelism)
     if fsdp:
         accelerator_kwargs["fsdp_plugin"] = fsdp_plugin_for(policy, accelerator_kwargs.get("fsdp_plugin"),
                                                             accelerator_kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION"))
@@ -256,12 +278,18 @@ def build_accelerator(
     if cpu and launcher_world_size() > 1:
         init_restartable_process_group(timeout)
     plugin = GradientAccumulationPlugin(num_steps=steps, sync_each_batch=policy.sync_each_batch)
-    accelerator = AccumulationAccelerator(cpu=cpu, gradient_accumulation_plugin=plugin,
-                                          kwargs_handlers=handlers or None, **accelerator_kwargs)
+    on_cpu_fsdp = fsdp and cpu  # on GPUs Accelerate switches FSDP2 (and its mesh) on itself
+    with parallelism_config_from_env_off() if on_cpu_fsdp else contextlib.nullcontext():
+        accelerator = AccumulationAccelerator(cpu=cpu, gradient_accumulation_plugin=plugin,
+                                              kwargs_handlers=handlers or None,
+                                              parallelism_config=None if on_cpu_fsdp else parallelism,
+                                              **accelerator_kwargs)
     accelerator.accumulation_policy = policy
     check_process_count(accelerator)
-    if fsdp and cpu:  # on GPUs Accelerate switches FSDP2 on itself
+    if on_cpu_fsdp:
         enable_fsdp_on_cpu(accelerator, accelerator_kwargs["fsdp_plugin"])
+        if parallelism is not None:
+            enable_hsdp_on_cpu(accelerator, parallelism)
     if accelerator.num_processes > 1:
         install_collective_failure_hook()
     return accelerator

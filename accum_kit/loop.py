@@ -22,7 +22,8 @@ from .batchnorm import warn_if_batchnorm_trains
 from .callbacks import CallbackList, LoopState
 from .checkpoint import load_checkpoint
 from .data_cursor import DataCursor
-from .compat import release_dataloader, restart_window_counter, sync_each_batch
+from .compat import release_dataloader, restart_window_counter
+from .sharding import reduces_each_micro_batch
 from .ddp_options import static_graph_first_sync
 from .errors import UsageError
 from .loss import NORMALIZATIONS, LossFn, WindowNormalizer, causal_lm_loss
@@ -217,7 +218,7 @@ def train_loop(
             for batch in cursor.batches(state.epoch):  # set_epoch (reshuffle), and skipping on resume
                 with accelerator.accumulate(model):
                     state.boundary = accelerator.sync_gradients
-                    state.sync = state.boundary or sync_each_batch(accelerator)
+                    state.sync = state.boundary or reduces_each_micro_batch(accelerator)
                     hooks("on_micro_batch_begin", state)
                     summed_loss, num_items = loss_fn(model, batch)
                     hooks("on_forward_end", state)

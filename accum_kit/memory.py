@@ -9,8 +9,9 @@ activations:
 
 - FSDP2: every unit's sharded gradient shards, unsharded gradients
   (``unsharded_param.grad``), gradients accumulated in the reduce dtype
-  (``unsharded_accumulated_grad``) and gathered parameters
-  (:func:`accum_kit.compat.fsdp_held_tensors`);
+  (``unsharded_accumulated_grad``), the reduce-scattered shards summed
+  until HSDP's deferred all-reduce (``partial_reduce_output``) and gathered
+  parameters (:func:`accum_kit.compat.fsdp_held_tensors`);
 - DDP and one process: every parameter's ``.grad`` (DDP's communication
   buckets, another copy of the same size unless ``gradient_as_bucket_view``,
   are DDP's own and not counted).
@@ -26,7 +27,7 @@ from __future__ import annotations
 from .callbacks import LoopCallback
 from .stats import spread
 
-GRADIENT_KINDS = ("grad", "sharded_grad", "unsharded_grad", "accumulated_grad")
+GRADIENT_KINDS = ("grad", "sharded_grad", "unsharded_grad", "accumulated_grad", "partial_reduce_output")
 
 
 def held_tensors(model):

@@ -32,7 +32,25 @@ communication for memory in two places, and the policies name the choices:
     behaved this way ("both full params and full grads",
     https://github.com/facebookresearch/fairscale/pull/752).
 
-Parameters do not change inside a window, so all four give the same update;
+``reduce_scatter_each_batch`` (HSDP only)
+    Under HSDP (a 2-D mesh: sharded inside a shard group, replicated across
+    replicas, see :mod:`accum_kit.hsdp`) a synchronised gradient crosses two
+    links: a reduce-scatter inside the shard group and an all-reduce of the
+    shard across the replicate group. This policy reduce-scatters on every
+    micro-batch but all-reduces across replicas only on the boundary
+    (``FSDPModule.set_requires_all_reduce(False)`` inside the window instead
+    of ``set_requires_gradient_sync(False)``): gradients stay sharded (1/S of
+    them held, the memory of ``sync_each_batch``) while the slow inter-node
+    link carries one all-reduce per window (the traffic of ``no_sync``). The
+    middle one of the three flavours HSDP's designers describe
+    (https://github.com/pytorch/pytorch/pull/126166). Refused without a
+    replicate group (plain FSDP2, DDP).
+
+Under HSDP the other four keep their meaning: ``no_sync`` skips both
+collectives inside the window, ``sync_each_batch`` runs both on every
+micro-batch, and the two no-reshard policies keep parameters gathered.
+
+Parameters do not change inside a window, so all five give the same update;
 the boundary backward always reshards, so the optimizer step sees sharded
 parameters and the next window gathers the updated ones. What each policy
 costs, per window and per process, is :func:`accum_kit.planning.fsdp.policy_costs`
@@ -65,6 +83,8 @@ class AccumulationPolicy:
             config's ``fsdp_reshard_after_forward``).
         fsdp_only: the policy has no meaning under DDP.
         help: one line for ``--help`` and the docs.
+        hsdp_only: the policy needs a replicate group (HSDP); it then reduce-scatters on every
+            micro-batch and defers only the all-reduce across replicas to the boundary.
     """
 
     name: str
@@ -73,6 +93,7 @@ class AccumulationPolicy:
     reshard_after_forward: bool | None
     fsdp_only: bool
     help: str
+    hsdp_only: bool = False
 
 
 POLICIES: dict[str, AccumulationPolicy] = {p.name: p for p in (
@@ -84,8 +105,17 @@ POLICIES: dict[str, AccumulationPolicy] = {p.name: p for p in (
                        "FSDP2: no_sync, and parameters gathered for a backward are kept until the next forward"),
     AccumulationPolicy("no_sync_no_reshard", False, True, False, True,
                        "FSDP2: no_sync, and parameters are gathered once per window and kept until its last backward"),
+    AccumulationPolicy("reduce_scatter_each_batch", False, False, None, True,
+                       "HSDP: reduce-scatter in the shard group every micro-batch, all-reduce across replicas "
+                       "on the boundary only", hsdp_only=True),
 )}
 DEFAULT_POLICY = "no_sync"
+
+
+def policies_for(hybrid: bool) -> list[str]:
+    """The policy names that apply to a sharded run: all five under HSDP (``hybrid``), else the four without
+    ``reduce_scatter_each_batch``."""
+    return [name for name, p in POLICIES.items() if hybrid or not p.hsdp_only]
 
 
 def fsdp_launched() -> bool:

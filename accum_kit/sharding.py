@@ -84,7 +84,18 @@ class AccumulationAccelerator(Accelerator):
 
     @contextlib.contextmanager
     def no_sync(self, model):
-        """``Accelerator.no_sync``, plus the policy's reshard switch under FSDP2 (see the class docstring)."""
+        """``Accelerator.no_sync``, plus the policy's reshard switch under FSDP2 (see the class docstring).
+
+        Under ``reduce_scatter_each_batch`` (HSDP) it skips only the all-reduce across replicas
+        (``model.set_requires_all_reduce(False)``): the reduce-scatter inside the shard group runs.
+        """
+        if self.is_fsdp2 and self.accumulation_policy.hsdp_only:
+            model.set_requires_all_reduce(False)
+            try:
+                yield
+            finally:
+                model.set_requires_all_reduce(True)
+            return
         keep = self.is_fsdp2 and self.accumulation_policy.keep_params_after_backward
         if keep:
             model.set_reshard_after_backward(False)
@@ -94,6 +105,20 @@ class AccumulationAccelerator(Accelerator):
         finally:
             if keep:
                 model.set_reshard_after_backward(True)
+
+
+def reduces_each_micro_batch(accelerator) -> bool:
+    """Whether every micro-batch's backward reduces gradients now (``LoopState.sync``'s inside a window).
+
+    True under ``sync_each_batch`` (several processes) and under HSDP's
+    ``reduce_scatter_each_batch`` (its reduce-scatter runs every micro-batch; only the all-reduce
+    across replicas waits for the boundary).
+    """
+    from .compat import sync_each_batch
+
+    return sync_each_batch(accelerator) or (getattr(accelerator, "is_fsdp2", False)
+                                            and getattr(accelerator, "accumulation_policy", None) is not None
+                                            and accelerator.accumulation_policy.hsdp_only)
 
 
 def policy_name(accelerator) -> str:
@@ -167,18 +192,21 @@ def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
     """``{policy: PolicyCosts.to_dict()}`` for the run's policy and ``sync_each_batch``, as held between micro-batches.
 
     Under FSDP2 from :func:`accum_kit.planning.fsdp.policy_costs` with the
-    model's units; under DDP (and one process) every policy holds the full
+    model's units and the run's mesh (HSDP: its replicate size); under DDP (and one process) every policy holds the full
     gradient, P b_p bytes, as ``.grad``. An empty dict if the model has no
     trainable parameter.
     """
+    from .hsdp import run_mesh
     from .planning.fsdp import policy_costs
 
     layout = sharded_model(model)
     b_p, b_c, b_r = element_bytes(accelerator, model)
     names = {getattr(accelerator, "accumulation_policy", POLICIES[DEFAULT_POLICY]).name, "sync_each_batch"}
     if layout is not None:
+        replicas = run_mesh(accelerator).replicate
         return {n: policy_costs(n, layout, world_size=accelerator.num_processes, accumulation_steps=accumulation_steps,
-                                param_bytes=b_p, compute_bytes=b_c, reduce_bytes=b_r).to_dict() for n in names}
+                                param_bytes=b_p, compute_bytes=b_c, reduce_bytes=b_r,
+                                replicate_size=replicas).to_dict() for n in names}
     P = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if not P:
         return {}

@@ -90,6 +90,7 @@ class Recorder:
         self.steps = []  # state_dicts after each optimizer step
         self.stray_calls = 0  # all-reduces outside any micro-batch (must stay 0)
         self.fsdp = False
+        self.groups = {}  # collective kind -> ranks of the process group it last ran on (FSDP2)
 
     def count_fsdp_collectives(self):
         """Count FSDP2's collectives per micro-batch; returns a function that restores torch.distributed."""
@@ -105,6 +106,9 @@ class Recorder:
                     # nccl-tests' S: the gathered output / the reduce-scattered input, (position, keyword)
                     t = kwargs[size_arg[1]] if size_arg[1] in kwargs else args[size_arg[0]]
                     self.micro[self.current][key.replace("_calls", "_bytes")] += t.numel() * t.element_size()
+                    group = kwargs.get("group")
+                    if group is not None:
+                        self.groups[key.replace("_calls", "")] = dist.get_process_group_ranks(group)
                 elif key == "reduce_scatter_calls":
                     self.stray_calls += 1
                 return originals[name](*args, **kwargs)
@@ -112,6 +116,20 @@ class Recorder:
 
         dist.reduce_scatter_single = counting("reduce_scatter_single", "reduce_scatter_calls", (1, "input"))
         dist.all_gather_single = counting("all_gather_single", "all_gather_calls", (0, "output_tensor"))
+        # HSDP: FSDP2 all-reduces each reduce-scattered shard across the replicate group with dist.all_reduce;
+        # counted with the ranks of the group it ran on (the loop's own all-reduces run on the whole world)
+        originals["all_reduce"] = dist.all_reduce
+
+        def all_reduce(tensor, *args, **kwargs):
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            if self.current is not None and group is not None and dist.get_world_size(group) < dist.get_world_size():
+                m = self.micro[self.current]
+                m["replicate_all_reduce_calls"] += 1
+                m["replicate_all_reduce_bytes"] += tensor.numel() * tensor.element_size()
+                self.groups["all_reduce"] = dist.get_process_group_ranks(group)
+            return originals["all_reduce"](tensor, *args, **kwargs)
+
+        dist.all_reduce = all_reduce
         return lambda: [setattr(dist, name, fn) for name, fn in originals.items()]
 
     # --- comm hook -------------------------------------------------------
@@ -133,7 +151,8 @@ class Recorder:
         self.micro.append(
             {"micro": state.micro_step, "epoch": state.epoch, "boundary": bool(state.boundary),
              "sync": bool(state.sync), "allreduce_calls": 0, "reduce_scatter_calls": 0, "all_gather_calls": 0,
-             "reduce_scatter_bytes": 0, "all_gather_bytes": 0}
+             "reduce_scatter_bytes": 0, "all_gather_bytes": 0, "replicate_all_reduce_calls": 0,
+             "replicate_all_reduce_bytes": 0}
         )
 
     def on_backward_end(self, state):
@@ -231,6 +250,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         "epochs": result.epochs,
         "micro": rec.micro,
         "stray_allreduce_calls": rec.stray_calls,
+        "collective_groups": rec.groups,
     }
     if profiler is not None:
         from accum_kit.sharding import predicted_memory

@@ -269,7 +269,7 @@ def scheduled_run(world: int, sc, reset_counter=True):
     K switch (it is reset only at the end of the dataloader), so a window ends when counter % K == 0.
     """
     keys = dict((int(a), int(b)) for a, b in sc["schedule"])
-    per_process = N_EXAMPLES // (B * world)
+    per_process = N_EXAMPLES // (sc.get("B", B) * world)
     out = []
     for epoch in range(sc["epochs"]):
         window, counter = [], 0
@@ -303,11 +303,12 @@ def expected_schedule(world: int, sc):
 
 def run_windows(world: int, sc, reset_counter=True):
     """The windows of the whole run: the epoch's windows once per epoch, cut after max_train_steps."""
+    b = sc.get("B", B)
     if sc.get("schedule"):
-        global_batches = [EXAMPLES[i : i + B] for i in range(0, len(EXAMPLES), B)]
+        global_batches = [EXAMPLES[i : i + b] for i in range(0, len(EXAMPLES), b)]
         return [[global_batches[j * world + r] for j in w for r in range(world)]
                 for _, w, _ in scheduled_run(world, sc, reset_counter)]
-    epoch_windows = windows_for(world, sc["K"])
+    epoch_windows = windows_for(world, sc["K"], b)
     windows = []
     for _ in _epochs(sc):
         for w in epoch_windows:

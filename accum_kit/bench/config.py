@@ -10,7 +10,7 @@ from ..ddp_options import ddp_kwargs as _ddp_kwargs
 from ..errors import UsageError
 from ..models import PRESETS
 from ..outputs import check_output_dir
-from ..policies import POLICIES, fsdp_launched
+from ..policies import POLICIES, fsdp_launched, policies_for
 
 #: The three loops the sweep compares by default, in their default order.
 MODES = ("sync_each_batch", "no_sync", "raw_ddp")
@@ -55,7 +55,7 @@ class BenchConfig:
     modes: list[str] = field(default_factory=lambda: list(MODES), metadata={
         "help": f"Loops to run, any of {list(ALL_MODES)} (default: the first three; the manual all-reduce modes "
                 "and the peers trainer and accelerate_guide are opt-in)."})
-    accumulation_policies: list[str] = field(default_factory=lambda: list(POLICIES), metadata={
+    accumulation_policies: list[str] = field(default_factory=lambda: policies_for(False), metadata={
         "help": f"Under an FSDP2 config (accelerate_configs/cpu_fsdp.yaml): the accumulation policies to sweep, any "
                 f"of {list(POLICIES)} (the DDP --modes do not apply there)."})
     model_presets: list[str] | None = field(default=None, metadata={
@@ -155,7 +155,7 @@ class BenchConfig:
                 if given:
                     raise UsageError(flag, "is a DDP setting; under an FSDP2 config the bench compares "
                                      "accumulation policies", f"drop {flag}, or launch with accelerate_configs/cpu_ddp.yaml")
-        elif self.accumulation_policies != list(POLICIES):
+        elif self.accumulation_policies != policies_for(False):
             raise UsageError("--accumulation_policies", "compares FSDP2 policies, and this launch is not sharded",
                              "launch with accelerate_configs/cpu_fsdp.yaml, or pass --modes for the DDP loops")
 

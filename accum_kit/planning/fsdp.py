@@ -36,6 +36,21 @@ no_sync_no_reshard_after_bwd  U, P b_r               U_0 + (K + 1) U_f      (P_0
 no_sync_no_reshard            U, P b_r               U_0 + U_f              P b_c
 ============================  =====================  =====================  =============================
 
+Under HSDP (``R`` replicas of ``S`` processes, ``W = R S``; :mod:`accum_kit.hsdp`)
+the reduce-scatters and all-gathers above run in the shard group (``S``
+processes, the formulas unchanged), every synchronised unit's
+reduce-scattered shard is then all-reduced across the replicate group
+(``R`` processes; S as nccl-tests defines it for all-reduce: the buffer,
+``P_unit b_r / S``), and the shards below are ``1/S``, not ``1/W``:
+
+============================  =====================  ===========================
+policy                        reduce-scatters        all-reduces across replicas
+============================  =====================  ===========================
+sync_each_batch               K U, K P b_r           K U, K P b_r / S
+reduce_scatter_each_batch     K U, K P b_r           U, P b_r / S
+the three no_sync policies    U, P b_r               U, P b_r / S
+============================  =====================  ===========================
+
 Per process, between two micro-batches of a window:
 
 - parameter shards ``P b_p / W`` and optimizer state ``P b_o / W``: every policy;
@@ -43,6 +58,8 @@ Per process, between two micro-batches of a window:
   reduce-scatter); ``P b_r`` with the three ``no_sync`` policies (the unsharded
   gradient until the boundary: FSDP2's ``unsharded_param.grad``, or its
   ``unsharded_accumulated_grad`` when ``b_r`` differs from ``b_c``);
+  ``P b_r / S`` with ``reduce_scatter_each_batch`` (the reduce-scattered
+  shards summed until the boundary all-reduce: FSDP2's ``_partial_reduce_output``);
 - gathered parameters kept: ``P b_c`` with the two ``no_sync_no_reshard``
   policies (``no_sync_no_reshard_after_backward`` between a backward and the
   next forward, ``no_sync_no_reshard`` all window), 0 otherwise.
@@ -162,6 +179,14 @@ class PolicyCosts:
     gradient_bytes: float
     gathered_parameter_bytes: float
     formulas: dict = field(default_factory=dict)
+    replicate_size: int = 1
+    all_reduce_calls: int = 0
+    all_reduce_bytes: float = 0.0
+
+    @property
+    def shard_size(self) -> int:
+        """S: processes a parameter is sharded over (W under plain FSDP2, W / R under HSDP)."""
+        return self.world_size // self.replicate_size
 
     @property
     def accumulation_bytes(self) -> float:
@@ -179,7 +204,7 @@ class PolicyCosts:
 
 def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulation_steps: int, param_bytes: int = 4,
                  compute_bytes: int | None = None, reduce_bytes: int | None = None,
-                 optimizer_bytes: int = ADAMW_STATE_BYTES) -> PolicyCosts:
+                 optimizer_bytes: int = ADAMW_STATE_BYTES, replicate_size: int = 1) -> PolicyCosts:
     """The costs of ``policy`` per window (communication) and per process (memory), see the module docstring.
 
     Args:
@@ -192,26 +217,40 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
         reduce_bytes: b_r, bytes per reduced gradient element (None: ``compute_bytes``, FSDP2's default;
             accum-kit's bf16 policy reduces in fp32: 4).
         optimizer_bytes: b_o, optimizer state bytes per parameter (AdamW: 8).
+        replicate_size: R, HSDP's replicas (1: plain FSDP2); the shard group is S = W / R.
 
     Raises:
-        UsageError: unknown policy, W or K below 1.
+        UsageError: unknown policy, W or K below 1, R not dividing W, or an HSDP-only policy with R = 1.
     """
     if policy not in POLICIES:
         raise UsageError("--accumulation_policy", f"unknown policy {policy!r}", f"use one of {list(POLICIES)}")
     if world_size < 1 or accumulation_steps < 1:
         raise UsageError("--num_processes" if world_size < 1 else "--gradient_accumulation_steps",
                          "must be at least 1", "pass a positive integer")
-    W, K = world_size, accumulation_steps
+    if replicate_size < 1 or world_size % replicate_size:
+        raise UsageError("--parallelism_config_dp_replicate_size", f"{replicate_size} does not divide the "
+                         f"{world_size} processes", "pass a divisor of --num_processes")
+    if POLICIES[policy].hsdp_only and replicate_size < 2:
+        raise UsageError("--accumulation_policy", f"{policy} needs a replicate group (HSDP)",
+                         "pass --parallelism_config_dp_replicate_size 2 or more, or another policy")
+    W, K, R = world_size, accumulation_steps, replicate_size
+    S = W // R  # the shard group: what each parameter is split over
     b_p = param_bytes
     b_c = compute_bytes or b_p
     b_r = reduce_bytes or b_c
     P, Pf, P0 = model.parameters, model.layer_parameters, model.other_parameters
     Uf, U0, U = len(model.resharded), len(model.kept), model.units
     p = POLICIES[policy]
-    if p.sync_each_batch:
+    if p.sync_each_batch or p.hsdp_only:
         rs_calls, rs_bytes, rs_f = K * U, K * P * b_r, f"K U = {K} x {U}; K P b_r = {K} x {P} x {b_r}"
     else:
         rs_calls, rs_bytes, rs_f = U, P * b_r, f"U = {U}; P b_r = {P} x {b_r}"
+    if R < 2:
+        ar_calls, ar_bytes, ar_f = 0, 0.0, "0 (no replicate group)"
+    elif p.sync_each_batch:
+        ar_calls, ar_bytes, ar_f = K * U, K * P * b_r / S, f"K U = {K} x {U}; K P b_r / S = {K} x {P} x {b_r} / {S}"
+    else:
+        ar_calls, ar_bytes, ar_f = U, P * b_r / S, f"U = {U}; P b_r / S = {P} x {b_r} / {S}"
     if p.name == "no_sync_no_reshard":
         ag_calls, ag_bytes = U, P * b_c
         ag_f = f"U_0 + U_f = {U0} + {Uf}; P b_c = {P} x {b_c}"
@@ -225,9 +264,12 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
     if not between:
         grads, grads_f = 0.0, "K = 1: no micro-batch follows another in a window"
     elif p.sync_each_batch:
-        grads, grads_f = P * b_p / W, f"P b_p / W = {P} x {b_p} / {W} (sharded)"
+        grads, grads_f = P * b_p / S, f"P b_p / {'S' if R > 1 else 'W'} = {P} x {b_p} / {S} (sharded)"
+    elif p.hsdp_only:
+        grads, grads_f = P * b_r / S, f"P b_r / S = {P} x {b_r} / {S} (reduce-scattered, summed until the all-reduce)"
     else:
         grads, grads_f = float(P * b_r), f"P b_r = {P} x {b_r} (unsharded until the boundary)"
+    shard = "S" if R > 1 else "W"
     kept = between and p.keep_params_after_backward
     gathered = float(P * b_c) if kept else 0.0
     gathered_f = f"P b_c = {P} x {b_c}" if kept else "0 (resharded after every backward)"
@@ -235,11 +277,13 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
         policy=policy, world_size=W, accumulation_steps=K,
         reduce_scatter_calls=rs_calls, reduce_scatter_bytes=rs_bytes,
         all_gather_calls=ag_calls, all_gather_bytes=ag_bytes,
-        parameter_shard_bytes=P * b_p / W, optimizer_state_bytes=P * optimizer_bytes / W,
+        parameter_shard_bytes=P * b_p / S, optimizer_state_bytes=P * optimizer_bytes / S,
         gradient_bytes=grads, gathered_parameter_bytes=gathered,
-        formulas={"reduce_scatter": rs_f, "all_gather": ag_f, "parameter_shards": f"P b_p / W = {P} x {b_p} / {W}",
-                  "optimizer_state": f"P b_o / W = {P} x {optimizer_bytes} / {W}", "gradients": grads_f,
+        formulas={"reduce_scatter": rs_f, "all_gather": ag_f, **({"all_reduce": ar_f} if R > 1 else {}),
+                  "parameter_shards": f"P b_p / {shard} = {P} x {b_p} / {S}",
+                  "optimizer_state": f"P b_o / {shard} = {P} x {optimizer_bytes} / {S}", "gradients": grads_f,
                   "gathered_parameters": gathered_f},
+        replicate_size=R, all_reduce_calls=ar_calls, all_reduce_bytes=ar_bytes,
     )
 
 

@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 
 from .. import checks
 from ..errors import UsageError
-from ..policies import POLICIES
+from ..policies import POLICIES, policies_for
 from .fsdp import ShardedModel, collective_seconds, dtype_bytes, gpt2_units, policy_costs
 from .whatif import INTERCONNECTS, profile_number
 
@@ -268,7 +268,7 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
     b_p, b_c, b_r = dtype_bytes(mixed_precision)
     name, ag_bw, rs_bw, bw_source = _bandwidth(interconnect, busbw_GBps, machines, profile)
     costs = {p: policy_costs(p, model, world_size=W, accumulation_steps=K, param_bytes=b_p, compute_bytes=b_c,
-                             reduce_bytes=b_r) for p in POLICIES}
+                             reduce_bytes=b_r) for p in policies_for(False)}
     base = costs["sync_each_batch"]
     if free_memory_GB is not None:
         free, free_source = free_memory_GB * GB, "--free_memory_GB"

@@ -1,0 +1,126 @@
+"""HSDP (hybrid sharding): the 2-D device mesh a run asks for, checked before the Accelerator is built.
+
+Under HSDP every parameter is sharded over the ``dp_shard`` processes of a
+*shard group* (on GPUs: the GPUs of one machine, joined by fast links) and
+replicated over the ``dp_replicate`` shard groups (across machines, over the
+slower network). A gradient is reduce-scattered inside the shard group and
+the resulting shard all-reduced across the *replicate group* (the processes
+holding the same shard in every replica). torchtitan's multi-node default;
+Accelerate spells it ``ParallelismConfig(dp_replicate_size, dp_shard_size)``
+(https://huggingface.co/docs/accelerate/concept_guides/fsdp1_vs_fsdp2 and
+torch's ``fully_shard(mesh=<2-D mesh>)``, whose first dimension replicates).
+
+A run asks for it in one of two ways: ``accelerate launch`` with an accelerate
+config holding ``parallelism_config: {parallelism_config_dp_replicate_size: R,
+parallelism_config_dp_shard_size: S}`` (accelerate_configs/cpu_hsdp.yaml) or
+the launch flags of the same names, which export
+``ACCELERATE_USE_PARALLELISM_CONFIG=true`` and ``PARALLELISM_CONFIG_*``; or
+``build_accelerator(parallelism_config=ParallelismConfig(...))``.
+
+Rank layout (Accelerate's mesh, row-major over ``(dp_replicate, dp_shard)``):
+rank ``r`` is shard ``r % S`` of replica ``r // S``, so the shard groups are
+consecutive ranks, i.e. the processes of one machine when ``S`` equals the
+processes per machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+#: The launch flags (and accelerate-config keys) that size the mesh.
+REPLICATE_FLAG = "--parallelism_config_dp_replicate_size"
+SHARD_FLAG = "--parallelism_config_dp_shard_size"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The data-parallel mesh of a sharded run: ``replicate`` x ``shard`` processes.
+
+    Attributes:
+        replicate: processes holding the same shard (the replicate group's size, R); 1 for plain FSDP2.
+        shard: processes a parameter is sharded over (the shard group's size, S).
+    """
+
+    replicate: int
+    shard: int
+
+    @property
+    def world_size(self) -> int:
+        """R x S."""
+        return self.replicate * self.shard
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when gradients cross two links: reduce-scatter in the shard group, all-reduce across replicas."""
+        return self.replicate > 1
+
+    def to_dict(self) -> dict:
+        return {"dp_replicate_size": self.replicate, "dp_shard_size": self.shard}
+
+
+def parallelism_requested(parallelism_config=None) -> bool:
+    """True when the run passed a ``ParallelismConfig`` or ``accelerate launch`` exported one."""
+    return parallelism_config is not None or \
+        os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
+
+
+def resolve_parallelism_config(parallelism_config, *, world_size: int, fsdp: bool):
+    """The caller's (or the launcher's) ``ParallelismConfig``, checked; None when the run asked for none.
+
+    Args:
+        parallelism_config: an ``accelerate.ParallelismConfig`` or None (then the launcher's
+            ``PARALLELISM_CONFIG_*`` variables are read, when ``ACCELERATE_USE_PARALLELISM_CONFIG`` is set).
+        world_size: the number of processes launched.
+        fsdp: whether the run is sharded with FSDP2 (an FSDP config or plugin).
+
+    Returns:
+        The ``ParallelismConfig`` (Accelerate's), or None.
+
+    Raises:
+        UsageError: tensor, context or sequence parallel sizes above 1 (not supported); a mesh
+            whose product is not ``world_size``; ``dp_replicate_size > 1`` with ``dp_shard_size == 1``
+            (that is DDP); a parallelism config without FSDP2.
+    """
+    if not parallelism_requested(parallelism_config):
+        return None
+    from accelerate import ParallelismConfig
+
+    pc = parallelism_config if parallelism_config is not None else ParallelismConfig()
+    others = {f"--parallelism_config_{name}_size": getattr(pc, f"{name}_size")
+              for name in ("tp", "cp", "sp") if getattr(pc, f"{name}_size", 1) > 1}
+    if others:
+        flag, size = next(iter(others.items()))
+        raise UsageError(flag, f"is {size}: tensor, context and sequence parallelism are not supported by "
+                         "accum-kit yet (its exactness tests, policies and cost model cover data-parallel "
+                         "meshes only)", f"set {flag} 1 and use the processes as dp_replicate x dp_shard")
+    mesh = Mesh(pc.dp_replicate_size, pc.dp_shard_size)
+    if mesh.world_size != world_size:
+        raise UsageError(f"{REPLICATE_FLAG} / {SHARD_FLAG}", f"{mesh.replicate} x {mesh.shard} = "
+                         f"{mesh.world_size} processes, but {world_size} were launched",
+                         f"choose sizes whose product is --num_processes ({world_size}), e.g. "
+                         f"{REPLICATE_FLAG} <machines> {SHARD_FLAG} <processes per machine>")
+    if mesh.replicate > 1 and mesh.shard == 1:
+        raise UsageError(SHARD_FLAG, f"is 1 with dp_replicate_size {mesh.replicate}: every process would hold "
+                         "the whole model, which is DDP", "launch with accelerate_configs/cpu_ddp.yaml (or "
+                         "gpu_ddp.yaml) for DDP, or set dp_shard_size > 1 for HSDP")
+    if not fsdp:
+        raise UsageError(REPLICATE_FLAG, "a parallelism config shards the model with FSDP2, but this run is not "
+                         "an FSDP run", "launch with accelerate_configs/cpu_hsdp.yaml (distributed_type: FSDP, "
+                         "fsdp_version: 2), or drop the parallelism config for DDP")
+    return pc
+
+
+def run_mesh(accelerator) -> Mesh | None:
+    """The :class:`Mesh` of a prepared run: None unless it is sharded with FSDP2.
+
+    Plain FSDP2 is ``Mesh(1, num_processes)``; HSDP reads the Accelerator's ``parallelism_config``.
+    """
+    if not getattr(accelerator, "is_fsdp2", False):
+        return None
+    pc = getattr(accelerator, "parallelism_config", None)
+    if pc is None or not pc.dp_replicate_enabled:
+        return Mesh(1, accelerator.num_processes)
+    return Mesh(pc.dp_replicate_size, pc.dp_shard_size)

@@ -1,0 +1,259 @@
+"""Exact accumulation under HSDP (2 replicas x 2 shards, 4 gloo processes), for every accumulation policy.
+
+One ``accelerate launch --config_file accelerate_configs/cpu_hsdp.yaml`` of
+tests/dist_worker.py runs every scenario. The worker counts, per micro-batch,
+what FSDP2 sends and on which process group, by wrapping
+``torch.distributed.reduce_scatter_single`` / ``all_gather_single`` /
+``all_reduce`` (not accum_kit code). Everything expected comes from the plain
+single-process oracle of tests/test_exactness.py (one big batch per window,
+SGD) on the same variable-length examples with masked prompts: one example
+per micro-batch and process, 5 micro-batches per process, so K=3 gives a
+window of 3 and a partial one of 2.
+
+The refusals (sizes that do not fit, DDP spelled as HSDP, tensor parallel,
+the HSDP-only policy elsewhere) are checked in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+import job_helpers as jh
+import test_exactness as ex
+
+HSDP_CONFIG = jh.REPO / "accelerate_configs" / "cpu_hsdp.yaml"
+TIMEOUT_S = 420
+R, S = 2, 2  # replicas x shards
+W = R * S
+B = 1
+POLICIES = ("no_sync", "sync_each_batch", "no_sync_no_reshard_after_backward", "no_sync_no_reshard",
+            "reduce_scatter_each_batch")
+NEW = "reduce_scatter_each_batch"
+
+
+def _sc(name, K=3, policy="no_sync", **kw):
+    return {**ex._sc(name, K, **kw), "B": B, "policy": policy}
+
+
+SCENARIOS = [
+    *[_sc(f"tok_k3_{p}", policy=p) for p in POLICIES],
+    _sc("tok_k3_clip", policy=NEW, max_grad_norm=ex.MAX_GRAD_NORM),
+    _sc("tok_sched_2ep", K=1, epochs=2, schedule=ex.SCHEDULE, policy=NEW),
+    # the uninterrupted run saves a sharded checkpoint after every step; fresh runs resume from two of them
+    {**_sc("resume_2ep", epochs=2, policy=NEW), "resume_from": [1, 3]},
+]
+BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{name: {"scenario", "init", "steps", "ranks", "resumed": {step: {"steps", "ranks"}}}}``."""
+    root = tmp_path_factory.mktemp("hsdp")
+    spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
+            "examples": ex.EXAMPLES, "scenarios": SCENARIOS}
+    (root / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(HSDP_CONFIG),
+           "--main_process_port", str(jh.free_port()), str(ex.WORKER), str(root / "spec.json"), str(root / "out")]
+    res = jh.run(cmd, jh.clean_env(HF_DATASETS_CACHE=str(root / "hf_cache")), root / "logs", "hsdp",
+                 timeout=TIMEOUT_S)
+    if res.returncode != 0:
+        pytest.fail(f"HSDP worker failed\n{res.describe()}", pytrace=False)
+
+    def load(d):
+        return {"steps": torch.load(d / "steps.pt", weights_only=True),
+                "ranks": [json.loads((d / f"rank{r}.json").read_text()) for r in range(W)]}
+
+    out = {}
+    for sc in SCENARIOS:
+        d = root / "out" / sc["name"]
+        out[sc["name"]] = {"scenario": sc, "init": torch.load(d / "init.pt", weights_only=True), **load(d),
+                           "resumed": {s: load(d / f"resumed_{s}") for s in sc.get("resume_from", [])}}
+    return out
+
+
+def _windows_of(micro):
+    out, cur = [], []
+    for m in micro:
+        cur.append(m)
+        if m["boundary"]:
+            out.append(cur)
+            cur = []
+    return out
+
+
+def _layout():
+    from accum_kit.planning.fsdp import gpt2_units_for
+
+    c = ex.MODEL_CONFIG
+    return gpt2_units_for(c["n_layer"], c["n_embd"], c["vocab_size"], c["n_positions"])
+
+
+# --------------------------------------------------------------------------- the mesh and the policy
+
+
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_model_is_sharded_on_the_two_dimensional_mesh(runs, name):
+    for info in runs[name]["ranks"]:
+        assert info["num_processes"] == W and info["is_fsdp2"], info["distributed_type"]
+        assert info["accumulation_policy"] == BY_NAME[name]["policy"]
+        groups = info["collective_groups"]  # rank r is shard r % S of replica r // S
+        r = info["rank"]
+        shard_group = [r // S * S + i for i in range(S)]
+        replicate_group = [r % S + j * S for j in range(R)]
+        assert groups["reduce_scatter"] == groups["all_gather"] == shard_group, (r, groups)
+        assert groups["all_reduce"] == replicate_group, (r, groups)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_collectives_per_group_follow_the_policy(runs, policy):
+    """Per micro-batch, counted by the independent wrap: the reduce-scatter (shard group) runs on every
+    micro-batch under sync_each_batch and reduce_scatter_each_batch, on the boundary only under the no_sync
+    policies; the all-reduce across replicas only on the boundary, except under sync_each_batch."""
+    run = runs[f"tok_k3_{policy}"]
+    for info in run["ranks"]:
+        micro = info["micro"]
+        rs_every = policy in ("sync_each_batch", NEW)
+        ar_every = policy == "sync_each_batch"
+        assert [m["reduce_scatter_calls"] > 0 for m in micro] == [rs_every or m["boundary"] for m in micro]
+        assert [m["replicate_all_reduce_calls"] > 0 for m in micro] == [ar_every or m["boundary"] for m in micro]
+        assert [m["sync"] for m in micro] == [rs_every or m["boundary"] for m in micro], "LoopState.sync"
+        synced = [m for m in micro if m["reduce_scatter_calls"]]
+        assert len({m["reduce_scatter_calls"] for m in synced}) == 1, "unequal reduce-scatters per sync"
+    windows = _windows_of(run["ranks"][0]["micro"])
+    counts = [(sum(m["reduce_scatter_calls"] for m in w), sum(m["replicate_all_reduce_calls"] for m in w))
+              for w in windows]
+    print(f"\n{policy}: (reduce-scatters, all-reduces across replicas) per window {counts} for windows of "
+          f"{[len(w) for w in windows]}")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cost_formulas_give_the_collectives_counted_per_group(runs, policy):
+    """policy_costs with the mesh (torch-free) per window, full and partial, against the independent count:
+    reduce-scatters and all-gathers in the shard group, all-reduces in the replicate group (calls and bytes)."""
+    from accum_kit.planning.fsdp import policy_costs
+
+    for w in _windows_of(runs[f"tok_k3_{policy}"]["ranks"][0]["micro"]):
+        c = policy_costs(policy, _layout(), world_size=W, accumulation_steps=len(w), replicate_size=R)
+        counted = {k: sum(m[k] for m in w) for k in ("reduce_scatter_calls", "reduce_scatter_bytes", "all_gather_calls",
+                                                     "all_gather_bytes", "replicate_all_reduce_calls",
+                                                     "replicate_all_reduce_bytes")}
+        assert counted == {"reduce_scatter_calls": c.reduce_scatter_calls, "reduce_scatter_bytes": c.reduce_scatter_bytes,
+                           "all_gather_calls": c.all_gather_calls, "all_gather_bytes": c.all_gather_bytes,
+                           "replicate_all_reduce_calls": c.all_reduce_calls,
+                           "replicate_all_reduce_bytes": c.all_reduce_bytes}, (policy, len(w))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_gradient_memory_held_is_what_the_policy_predicts(runs, policy):
+    """Between micro-batches: the full fp32 gradient under the no_sync policies, 1/S of it under
+    sync_each_batch and reduce_scatter_each_batch (its reduce-scattered shards summed until the boundary);
+    prediction within 10 %."""
+    full = 4 * _layout().parameters
+    for info in runs[f"tok_k3_{policy}"]["ranks"]:
+        held, predicted = info["memory"]["gradient_bytes"], info["predicted_memory"][policy]["gradient_bytes"]
+        if policy in ("sync_each_batch", NEW):
+            assert full / S <= held <= 1.05 * full / S, info["memory"]
+        else:
+            assert held == full, info["memory"]
+        assert abs(held / predicted - 1) <= 0.10, (held, predicted)
+    kinds = set(runs[f"tok_k3_{NEW}"]["ranks"][0]["memory"]["by_kind"])
+    assert kinds == {"partial_reduce_output"}, kinds
+
+
+# --------------------------------------------------------------------------- the update equals one big batch
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_matches_the_big_batch_each_step(runs, policy):
+    run = runs[f"tok_k3_{policy}"]
+    assert len(ex.windows_for(W, 3, B)[-1]) < 3 * W, "scenario lacks a partial window"
+    ex._check_run_against_oracle(run, W)
+    for wrong in ("mean_of_means", "accelerate_mean"):
+        diff, excess = ex.max_excess(run["steps"][-1], ex._wrong_oracle(run, W, wrong))
+        assert excess > 0, f"the {wrong} oracle is within {diff:.2e}: the comparison cannot fail"
+
+
+def test_clipping_uses_the_global_norm_over_both_mesh_dimensions(runs):
+    run = runs["tok_k3_clip"]
+    losses = ex._check_run_against_oracle(run, W, max_grad_norm=ex.MAX_GRAD_NORM)
+    assert max(l["grad_norm"] for l in losses) > ex.MAX_GRAD_NORM, "never clipped"
+    assert ex.max_excess(run["steps"][-1], ex._wrong_oracle(run, W, "no_clip"))[1] > 0
+
+
+def test_schedule_matches_the_big_batch_each_step(runs):
+    run = runs["tok_sched_2ep"]
+    ex._check_run_against_oracle(run, W)
+    assert run["ranks"][0]["step_accumulation_steps"] == [k for _, _, k in ex.scheduled_run(W, run["scenario"])]
+
+
+@pytest.mark.parametrize("step", BY_NAME["resume_2ep"]["resume_from"])
+def test_resume_from_a_checkpoint_saved_under_hsdp_is_bitwise(runs, step):
+    run = runs["resume_2ep"]
+    resumed = run["resumed"][step]
+    assert len(resumed["steps"]) == len(run["steps"]) - step
+    for s, (got, want) in enumerate(zip(resumed["steps"], run["steps"][step:])):
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"resumed at {step}: {k} differs after step {step + s + 1}"
+    for info, full in zip(resumed["ranks"], run["ranks"]):
+        assert info["resumed_from_step"] == step
+        assert info["train_loss"] == full["train_loss"]
+    ex._check_run_against_oracle(run, W)
+
+
+# --------------------------------------------------------------------------- refusals (in-process)
+
+
+@pytest.fixture
+def hsdp_env(monkeypatch):
+    """What ``accelerate launch`` with cpu_hsdp.yaml exports for 4 processes, without a launch."""
+    for var in ("RANK", "LOCAL_RANK", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):
+        monkeypatch.delenv(var, raising=False)
+    env = {"WORLD_SIZE": "4", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+           "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+           "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    jh.reset_accelerate_state()
+    yield monkeypatch
+    jh.reset_accelerate_state()
+
+
+@pytest.mark.parametrize("env,kwargs,flag,fix", [
+    ({"WORLD_SIZE": "2"}, {}, "--parallelism_config_dp_replicate_size / --parallelism_config_dp_shard_size",
+     "--num_processes"),
+    ({"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "4", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"}, {},
+     "--parallelism_config_dp_shard_size", "cpu_ddp.yaml"),
+    ({"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", "PARALLELISM_CONFIG_TP_SIZE": "2"}, {},
+     "--parallelism_config_tp_size", "dp_replicate x dp_shard"),
+    ({"ACCELERATE_USE_FSDP": "false"}, {}, "--parallelism_config_dp_replicate_size", "cpu_hsdp.yaml"),
+    ({"FSDP_VERSION": "1"}, {}, "--fsdp_version", "fsdp_version: 2"),
+    ({"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "4"},
+     {"accumulation_policy": NEW}, "--accumulation_policy", "cpu_hsdp.yaml"),
+])
+def test_what_cannot_work_is_refused_before_anything_is_built(hsdp_env, env, kwargs, flag, fix):
+    """Each refusal names the flag and the fix, and comes before a process group or an Accelerator exists."""
+    import torch.distributed as dist
+
+    from accum_kit import UsageError, build_accelerator
+
+    for k, v in env.items():
+        hsdp_env.setenv(k, v)
+    with pytest.raises(UsageError) as err:
+        build_accelerator(2, cpu=True, **kwargs)
+    assert err.value.flag == flag and fix in err.value.fix, str(err.value)
+    assert not dist.is_initialized()
+
+
+def test_the_hsdp_policy_is_refused_under_ddp(monkeypatch):
+    from accum_kit import UsageError, build_accelerator
+
+    for var in ("WORLD_SIZE", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    jh.reset_accelerate_state()
+    with pytest.raises(UsageError) as err:
+        build_accelerator(2, cpu=True, accumulation_policy=NEW)
+    assert err.value.flag == "--accumulation_policy" and "cpu_fsdp.yaml" in err.value.fix
