@@ -390,6 +390,16 @@ def fsdp_held_tensors(group):
             yield "accumulated_grad", p.unsharded_accumulated_grad
 
 
+def fsdp_replicate_process_group(group):
+    """The process group a unit all-reduces its reduce-scattered gradients over under HSDP; None without one.
+
+    ``FSDPParamGroup.mesh_info`` is an ``HSDPMeshInfo`` on a 2-D mesh, whose
+    ``replicate_process_group`` FSDP2's ``foreach_reduce`` passes to
+    ``torch.distributed.all_reduce`` (torch 2.13); plain FSDP2's ``FSDPMeshInfo`` has none.
+    """
+    return getattr(getattr(group, "mesh_info", None), "replicate_process_group", None)
+
+
 def fsdp_comm_interfaces() -> tuple:
     """FSDP2's abstract ``AllGather`` and ``ReduceScatter`` classes, which ``set_custom_*`` objects subclass.
 

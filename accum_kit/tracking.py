@@ -60,7 +60,10 @@ class TrackerLogger(LoopCallback):
     the latest window that had one: all-reduce time not hidden behind compute).
     Under FSDP2, ``comm/reduce_scatter_calls``, ``comm/reduce_scatter_bytes``,
     ``comm/all_gather_calls`` and ``comm/all_gather_bytes`` (the collectives of
-    that step, bytes as the profiler counts them) replace the all-reduce pair.
+    that step, bytes as the profiler counts them) replace the all-reduce pair;
+    under HSDP also ``comm/all_reduce_calls`` and ``comm/all_reduce_bytes``
+    (gradient shards all-reduced across replicas) and ``comm/shard_seconds`` /
+    ``comm/replicate_seconds`` (seconds in each mesh dimension's collectives).
     Each step reads only the records added since the previous step, so the
     cost per step does not grow with the run.
 
@@ -110,9 +113,13 @@ class TrackerLogger(LoopCallback):
             coll = [c for c in self.profiler.collective_calls[self._seen_collectives:] if c.step == step]
             self._seen_collectives = len(self.profiler.collective_calls)
             del out["comm/allreduce_calls"], out["comm/allreduce_bytes"]
-            for kind in ("reduce_scatter", "all_gather"):
+            hybrid = getattr(self.profiler, "replicate_size", 1) > 1
+            for kind in ("reduce_scatter", "all_gather", "all_reduce") if hybrid else ("reduce_scatter", "all_gather"):
                 mine = [c for c in coll if c.kind == kind]
                 out[f"comm/{kind}_calls"], out[f"comm/{kind}_bytes"] = len(mine), sum(c.bytes for c in mine)
+            if hybrid:  # HSDP: the seconds spent in each mesh dimension's collectives
+                for group in ("shard", "replicate"):
+                    out[f"comm/{group}_seconds"] = sum(c.seconds for c in coll if c.group == group)
         return out
 
 

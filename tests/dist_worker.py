@@ -256,7 +256,8 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         from accum_kit.sharding import predicted_memory
 
         info["profiler_calls"] = [{"kind": c.kind, "micro_batch": c.micro_batch - rec.offset, "unit": c.unit,
-                                   "bytes": c.bytes, "seconds": c.seconds} for c in profiler.collective_calls]
+                                   "bytes": c.bytes, "seconds": c.seconds, "group": c.group}
+                                  for c in profiler.collective_calls]
         info["profiler_summary"] = profiler.local_summary()
         info["memory"] = held.local()
         info["predicted_memory"] = predicted_memory(accelerator, model, sc["K"])

@@ -164,6 +164,39 @@ def test_gradient_memory_held_is_what_the_policy_predicts(runs, policy):
     assert kinds == {"partial_reduce_output"}, kinds
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_profiler_attributes_every_collective_to_its_mesh_dimension(runs, policy):
+    """accum_kit's recorders against the independent wrap: per micro-batch, the same calls and bytes per
+    kind, reduce-scatters and all-gathers on the shard group, all-reduces on the replicate group; the
+    summary's per-group block adds them up per step."""
+    for info in runs[f"tok_k3_{policy}"]["ranks"]:
+        mine = info["profiler_calls"]
+        assert {(c["kind"], c["group"]) for c in mine} == {("reduce_scatter", "shard"), ("all_gather", "shard"),
+                                                           ("all_reduce", "replicate")}
+        for m_index, m in enumerate(info["micro"]):
+            for kind, key in (("reduce_scatter", "reduce_scatter"), ("all_gather", "all_gather"),
+                              ("all_reduce", "replicate_all_reduce")):
+                got = [c for c in mine if c["micro_batch"] == m_index and c["kind"] == kind]
+                assert (len(got), sum(c["bytes"] for c in got)) == (m[f"{key}_calls"], m[f"{key}_bytes"]), \
+                    (policy, info["rank"], m_index, kind)
+        s = info["profiler_summary"]
+        steps = info["optimizer_steps"]
+        groups = s["by_group"]
+        assert (groups["shard"]["size"], groups["replicate"]["size"]) == (S, R)
+        for group, kind, key in (("shard", "reduce_scatter", "reduce_scatter"), ("shard", "all_gather", "all_gather"),
+                                 ("replicate", "all_reduce", "replicate_all_reduce")):
+            block = groups[group][kind]
+            assert block["calls_per_step"] * steps == pytest.approx(sum(m[f"{key}_calls"] for m in info["micro"]))
+            assert block["bytes_per_step"] * steps == pytest.approx(sum(m[f"{key}_bytes"] for m in info["micro"]))
+            assert block["seconds_per_step"] > 0 and block["busbw_GBps"] > 0
+        assert s["all_reduce_calls"] == sum(m["replicate_all_reduce_calls"] for m in info["micro"])
+    g = runs[f"tok_k3_{policy}"]["ranks"][0]["profiler_summary"]["by_group"]
+    print(f"\n{policy} rank 0 per step: shard reduce-scatter {g['shard']['reduce_scatter']['calls_per_step']:.1f} "
+          f"calls, all-gather {g['shard']['all_gather']['calls_per_step']:.1f}; replicate all-reduce "
+          f"{g['replicate']['all_reduce']['calls_per_step']:.1f} calls "
+          f"({g['replicate']['all_reduce']['bytes_per_step']:.0f} B, {g['replicate']['all_reduce']['seconds_per_step'] * 1e3:.2f} ms)")
+
+
 # --------------------------------------------------------------------------- the update equals one big batch
 
 

@@ -154,7 +154,7 @@ def pooled_summaries(prof, cfg: BenchConfig, world: int, order: list[str]) -> di
             tags = {f"{policy}/K{K}/r{rep}" for rep in range(cfg.repeats)}
             mine = ProfileRecords(*([r for r in records if r.tag in tags] for records in
                                     (every.calls, every.micro_batches, every.steps, every.collectives)))
-            summary = sharded_summary(mine, world_size=world, units=units)
+            summary = sharded_summary(mine, shard_size=world, units=units)
             out[f"K{K}/{policy}"] = {k: summary.get(k) for k in SUMMARY_KEYS}
     return out
 

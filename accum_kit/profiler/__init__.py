@@ -26,6 +26,7 @@ import torch
 from .. import checks
 from ..callbacks import LoopCallback
 from ..compat import sync_each_batch
+from ..hsdp import run_mesh
 from .buckets import BucketRecorder, allreduce_mean_hook
 from .collectives import CollectiveRecorder
 from .phases import PhaseTimer
@@ -105,6 +106,10 @@ class CommProfiler(LoopCallback):
         self.accelerator, self.model = accelerator, model
         self.world_size = accelerator.num_processes
         self.sharded = bool(getattr(accelerator, "is_fsdp2", False)) and self.world_size > 1
+        mesh = run_mesh(accelerator)
+        #: HSDP's replicas R and shard group S (plain FSDP2: 1 and W; DDP: 1 and W, unused)
+        self.replicate_size = mesh.replicate if mesh is not None else 1
+        self.shard_size = self.world_size // self.replicate_size
         self.is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         self.distributed = (self.sharded or self.is_ddp) if distributed is None else bool(distributed)
         if self.sharded and hook is not None:
@@ -154,6 +159,7 @@ class CommProfiler(LoopCallback):
     def attach(self) -> "CommProfiler":
         """Register the comm hook (DDP) or the collective recorders (FSDP2) and start the trace if asked; idempotent."""
         if self._attached:
+            self.collectives.hook_all_reduce()  # given back by detach
             return self
         if self.sharded:
             self.collectives.register(self.model)
@@ -165,8 +171,10 @@ class CommProfiler(LoopCallback):
         return self
 
     def detach(self) -> None:
-        """Stop recording and write the trace (the DDP hook and FSDP2 recorders stay, passing calls through)."""
+        """Stop recording and write the trace (the DDP hook and FSDP2 recorders stay, passing calls through;
+        HSDP's wrapped ``torch.distributed.all_reduce`` is given back)."""
         self.enabled = False
+        self.collectives.unregister()
         if self.trace is not None:
             self.trace.stop()
 
@@ -247,7 +255,8 @@ class CommProfiler(LoopCallback):
         if self.sharded:
             for key in ALLREDUCE_KEYS:  # DDP's all-reduce: FSDP2 has none
                 out.pop(key, None)
-            out.update(sharded_summary(records, world_size=self.world_size, units=self.collectives.unit_info()))
+            out.update(sharded_summary(records, shard_size=self.shard_size, replicate_size=self.replicate_size,
+                                       units=self.collectives.unit_info()))
         return out
 
     def summary(self, tag: str | None = None) -> dict:

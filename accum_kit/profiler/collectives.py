@@ -11,6 +11,13 @@ recording object that wraps the one the unit had (FSDP2's default calls
 user's custom object is wrapped just the same), as :class:`BucketRecorder`
 wraps a DDP comm hook.
 
+Under HSDP FSDP2 then all-reduces each reduce-scattered shard across the
+replicate group with a plain ``torch.distributed.all_reduce`` call, which has
+no such extension point: :class:`CollectiveRecorder` wraps that function
+while it is registered and records the calls made on a unit's replicate
+group (the loop's own all-reduces run on the whole world and pass through
+unrecorded).
+
 Timing: on CPU (gloo) FSDP2 calls both collectives synchronously
 (``async_op=False``): the call returns when the data is there, so the
 seconds are those of the call. An asynchronous call's completion is taken
@@ -43,13 +50,15 @@ class _Recording:
     def allocate(self, size, *, dtype, device):
         return self.inner.allocate(size, dtype=dtype, device=device)
 
+    group = "shard"
+
     def _run(self, size_tensor, call, async_op: bool):
         rec = self.recorder
         if not rec.labels.enabled:
             return call()
         lab = rec.labels
         fields = dict(kind=self.kind, step=lab.step, micro_batch=lab.micro_batch, mode=lab.mode, tag=lab.tag,
-                      unit=self.unit, bytes=_nbytes(size_tensor))
+                      unit=self.unit, bytes=_nbytes(size_tensor), group=self.group)
         if size_tensor.is_cuda:
             import torch
 
@@ -101,8 +110,25 @@ def recording_reduce_scatter(inner, recorder: "CollectiveRecorder", unit: int):
     return RecordingReduceScatter(inner, recorder, unit)
 
 
+class _ReplicateAllReduce(_Recording):
+    """``torch.distributed.all_reduce`` while registered: records the calls on a replicate group (HSDP)."""
+
+    kind, group = "all_reduce", "replicate"
+
+    def __init__(self, inner, recorder: "CollectiveRecorder", groups: list):
+        super().__init__(inner, recorder, unit=-1)
+        self.groups = groups
+
+    def __call__(self, tensor, *args, **kwargs):
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)
+        if not any(group is g for g in self.groups):
+            return self.inner(tensor, *args, **kwargs)
+        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
+        return self._run(tensor, lambda: self.inner(tensor, *args, **kwargs), async_op)
+
+
 class CollectiveRecorder:
-    """Records one :class:`CollectiveCall` per FSDP2 all-gather and reduce-scatter of a model.
+    """Records one :class:`CollectiveCall` per FSDP2 all-gather and reduce-scatter of a model (and HSDP all-reduce).
 
     Args:
         labels: the shared :class:`Labels` stamped on every record; with
@@ -121,6 +147,8 @@ class CollectiveRecorder:
         self._pending: list = []  # CUDA: (fields, begin event, end event)
         self._lock = threading.Lock()
         self._groups: list = []
+        self._replicate_groups: list = []  # HSDP: the units' replicate process groups
+        self._all_reduce = None  # the installed _ReplicateAllReduce (HSDP)
 
     def register(self, model) -> int:
         """Wrap the collectives of every unit of the FSDP2 ``model``; returns the number of units.
@@ -128,7 +156,7 @@ class CollectiveRecorder:
         Raises:
             ValueError: ``model`` has no FSDP2 unit.
         """
-        from ..compat import fsdp_unit_comms, fsdp_units
+        from ..compat import fsdp_replicate_process_group, fsdp_unit_comms, fsdp_units
 
         units = fsdp_units(model)
         if not units:
@@ -139,7 +167,25 @@ class CollectiveRecorder:
             module.set_custom_all_gather(recording_all_gather(gather, self, index))
             module.set_custom_reduce_scatter(recording_reduce_scatter(scatter, self, index))
         self._groups = [group for _, group in units]
+        self._replicate_groups = [g for g in map(fsdp_replicate_process_group, self._groups) if g is not None]
+        self.hook_all_reduce()
         return len(units)
+
+    def hook_all_reduce(self) -> None:
+        """Under HSDP, wrap ``torch.distributed.all_reduce`` to record the replicate-group calls (idempotent)."""
+        import torch.distributed as dist
+
+        if self._replicate_groups and self._all_reduce is None:
+            self._all_reduce = _ReplicateAllReduce(dist.all_reduce, self, self._replicate_groups)
+            dist.all_reduce = self._all_reduce
+
+    def unregister(self) -> None:
+        """Give ``torch.distributed.all_reduce`` back (HSDP), unless something wrapped it after us."""
+        import torch.distributed as dist
+
+        if self._all_reduce is not None and dist.all_reduce is self._all_reduce:
+            dist.all_reduce = self._all_reduce.inner
+        self._all_reduce = None
 
     def unit_info(self) -> list[dict]:
         """Per unit: ``name``, ``parameters`` (elements, unsharded), ``reshard_after_forward`` (now)."""

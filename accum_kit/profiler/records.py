@@ -68,7 +68,10 @@ class BucketCall:
 
 
 #: The kinds of :class:`CollectiveCall`.
-COLLECTIVES = ("all_gather", "reduce_scatter")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+#: The process groups a :class:`CollectiveCall` runs on: FSDP2's shard group (all its processes under
+#: plain FSDP2), and under HSDP the replicate group its reduce-scattered gradients are all-reduced over.
+GROUPS = ("shard", "replicate")
 
 
 @dataclass
@@ -76,16 +79,21 @@ class CollectiveCall:
     """One FSDP2 collective of one unit (a ``fully_shard`` parameter group).
 
     Attributes:
-        kind: ``"all_gather"`` (parameters, before a forward or backward) or
-            ``"reduce_scatter"`` (gradients, after a synchronised backward).
+        kind: ``"all_gather"`` (parameters, before a forward or backward),
+            ``"reduce_scatter"`` (gradients, after a synchronised backward) or,
+            under HSDP, ``"all_reduce"`` (a reduce-scattered gradient shard
+            across the replicate group).
         step, micro_batch, mode, tag: see :class:`Labels` (``micro_batch``
             also tells which backward a reduce-scatter belongs to).
         unit: index of the unit in :func:`accum_kit.compat.fsdp_units` order.
         bytes: the size S of nccl-tests' bus-bandwidth definition: the whole
             buffer, i.e. the all-gather's output and the reduce-scatter's
-            input (``numel x element size``), W times one process's shard.
+            input (``numel x element size``), shard-group-size times one
+            process's shard; the all-reduce's buffer (one shard).
         start: ``perf_counter`` seconds when the collective was called.
         seconds: from ``start`` to its completion.
+        group: ``"shard"`` or ``"replicate"`` (:data:`GROUPS`): the mesh dimension it ran on.
+            The all-reduce's ``unit`` is -1 (FSDP2 calls it without naming the unit).
     """
 
     kind: str
@@ -97,6 +105,7 @@ class CollectiveCall:
     bytes: int
     start: float
     seconds: float
+    group: str = "shard"
 
 
 @dataclass

@@ -33,6 +33,16 @@ Definitions (seconds, bytes; "per step" divides by the optimizer steps recorded)
   Syncing every micro-batch never pays it (FSDP2 frees the unsharded
   gradient after each reduce-scatter and adds only the 1/W shard), so it
   is part of what ``no_sync`` costs;
+- HSDP (2-D mesh): reduce-scatters and all-gathers run in the shard group
+  (n = S for their busbw), FSDP2's all-reduce of each reduce-scattered shard
+  in the replicate group (n = R, busbw ``2 algbw (n - 1) / n``); ``by_group``
+  gives calls, bytes, seconds and bandwidths per step for each. With no-sync
+  micro-batches the exposed reduce-scatter per sync (a backward difference)
+  includes the all-reduce that follows it; without, the all-reduce seconds
+  per step are added to the exposed time and the ideal. The saving adds,
+  for ``reduce_scatter_each_batch``, the all-reduces it defers (micro-batches
+  that reduce-scattered without all-reducing) x the median all-reduce
+  seconds of one that did;
 - estimated saving per step against syncing every micro-batch with the same
   reshard settings (what :class:`accum_kit.profiler.ABSwitch` alternates
   with): skipped syncs per step x (exposed reduce-scatter per sync minus the
@@ -61,13 +71,15 @@ def _bandwidths(calls, n: int) -> tuple[float | None, float | None]:
     return algbw, algbw * (n - 1) / n if n > 1 else 0.0
 
 
-def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dict]) -> dict:
+def sharded_summary(records: ProfileRecords, *, shard_size: int, units: list[dict], replicate_size: int = 1) -> dict:
     """FSDP2 figures of one process from its records of one mode (see the module docstring).
 
     Args:
         records: the process's records, already selected (one mode, maybe one tag or several: records
             are told apart by (tag, micro-batch) and (tag, step), so runs with their own tags can be pooled).
-        world_size: processes in each collective (n of busbw).
+        shard_size: S, processes in each all-gather and reduce-scatter (n of their busbw): the world
+            under plain FSDP2, the shard group under HSDP.
+        replicate_size: R, processes in each all-reduce across replicas (HSDP; 1 for plain FSDP2).
         units: :meth:`accum_kit.profiler.collectives.CollectiveRecorder.unit_info`
             (``reshard_after_forward`` decides the all-gathers of syncing every micro-batch).
 
@@ -82,9 +94,11 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
     ``accumulation_seconds`` (per micro-batch; 0 without a window of 3 or more),
     ``compute_seconds`` (per micro-batch), ``ideal_seconds_per_step``,
     ``seconds_per_step_over_ideal``, ``estimated_seconds_saved``,
-    ``estimated_seconds_saved_per_step``, ``overlap_fraction``, ``fsdp_units`` (``units``).
+    ``estimated_seconds_saved_per_step``, ``overlap_fraction``, ``fsdp_units`` (``units``), and
+    ``by_group`` (:func:`by_group`). Under HSDP ``all_reduce_*`` as ``reduce_scatter_*``, and the
+    reduce-scatter per sync and its exposed time include the all-reduce that follows it in the backward.
     """
-    n = world_size
+    n = shard_size
     mbs, steps = records.micro_batches, records.steps
     rs = [c for c in records.collectives if c.kind == "reduce_scatter"]
     ag = [c for c in records.collectives if c.kind == "all_gather"]
@@ -106,8 +120,8 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
     if no_sync:
         compute = median(m.forward_seconds + m.backward_seconds - collective_seconds(m, ("all_gather",)) for m in no_sync)
     else:
-        compute = median(m.forward_seconds + m.backward_seconds - collective_seconds(m, ("all_gather", "reduce_scatter"))
-                         for m in mbs)
+        compute = median(m.forward_seconds + m.backward_seconds
+                         - collective_seconds(m, ("all_gather", "reduce_scatter", "all_reduce")) for m in mbs)
     rs_per_sync = median(sum(c.seconds for c in g) for g in rs_by_sync.values())
     bwd_sync = median(m.backward_seconds for m in mbs if m.sync)
     bwd_nosync = median(m.backward_seconds for m in no_sync)
@@ -129,9 +143,10 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
     syncs = len(rs_by_sync)
     skipped = sum(1 for m in mbs if not m.sync)
     ag_exposed = busy_seconds(ag) / n_steps
+    ar_extra, ar_saved = _replicate_all_reduce(records, mbs, n_steps, from_backwards=bool(no_sync and rs))
     opt = median(s.optimizer_seconds for s in steps)
     step = median(s.step_seconds for s in steps)
-    ideal = (k * compute + syncs / n_steps * exposed_rs + ag_exposed + (opt or 0.0)
+    ideal = (k * compute + syncs / n_steps * exposed_rs + ar_extra + ag_exposed + (opt or 0.0)
              if (k is not None and compute is not None) else None)
 
     ag_saved = 0.0  # per step, against every micro-batch syncing with the same reshard settings
@@ -142,10 +157,20 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
             per_call = median(c.seconds for c in mine)
             if per_call is not None:
                 ag_saved += max(baseline - len(mine) / n_steps, 0.0) * per_call
-    saved_per_step = skipped / n_steps * (exposed_rs - accumulation) + ag_saved
+    saved_per_step = skipped / n_steps * (exposed_rs - accumulation) + ag_saved + ar_saved
     rs_alg, rs_bus = _bandwidths(rs, n)
     ag_alg, ag_bus = _bandwidths(ag, n)
+    ar = [c for c in records.collectives if c.kind == "all_reduce"]
+    hsdp = {} if replicate_size < 2 else {
+        "all_reduce_calls": len(ar),
+        "all_reduce_bytes": sum(c.bytes for c in ar),
+        "all_reduce_seconds": sum(c.seconds for c in ar),
+        "all_reduce_calls_per_step": len(ar) / n_steps,
+        "all_reduce_bytes_per_step": sum(c.bytes for c in ar) / n_steps,
+    }
     return {
+        **hsdp,
+        "by_group": by_group(records.collectives, n_steps, shard_size, replicate_size),
         "reduce_scatter_calls": len(rs),
         "reduce_scatter_bytes": sum(c.bytes for c in rs),
         "reduce_scatter_seconds": sum(c.seconds for c in rs),
@@ -168,7 +193,7 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
         "exposed_comm_seconds": exposed_rs,
         "exposed_reduce_scatter_source": source,
         "exposed_all_gather_seconds_per_step": ag_exposed,
-        "exposed_comm_seconds_per_step": syncs / n_steps * exposed_rs + ag_exposed,
+        "exposed_comm_seconds_per_step": syncs / n_steps * exposed_rs + ar_extra + ag_exposed,
         "overlap_fraction": max(0.0, 1 - exposed_rs / rs_per_sync) if rs_per_sync and no_sync and rs else None,
         "accumulation_seconds": accumulation,
         "compute_seconds": compute,
@@ -178,3 +203,51 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
         "estimated_seconds_saved_per_step": saved_per_step,
         "fsdp_units": units,
     }
+
+
+def _replicate_all_reduce(records: ProfileRecords, mbs, n_steps: int, from_backwards: bool) -> tuple[float, float]:
+    """HSDP's all-reduces across replicas: (exposed seconds per step not already in the exposed
+    reduce-scatter, estimated seconds saved per step against all-reducing on every micro-batch).
+
+    With no-sync micro-batches the exposed reduce-scatter comes from backward differences and holds
+    the all-reduce already: nothing to add. Without (``sync_each_batch``, ``reduce_scatter_each_batch``)
+    the all-reduce seconds per step are added. Saved: the micro-batches that reduce-scattered but did not
+    all-reduce (``reduce_scatter_each_batch``'s non-boundary ones) x the median all-reduce seconds of a
+    micro-batch that did.
+    """
+    ar = [c for c in records.collectives if c.kind == "all_reduce"]
+    if not ar:
+        return 0.0, 0.0
+    per_micro: dict = defaultdict(float)
+    for c in ar:
+        per_micro[(c.tag, c.micro_batch)] += c.seconds
+    deferred = sum(1 for m in mbs if m.sync and (m.tag, m.micro_batch) not in per_micro)
+    extra = 0.0 if from_backwards else sum(per_micro.values()) / n_steps
+    return extra, deferred / n_steps * (median(per_micro.values()) or 0.0)
+
+
+def by_group(collectives, n_steps: int, shard_size: int, replicate_size: int) -> dict:
+    """Per mesh dimension and collective kind, per optimizer step: what ran where.
+
+    Returns:
+        ``{"shard": {"size": S, "reduce_scatter": {...}, "all_gather": {...}},
+        "replicate": {"size": R, "all_reduce": {...}}}`` (``replicate`` only under HSDP); each
+        ``{...}`` holds ``calls_per_step``, ``bytes_per_step``, ``seconds_per_step`` (time the
+        training thread spent in the calls: FSDP2 calls them synchronously on CPU, so all of it is
+        exposed there; on CUDA they run on side streams and this is an upper bound of the exposed
+        time), ``algbw_GBps`` and ``busbw_GBps`` (nccl-tests: ``(n - 1) / n`` for reduce-scatter and
+        all-gather, ``2 (n - 1) / n`` for all-reduce, n the group's size).
+    """
+    def block(kind: str, n: int) -> dict:
+        calls = [c for c in collectives if c.kind == kind]
+        alg, bus = _bandwidths(calls, n)
+        if kind == "all_reduce" and bus is not None:
+            bus *= 2  # an all-reduce moves 2 (n - 1) / n of its buffer per process
+        return {"calls_per_step": len(calls) / n_steps, "bytes_per_step": sum(c.bytes for c in calls) / n_steps,
+                "seconds_per_step": sum(c.seconds for c in calls) / n_steps, "algbw_GBps": alg, "busbw_GBps": bus}
+
+    out = {"shard": {"size": shard_size, "reduce_scatter": block("reduce_scatter", shard_size),
+                     "all_gather": block("all_gather", shard_size)}}
+    if replicate_size > 1:
+        out["replicate"] = {"size": replicate_size, "all_reduce": block("all_reduce", replicate_size)}
+    return out
