@@ -135,15 +135,19 @@ def fsdp_summary(accelerator) -> dict | None:
     """What ``train_summary.json`` records of the sharding: None for DDP / one process.
 
     Returns:
-        ``{"version": 2, "accumulation_policy": str, "reshard_after_forward": bool,
+        ``{"version": 2, "mesh": {"dp_replicate_size", "dp_shard_size"}, "accumulation_policy": str,
+        "reshard_after_forward": bool,
         "state_dict_type": str, "mixed_precision_policy": {param_dtype, reduce_dtype} | None}``.
     """
     if not getattr(accelerator, "is_fsdp2", False):
         return None
+    from .hsdp import run_mesh
+
     plugin = accelerator.state.fsdp_plugin
     mp = plugin.mixed_precision_policy
     return {
         "version": 2,
+        "mesh": run_mesh(accelerator).to_dict(),
         "accumulation_policy": policy_name(accelerator),
         "reshard_after_forward": bool(plugin.reshard_after_forward),
         "state_dict_type": str(getattr(plugin.state_dict_type, "name", plugin.state_dict_type)),

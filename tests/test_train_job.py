@@ -286,7 +286,8 @@ def test_fsdp_job_trains_as_the_ddp_job_and_says_it_was_sharded(fsdp_runs, ddp_r
     (_, out), *_ = fsdp_runs
     s, ddp = load_summary(out), load_summary(ddp_run[1])
     assert s["distributed_type"] == "DistributedType.FSDP" and s["world_size"] == WORLD
-    assert s["fsdp"] == {"version": 2, "accumulation_policy": FSDP_POLICY, "reshard_after_forward": False,
+    assert s["fsdp"] == {"version": 2, "mesh": {"dp_replicate_size": 1, "dp_shard_size": WORLD},
+                         "accumulation_policy": FSDP_POLICY, "reshard_after_forward": False,
                          "state_dict_type": "SHARDED_STATE_DICT", "mixed_precision_policy": None}
     assert s["accumulation_policy"] == FSDP_POLICY and ddp["accumulation_policy"] == "no_sync" and not ddp["fsdp"]
     assert s["train_loss"] == pytest.approx(ddp["train_loss"], rel=1e-5)

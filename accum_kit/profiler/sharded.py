@@ -94,8 +94,8 @@ def sharded_summary(records: ProfileRecords, *, shard_size: int, units: list[dic
     ``accumulation_seconds`` (per micro-batch; 0 without a window of 3 or more),
     ``compute_seconds`` (per micro-batch), ``ideal_seconds_per_step``,
     ``seconds_per_step_over_ideal``, ``estimated_seconds_saved``,
-    ``estimated_seconds_saved_per_step``, ``overlap_fraction``, ``fsdp_units`` (``units``), and
-    ``by_group`` (:func:`by_group`). Under HSDP ``all_reduce_*`` as ``reduce_scatter_*``, and the
+    ``estimated_seconds_saved_per_step``, ``overlap_fraction``, ``fsdp_units`` (``units``),
+    ``mesh`` (``dp_replicate_size``, ``dp_shard_size``) and ``by_group`` (:func:`by_group`). Under HSDP ``all_reduce_*`` as ``reduce_scatter_*``, and the
     reduce-scatter per sync and its exposed time include the all-reduce that follows it in the backward.
     """
     n = shard_size
@@ -170,6 +170,7 @@ def sharded_summary(records: ProfileRecords, *, shard_size: int, units: list[dic
     }
     return {
         **hsdp,
+        "mesh": {"dp_replicate_size": replicate_size, "dp_shard_size": shard_size},
         "by_group": by_group(records.collectives, n_steps, shard_size, replicate_size),
         "reduce_scatter_calls": len(rs),
         "reduce_scatter_bytes": sum(c.bytes for c in rs),
