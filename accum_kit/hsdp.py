@@ -67,6 +67,14 @@ def parallelism_requested(parallelism_config=None) -> bool:
         os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
 
 
+def launched_replicas() -> int:
+    """R of the mesh ``accelerate launch`` exported (``PARALLELISM_CONFIG_DP_REPLICATE_SIZE``); 1 without one."""
+    if not parallelism_requested():
+        return 1
+    value = os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")
+    return int(value) if value.isdigit() else 1
+
+
 def resolve_parallelism_config(parallelism_config, *, world_size: int, fsdp: bool):
     """The caller's (or the launcher's) ``ParallelismConfig``, checked; None when the run asked for none.
 
@@ -124,3 +132,73 @@ def run_mesh(accelerator) -> Mesh | None:
     if pc is None or not pc.dp_replicate_enabled:
         return Mesh(1, accelerator.num_processes)
     return Mesh(pc.dp_replicate_size, pc.dp_shard_size)
+
+
+class EmulatedInterNodeLink:
+    """EMULATION, off unless asked for: a slow link under HSDP's all-reduce across replicas, on one machine.
+
+    On one machine every process talks over loopback, so the case HSDP and
+    ``reduce_scatter_each_batch`` exist for (fast links inside a machine, a
+    slow network between machines) cannot show. While installed, every
+    ``torch.distributed.all_reduce`` that FSDP2 runs on a unit's replicate
+    group is followed by a sleep of what a ring all-reduce of its buffer would
+    take at ``GBps`` (nccl-tests' bus bandwidth: ``2 (R - 1) / R x bytes /
+    busbw``, https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
+    The sleep adds to the real loopback time; the shard group's collectives
+    are untouched. For checking the planner against measurements, never for
+    claiming speed: every report that used it says so.
+
+    Args:
+        model: the prepared FSDP2 model on a 2-D mesh.
+        GBps: the emulated inter-node bus bandwidth, GB/s (1e9 bytes per second), > 0.
+
+    Raises:
+        UsageError: ``GBps`` not positive (``--emulate_inter_node_GBps``), or the model has no
+            replicate group (not HSDP).
+    """
+
+    FLAG = "--emulate_inter_node_GBps"
+
+    def __init__(self, model, GBps: float):
+        from . import checks
+        from .compat import fsdp_replicate_process_group, fsdp_units
+
+        checks.positive(self.FLAG, GBps, fix="pass the emulated inter-node bus bandwidth in GB/s, e.g. 0.1")
+        self.groups = [g for g in (fsdp_replicate_process_group(group) for _, group in fsdp_units(model))
+                       if g is not None]
+        if not self.groups:
+            raise UsageError(self.FLAG, "emulates the link HSDP all-reduces over, and this run has no replicate "
+                             "group", "launch with accelerate_configs/cpu_hsdp.yaml, or drop the flag")
+        self.GBps = GBps
+        self.seconds_added = 0.0  # total sleep, seconds
+        self._inner = None
+
+    def delay(self, nbytes: int, replicas: int) -> float:
+        """Seconds a ring all-reduce of ``nbytes`` over ``replicas`` processes takes at the emulated busbw."""
+        return 2 * (replicas - 1) / replicas * nbytes / (self.GBps * 1e9)
+
+    def install(self) -> "EmulatedInterNodeLink":
+        import time
+
+        import torch.distributed as dist
+
+        inner = self._inner = dist.all_reduce
+
+        def all_reduce(tensor, *args, **kwargs):
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            work = inner(tensor, *args, **kwargs)
+            if any(group is g for g in self.groups):
+                pause = self.delay(tensor.numel() * tensor.element_size(), dist.get_world_size(group))
+                self.seconds_added += pause
+                time.sleep(pause)
+            return work
+
+        dist.all_reduce = all_reduce
+        return self
+
+    def remove(self) -> None:
+        import torch.distributed as dist
+
+        if self._inner is not None:
+            dist.all_reduce = self._inner
+            self._inner = None

@@ -10,6 +10,7 @@ from ..ddp_options import ddp_kwargs as _ddp_kwargs
 from ..errors import UsageError
 from ..models import PRESETS
 from ..outputs import check_output_dir
+from ..hsdp import launched_replicas
 from ..policies import POLICIES, fsdp_launched, policies_for
 
 #: The three loops the sweep compares by default, in their default order.
@@ -55,9 +56,14 @@ class BenchConfig:
     modes: list[str] = field(default_factory=lambda: list(MODES), metadata={
         "help": f"Loops to run, any of {list(ALL_MODES)} (default: the first three; the manual all-reduce modes "
                 "and the peers trainer and accelerate_guide are opt-in)."})
-    accumulation_policies: list[str] = field(default_factory=lambda: policies_for(False), metadata={
+    accumulation_policies: list[str] | None = field(default=None, metadata={
         "help": f"Under an FSDP2 config (accelerate_configs/cpu_fsdp.yaml): the accumulation policies to sweep, any "
-                f"of {list(POLICIES)} (the DDP --modes do not apply there)."})
+                f"of {list(POLICIES)} (default: the four that apply to FSDP2; under an HSDP config, "
+                "accelerate_configs/cpu_hsdp.yaml, all five). The DDP --modes do not apply there."})
+    emulate_inter_node_GBps: float | None = field(default=None, metadata={
+        "help": "EMULATION, HSDP only: add to every all-reduce across replicas the time a ring all-reduce would "
+                "take at this bus bandwidth (GB/s), to stand in for a slow inter-node link on one machine. For "
+                "checking the planner, not for claiming speed; reported as emulated. Default: off."})
     model_presets: list[str] | None = field(default=None, metadata={
         "help": f"Model presets, any of {sorted(PRESETS)} (default {list(DEFAULT_PRESETS)}, with --tune "
                 f"{list(TUNE_PRESETS)})."})
@@ -101,6 +107,10 @@ class BenchConfig:
 
     def __post_init__(self):
         fsdp = fsdp_launched()
+        hybrid = fsdp and launched_replicas() > 1
+        policies_given = self.accumulation_policies is not None
+        if not policies_given:
+            self.accumulation_policies = policies_for(hybrid)
         steps, warmup, repeats = QUICK_SCHEDULE if self.quick else FSDP_SCHEDULE if fsdp else DEFAULT_SCHEDULE
         self.steps = steps if self.steps is None else self.steps
         self.warmup_steps = warmup if self.warmup_steps is None else self.warmup_steps
@@ -143,10 +153,22 @@ class BenchConfig:
                 raise UsageError("--tune_bucket_cap_mb", "no value given", "pass one or more sizes in MB, e.g. 5 100")
             for mb in self.tune_bucket_cap_mb:
                 checks.positive("--tune_bucket_cap_mb", mb, fix="pass sizes in MB, e.g. 5 100")
-        self._check_launch_kind(fsdp)
+        self._check_launch_kind(fsdp, policies_given)
+        if self.emulate_inter_node_GBps is not None:
+            checks.positive("--emulate_inter_node_GBps", self.emulate_inter_node_GBps,
+                            fix="pass the emulated inter-node bus bandwidth in GB/s, e.g. 0.1")
+            if not hybrid:
+                raise UsageError("--emulate_inter_node_GBps", "emulates the link HSDP all-reduces across replicas "
+                                 "over, and this launch is not HSDP", "launch with accelerate_configs/cpu_hsdp.yaml, "
+                                 "or drop the flag")
+        if not hybrid:
+            for p in self.accumulation_policies:
+                if POLICIES[p].hsdp_only:
+                    raise UsageError("--accumulation_policies", f"{p} needs HSDP (a replicate group)",
+                                     "launch with accelerate_configs/cpu_hsdp.yaml, or leave it out")
         check_output_dir(self.output_dir)
 
-    def _check_launch_kind(self, fsdp: bool) -> None:
+    def _check_launch_kind(self, fsdp: bool, policies_given: bool) -> None:
         """Refuse the flags that mean nothing for this launch (DDP's under FSDP2, the policies under DDP)."""
         if fsdp:
             ddp_only = [("--tune", self.tune), ("--comm_hook", self.comm_hook != "none"),
@@ -155,7 +177,7 @@ class BenchConfig:
                 if given:
                     raise UsageError(flag, "is a DDP setting; under an FSDP2 config the bench compares "
                                      "accumulation policies", f"drop {flag}, or launch with accelerate_configs/cpu_ddp.yaml")
-        elif self.accumulation_policies != policies_for(False):
+        elif policies_given:
             raise UsageError("--accumulation_policies", "compares FSDP2 policies, and this launch is not sharded",
                              "launch with accelerate_configs/cpu_fsdp.yaml, or pass --modes for the DDP loops")
 

@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from ..compat import (fsdp_reshard_after_forward_state, keep_fsdp_parameters_after_forward,
                       restore_fsdp_reshard_after_forward, set_sync_each_batch)
 from ..errors import UsageError
+from ..hsdp import EmulatedInterNodeLink, launched_replicas
 from ..launch import build_accelerator, launcher_world_size
 from ..callbacks import LoopCallback
 from ..loop import train_loop
@@ -74,7 +75,8 @@ MB = 2**20
 MODE = {name: "sync_each_batch" if p.sync_each_batch else "no_sync" for name, p in POLICIES.items()}
 #: The profiler summary keys a run record keeps (see :mod:`accum_kit.profiler.sharded`).
 SUMMARY_KEYS = ("reduce_scatter_calls_per_step", "reduce_scatter_bytes_per_step", "reduce_scatter_busbw_GBps",
-                "all_gather_calls_per_step", "all_gather_bytes_per_step", "all_gather_busbw_GBps", "syncs",
+                "all_gather_calls_per_step", "all_gather_bytes_per_step", "all_gather_busbw_GBps",
+                "all_reduce_calls_per_step", "all_reduce_bytes_per_step", "by_group", "syncs",
                 "skipped_syncs", "compute_seconds", "accumulation_seconds", "exposed_comm_seconds",
                 "exposed_all_gather_seconds_per_step",
                 "optimizer_seconds", "ideal_seconds_per_step", "estimated_seconds_saved_per_step")
@@ -154,12 +156,12 @@ def pooled_summaries(prof, cfg: BenchConfig, world: int, order: list[str]) -> di
             tags = {f"{policy}/K{K}/r{rep}" for rep in range(cfg.repeats)}
             mine = ProfileRecords(*([r for r in records if r.tag in tags] for records in
                                     (every.calls, every.micro_batches, every.steps, every.collectives)))
-            summary = sharded_summary(mine, shard_size=world, units=units)
+            summary = sharded_summary(mine, shard_size=prof.shard_size, replicate_size=prof.replicate_size, units=units)
             out[f"K{K}/{policy}"] = {k: summary.get(k) for k in SUMMARY_KEYS}
     return out
 
 
-def command(cfg: BenchConfig, world: int) -> str:
+def command(cfg: BenchConfig, world: int, hybrid: bool = False) -> str:
     """The command line that repeats this sweep (flags that differ from the defaults)."""
     default = BenchConfig()
     flags = []
@@ -168,8 +170,9 @@ def command(cfg: BenchConfig, world: int) -> str:
             continue
         flags.append(f"--{name} " + (" ".join(map(str, value)) if isinstance(value, list) else str(value).lower()
                                      if isinstance(value, bool) else str(value)))
-    procs = "" if world == 2 else f" --num_processes {world}"
-    return (f"accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml{procs} -m accum_kit bench"
+    config, usual = ("cpu_hsdp.yaml", 4) if hybrid else ("cpu_fsdp.yaml", 2)
+    procs = "" if world == usual else f" --num_processes {world}"
+    return (f"accelerate launch --config_file accelerate_configs/{config}{procs} -m accum_kit bench"
             + "".join(f" {f}" for f in flags))
 
 
@@ -181,6 +184,8 @@ def bench_fsdp_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
     acc_model, acc_opt = accelerator.prepare(model, opt)
     initial = [p.detach().clone() for p in acc_model.parameters()]  # DTensor shards
+    link = (EmulatedInterNodeLink(acc_model, cfg.emulate_inter_node_GBps).install()
+            if cfg.emulate_inter_node_GBps is not None else None)  # before the profiler: its timings include it
     prof = CommProfiler(accelerator, acc_model)
 
     order = list(cfg.accumulation_policies)
@@ -253,7 +258,13 @@ def bench_fsdp_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[
                                                               for r in recs))
             bar.update(1)
     apply_policy(accelerator, acc_model, "no_sync", defaults)
+    if link is not None:
+        link.remove()
+    prof.detach()
     info = {"pooled": pooled_summaries(prof, cfg, world, order), "parameters": n_params, "micro_batch": f"{B}x{cfg.block_size} tokens", "memory_method": memory.method,
+            "mesh": {"dp_replicate_size": prof.replicate_size, "dp_shard_size": prof.shard_size},
+            "emulated_inter_node_GBps": cfg.emulate_inter_node_GBps,
+            "emulated_seconds_added": link.seconds_added if link is not None else 0.0,
             "units": {"resharded": list(layout.resharded), "kept": list(layout.kept)},
             "element_bytes": {"b_p": b_p, "b_c": b_c, "b_r": b_r}}
     del acc_model, acc_opt, loaders, model, opt, prof
@@ -293,7 +304,7 @@ def run(cfg: BenchConfig) -> dict:
     targets = evaluate_targets(rows, presets)
     result = {
         "schema": "accum_kit.bench.fsdp/1",
-        "command": command(cfg, world),
+        "command": command(cfg, world, launched_replicas() > 1),
         "config": asdict(cfg),
         "machine": machine(accelerator),
         "versions": library_versions(),

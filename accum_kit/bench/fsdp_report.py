@@ -95,7 +95,8 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
             speedup, lo, hi = est["geometric_mean"], est["low"], est["high"]
             saved, slo, shi = mean_interval(diffs)
             pred = policy_costs(policy, layout, world_size=world, accumulation_steps=K, param_bytes=b["b_p"],
-                                compute_bytes=b["b_c"], reduce_bytes=b["b_r"])
+                                compute_bytes=b["b_c"], reduce_bytes=b["b_r"],
+                                replicate_size=info.get("mesh", {}).get("dp_replicate_size", 1))
             grad, gathered = _m(cell, "gradient_bytes"), _m(cell, "gathered_parameter_bytes")
             syncs = K if policy == BASE else 1
             g, o = _m(cell, "exposed_all_gather_seconds_per_step"), _m(cell, "optimizer_seconds")
@@ -111,6 +112,8 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
                 "seconds_saved_per_step": saved, "saved_ci_low": slo, "saved_ci_high": shi,
                 "reduce_scatter_calls_per_step": _m(cell, "reduce_scatter_calls_per_step"),
                 "all_gather_calls_per_step": _m(cell, "all_gather_calls_per_step"),
+                "all_reduce_calls_per_step": _m(cell, "all_reduce_calls_per_step"),
+                "all_reduce_mb_per_step": (_m(cell, "all_reduce_bytes_per_step") or 0) / MB,
                 "reduce_scatter_mb_per_step": (_m(cell, "reduce_scatter_bytes_per_step") or 0) / MB,
                 "all_gather_mb_per_step": (_m(cell, "all_gather_bytes_per_step") or 0) / MB,
                 "reduce_scatter_busbw_GBps": _m(cell, "reduce_scatter_busbw_GBps"),
@@ -160,7 +163,9 @@ def evaluate_targets(rows: list[dict], presets: dict, K: int = 8) -> list[dict]:
 
         ns = cells.get("no_sync")
         for policy, bar, target in (("no_sync", 1.0, "no_sync faster than sync_each_batch"),
-                                    ("no_sync_no_reshard", 2.0, "no_sync_no_reshard >= 2x sync_each_batch")):
+                                    ("no_sync_no_reshard", 2.0, "no_sync_no_reshard >= 2x sync_each_batch"),
+                                    ("reduce_scatter_each_batch", 1.0,
+                                     "reduce_scatter_each_batch faster than sync_each_batch (HSDP)")):
             r = cells.get(policy)
             if r and BASE in cells:  # fewer than 2 paired cycles: no interval, so this run cannot tell
                 add(f"K={K}: {target}",
@@ -192,19 +197,29 @@ def format_fsdp_table(preset: str, info: dict, rows: list[dict]) -> str:
     """Text table of one preset: per K and policy, step time, speedup (interval), collectives, memory, ideal."""
     from tabulate import tabulate
 
+    mesh = info.get("mesh") or {}
+    hybrid = mesh.get("dp_replicate_size", 1) > 1
     table = [(r["K"], r["policy"], _f(r["step_s_median"]),
               "1 (reference)" if r["policy"] == BASE else
               fmt_ratio(r["speedup_vs_sync_each_batch"], r["speedup_ci_low"], r["speedup_ci_high"], suffix="x"),
               _f(r["seconds_saved_per_step"]), _f(r["reduce_scatter_calls_per_step"], "{:g}"),
+              *((_f(r.get("all_reduce_calls_per_step"), "{:g}"),) if hybrid else ()),
               _f(r["all_gather_calls_per_step"], "{:g}"), _f(r["all_gather_mb_per_step"], "{:.1f}"),
               _f(r["gradient_mb_peak"], "{:.2f}"), _f(r["predicted_gradient_mb"], "{:.2f}"),
               _f(r["gathered_parameter_mb_peak"], "{:.2f}"), _f(r["memory_added_mb"], "{:.2f}"),
               _f(r["own_ideal_s"]), _f(r["over_ideal"]), _f(r["ideal_s"])) for r in rows]
-    headers = ("K", "policy", "s/step", "speedup vs sync_each [95% CI]", "saved s/step", "RS/step", "AG/step",
+    headers = ("K", "policy", "s/step", "speedup vs sync_each [95% CI]", "saved s/step", "RS/step",
+               *(("AR/step (replicas)",) if hybrid else ()), "AG/step",
                "AG MB/step", "grad MB held", "predicted", "gathered MB", "MB added", "own ideal s", "over ideal",
                "shared ideal s")
     m = info["model"]
-    head = (f"{preset} (FSDP2, P = {m['P']}: P_f = {m['P_f']} in {m['U_f']} layer units, P_0 = {m['P_0']} in "
+    engine = "FSDP2"
+    if hybrid:
+        engine = f"HSDP {mesh['dp_replicate_size']} replicas x {mesh['dp_shard_size']} shards"
+        if info.get("emulated_inter_node_GBps"):
+            engine += (f", EMULATED inter-node link {info['emulated_inter_node_GBps']:g} GB/s "
+                       f"({info.get('emulated_seconds_added', 0):.1f} s of delay added)")
+    head = (f"{preset} ({engine}, P = {m['P']}: P_f = {m['P_f']} in {m['U_f']} layer units, P_0 = {m['P_0']} in "
             f"{m['U_0']} others; {info['micro_batch']}): c = {_f(info['c_seconds'], '{:.4f}')} s per micro-batch, "
             f"exposed reduce-scatter a = {_f(info['a_seconds'], '{:.4f}')} s per sync, noise floor "
             f"{_f(info['noise_floor'], '{:.1%}')}")
