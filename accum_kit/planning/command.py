@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from .. import checks
+from ..errors import UsageError
 from .lr import LEARNING_RATE_FIX, LR_RULES
 from .report import (check_batch_size_given, check_learning_rate_flags, check_schedule_flags, check_target_flags,
                      format_plan, make_plan)
@@ -96,6 +97,13 @@ class PlanArguments:
     free_memory_GB: float | None = field(default=None, metadata={
         "help": "With --fsdp: memory per GPU left for accumulation (gradients, gathered parameters) after model, "
                 "optimizer and activations, GB; overrides --gpu_memory_GB."})
+    parallelism_config_dp_replicate_size: int | None = field(default=None, metadata={
+        "help": "With --fsdp: HSDP's replicas R (Accelerate's flag; the shard group is --num_processes / R, e.g. "
+                "the machines); adds reduce_scatter_each_batch and the all-reduces across replicas. Default: the "
+                "profile's mesh, else 1 (plain FSDP2)."})
+    inter_node_busbw_GBps: float | None = field(default=None, metadata={
+        "help": "With --fsdp and R > 1: bus bandwidth of the all-reduce across replicas in GB/s (the inter-node "
+                "link). Default: the profile's measured one, else InfiniBand's nominal peak."})
     json: bool = field(default=False, metadata={"help": "Print JSON instead of the text table."})
 
     def __post_init__(self):
@@ -123,9 +131,14 @@ class PlanArguments:
         check_learning_rate_flags(self.base_learning_rate, self.base_batch_size, self.lr_scaling)
         check_whatif_flags(self.from_profile, self.num_machines, self.num_processes, self.interconnect,
                            self.busbw_GBps, self.accumulation_steps, self.max_comm_share, self.compare_bench,
-                           fsdp=self.fsdp)
+                           fsdp=self.fsdp, replicate_size=self.parallelism_config_dp_replicate_size)
         check_fsdp_flags(self.fsdp, self.model_preset, self.num_parameters, self.num_layers, self.gpu_memory_GB,
                          self.free_memory_GB, self.mixed_precision, self.vocab_size)
+        for flag in ("parallelism_config_dp_replicate_size", "inter_node_busbw_GBps"):
+            if getattr(self, flag) is not None and not self.fsdp:
+                raise UsageError(f"--{flag}", "only used when planning sharded runs", "pass --fsdp too")
+        if self.parallelism_config_dp_replicate_size is not None:
+            checks.at_least("--parallelism_config_dp_replicate_size", self.parallelism_config_dp_replicate_size)
 
 
 ARGUMENTS = PlanArguments
@@ -167,6 +180,8 @@ def run_command(args: PlanArguments) -> int:
         mixed_precision=args.mixed_precision,
         gpu_memory_GB=args.gpu_memory_GB,
         free_memory_GB=args.free_memory_GB,
+        parallelism_config_dp_replicate_size=args.parallelism_config_dp_replicate_size,
+        inter_node_busbw_GBps=args.inter_node_busbw_GBps,
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_plan(report))
     return 0

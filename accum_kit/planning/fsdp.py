@@ -245,6 +245,8 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
         rs_calls, rs_bytes, rs_f = K * U, K * P * b_r, f"K U = {K} x {U}; K P b_r = {K} x {P} x {b_r}"
     else:
         rs_calls, rs_bytes, rs_f = U, P * b_r, f"U = {U}; P b_r = {P} x {b_r}"
+    if S == 1:  # replicated only (DDP): no reduce-scatter, no all-gather
+        rs_calls, rs_bytes, rs_f = 0, 0, "0 (S = 1: nothing sharded)"
     if R < 2:
         ar_calls, ar_bytes, ar_f = 0, 0.0, "0 (no replicate group)"
     elif p.sync_each_batch:
@@ -260,6 +262,8 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
     else:
         ag_calls, ag_bytes = K * (2 * Uf + U0), K * (2 * Pf + P0) * b_c
         ag_f = f"K (2 U_f + U_0) = {K} x (2 x {Uf} + {U0}); K (2 P_f + P_0) b_c = {K} x (2 x {Pf} + {P0}) x {b_c}"
+    if S == 1:
+        ag_calls, ag_bytes, ag_f = 0, 0, "0 (S = 1: nothing sharded)"
     between = K >= 2  # with K = 1 no micro-batch follows another inside a window
     if not between:
         grads, grads_f = 0.0, "K = 1: no micro-batch follows another in a window"
@@ -295,6 +299,34 @@ def collective_seconds(n_bytes: float, world_size: int, busbw_GBps: float) -> fl
     bytes/s) the call takes ``S (n - 1) / n / busbw``. One process: 0.
     """
     return n_bytes * (world_size - 1) / world_size / (busbw_GBps * 1e9)
+
+
+def all_reduce_seconds(n_bytes: float, group_size: int, busbw_GBps: float) -> float:
+    """Seconds of a ring all-reduce of S = ``n_bytes`` over ``group_size`` processes: ``2 S (n - 1) / n / busbw``.
+
+    nccl-tests' bus bandwidth for all-reduce is ``algbw 2 (n - 1) / n`` (doc/PERFORMANCE.md). One process: 0.
+    """
+    return 2 * n_bytes * (group_size - 1) / group_size / (busbw_GBps * 1e9)
+
+
+def comm_seconds(costs: PolicyCosts, *, shard_GBps: float, all_gather_GBps: float | None = None,
+                 replicate_GBps: float | None = None) -> dict:
+    """Seconds per window of each group's collectives of ``costs``, every collective counted exposed.
+
+    Args:
+        costs: :func:`policy_costs` of one policy on one mesh (R x S).
+        shard_GBps: bus bandwidth of the shard group's reduce-scatters (and all-gathers unless
+            ``all_gather_GBps`` is given), GB/s.
+        replicate_GBps: bus bandwidth of the all-reduces across replicas (needed when R > 1), GB/s.
+
+    Returns:
+        ``{"reduce_scatter": s, "all_gather": s, "all_reduce": s, "total": s}``.
+    """
+    S, R = costs.shard_size, costs.replicate_size
+    rs = collective_seconds(costs.reduce_scatter_bytes, S, shard_GBps)
+    ag = collective_seconds(costs.all_gather_bytes, S, all_gather_GBps or shard_GBps)
+    ar = all_reduce_seconds(costs.all_reduce_bytes, R, replicate_GBps) if R > 1 and costs.all_reduce_bytes else 0.0
+    return {"reduce_scatter": rs, "all_gather": ag, "all_reduce": ar, "total": rs + ag + ar}
 
 
 def dtype_bytes(mixed_precision: str) -> tuple[int, int, int]:

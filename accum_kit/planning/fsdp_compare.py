@@ -16,7 +16,7 @@ from tabulate import tabulate
 from .. import checks
 from ..errors import UsageError
 from ..stats import median
-from .fsdp import ShardedModel, collective_seconds, policy_costs
+from .fsdp import ShardedModel, comm_seconds, policy_costs
 from .fsdp_plan import predicted_step
 
 BENCH_FIX = ("pass the bench.json of `accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m accum_kit "
@@ -55,14 +55,19 @@ def compare_fsdp_bench(path: str, plan) -> dict:
     layout = ShardedModel(tuple(info["units"]["resharded"]), tuple(info["units"]["kept"]))
     b = info["element_bytes"]
     W = bench.get("machine", {}).get("world_size") or plan.num_processes
+    R = (info.get("mesh") or {}).get("dp_replicate_size", 1)
+    if R > 1 and not plan.busbw_all_reduce_GBps:
+        raise UsageError("--compare_bench", f"{path} is an HSDP bench ({R} replicas) and the plan has no "
+                         "all-reduce bandwidth across replicas", "plan with --from_profile of an HSDP run or "
+                         "--inter_node_busbw_GBps")
     rows, errors = [], []
     cells = [r for r in bench["rows"] if r["preset"] == preset]
     predicted = {}
     for r in cells:
         cost = policy_costs(r["policy"], layout, world_size=W, accumulation_steps=r["K"], param_bytes=b["b_p"],
-                            compute_bytes=b["b_c"], reduce_bytes=b["b_r"])
-        comm = (collective_seconds(cost.reduce_scatter_bytes, W, plan.busbw_reduce_scatter_GBps)
-                + collective_seconds(cost.all_gather_bytes, W, plan.busbw_all_gather_GBps))
+                            compute_bytes=b["b_c"], reduce_bytes=b["b_r"], replicate_size=R)
+        comm = comm_seconds(cost, shard_GBps=plan.busbw_reduce_scatter_GBps, all_gather_GBps=plan.busbw_all_gather_GBps,
+                            replicate_GBps=plan.busbw_all_reduce_GBps)["total"]
         predicted[(r["K"], r["policy"])] = predicted_step(plan.profile, r["policy"], r["K"], comm)
     for r in cells:
         pred, meas = predicted[(r["K"], r["policy"])], r["step_s_median"]
@@ -77,6 +82,9 @@ def compare_fsdp_bench(path: str, plan) -> dict:
     notes = []
     if W != plan.profile.world_size:
         notes.append(f"the bench ran on {W} processes, the profile on {plan.profile.world_size}")
+    if info.get("emulated_inter_node_GBps"):
+        notes.append(f"the bench EMULATED its inter-node link at {info['emulated_inter_node_GBps']:g} GB/s (a delay "
+                     "added to every all-reduce across replicas, on top of loopback)")
     if plan.interconnect != "measured":
         notes.append(f"bandwidths are {plan.interconnect}'s, not this machine's: pass --interconnect measured "
                      "to validate the model here")

@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass
 from .. import checks
 from ..errors import UsageError
 from ..policies import POLICIES, policies_for
-from .fsdp import ShardedModel, collective_seconds, dtype_bytes, gpt2_units, policy_costs
+from .fsdp import ShardedModel, comm_seconds, dtype_bytes, gpt2_units, policy_costs
 from .whatif import INTERCONNECTS, profile_number
 
 GB = 1e9
@@ -84,6 +84,8 @@ class FSDPProfile:
     step_seconds: float
     other_seconds: float  # o
     units: tuple = ()
+    replicate_size: int = 1  # HSDP's R (1: plain FSDP2); the shard group is world_size / R
+    all_reduce_busbw_GBps: float | None = None  # HSDP: measured across replicas
 
 
 def _number(comm: dict, key: str, path: str) -> float:
@@ -108,27 +110,36 @@ def load_fsdp_profile(path: str) -> FSDPProfile:
         raise UsageError("--from_profile", f"{path} has no no-sync micro-batch, so the reduce-scatter's exposed "
                          "time was not measured", "profile with --gradient_accumulation_steps 2 or more and "
                          "--accumulation_policy no_sync")
-    n = int(_number(comm, "world_size", path))
+    world = int(_number(comm, "world_size", path))
+    mesh = comm.get("mesh") or {}
+    replicas = int(mesh.get("dp_replicate_size") or 1)
+    n = world // replicas  # the reduce-scatter's group: the shard group
     steps = _number(comm, "optimizer_steps", path)
     k_p = round(_number(comm, "micro_batches", path) / steps) if steps else 0
     c = _number(comm, "compute_seconds", path)
     if k_p < 1 or c <= 0:
         raise UsageError("--from_profile", f"{path} records no optimizer step or no compute", PROFILE_FIX)
     exposed = _number(comm, "exposed_comm_seconds", path)
-    per_sync = _number(comm, "reduce_scatter_bytes", path) / max(_number(comm, "syncs", path), 1)
+    syncs = max(_number(comm, "syncs", path), 1)
+    ar_busbw = None
+    if replicas > 1:  # the exposed time per sync holds the all-reduce across replicas too: take it out
+        exposed = max(exposed - float(comm.get("all_reduce_seconds") or 0.0) / syncs, 0.0)
+        ar_busbw = ((comm.get("by_group") or {}).get("replicate", {}).get("all_reduce", {}).get("busbw_GBps"))
+    per_sync = _number(comm, "reduce_scatter_bytes", path) / syncs
     rs_busbw = per_sync * (n - 1) / n / exposed / GB if exposed > 0 else _number(comm, "reduce_scatter_busbw_GBps", path)
     exposed_step = _number(comm, "exposed_comm_seconds_per_step", path)
     opt, step = _number(comm, "optimizer_seconds", path), _number(comm, "seconds_per_step", path)
     acc = float(comm.get("accumulation_seconds") or 0.0)
     return FSDPProfile(
-        path=str(path), world_size=n, gradient_accumulation_steps=k_p, policy=summary.get("accumulation_policy"),
+        path=str(path), world_size=world, gradient_accumulation_steps=k_p, policy=summary.get("accumulation_policy"),
         model=summary.get("model"), block_size=summary.get("block_size"), compute_seconds=c,
         accumulation_seconds=acc,
         exposed_reduce_scatter_seconds=exposed, reduce_scatter_bytes_per_sync=per_sync,
         reduce_scatter_busbw_GBps=rs_busbw, all_gather_busbw_GBps=_number(comm, "all_gather_busbw_GBps", path),
         exposed_comm_seconds_per_step=exposed_step, optimizer_seconds=opt, step_seconds=step,
         # the profiled no_sync window: K_p micro-batches of compute, the first without the accumulation
-        other_seconds=max(step - (k_p * c - acc) - exposed_step, opt), units=tuple(comm.get("fsdp_units") or ()))
+        other_seconds=max(step - (k_p * c - acc) - exposed_step, opt), units=tuple(comm.get("fsdp_units") or ()),
+        replicate_size=replicas, all_reduce_busbw_GBps=ar_busbw)
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,7 @@ class PolicyPlan:
     step_seconds: float | None  # with a profile
     saved_seconds_vs_sync_each_batch: float
     speedup_vs_sync_each_batch: float | None  # with a profile
+    all_reduce_seconds: float = 0.0  # HSDP: across replicas
 
 
 @dataclass(frozen=True)
@@ -169,6 +181,9 @@ class FSDPPlan:
     arithmetic: dict
     notes: tuple[str, ...] = ()
     comparison: dict | None = None  # predicted vs a bench.json, see accum_kit.planning.fsdp_compare
+    replicate_size: int = 1  # HSDP's R
+    busbw_all_reduce_GBps: float | None = None  # HSDP: the link across replicas
+    busbw_all_reduce_source: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -242,7 +257,8 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
                    vocab_size: int = 384, block_size: int | None = None, mixed_precision: str = "no",
                    gpu_memory_GB: float | None = None, free_memory_GB: float | None = None,
                    interconnect: str | None = None, busbw_GBps: float | None = None,
-                   from_profile: str | None = None) -> FSDPPlan:
+                   from_profile: str | None = None, replicate_size: int | None = None,
+                   inter_node_busbw_GBps: float | None = None) -> FSDPPlan:
     """The FSDP2 plan from keywords named like the flags (see the module docstring for the model).
 
     Args:
@@ -255,6 +271,11 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
         gpu_memory_GB / free_memory_GB: memory per GPU (1e9 bytes); free wins.
         interconnect, busbw_GBps: the bus bandwidth (see the module docstring).
         from_profile: an FSDP2 ``train --profile_comm`` summary.
+        replicate_size: HSDP's R (replicas; the shard group is S = W / R); None: the profile's mesh, else 1.
+            With R > 1 the plan covers all five policies, reduce-scatters and all-gathers in the shard
+            group (at the bandwidths above) and all-reduces across replicas.
+        inter_node_busbw_GBps: bus bandwidth of the all-reduce across replicas, GB/s; None: the profile's
+            measured one, else InfiniBand's nominal peak.
 
     Raises:
         UsageError: naming the flag.
@@ -267,8 +288,13 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
     model = _structure(model_preset, num_parameters, num_layers, vocab_size, block_size, profile)
     b_p, b_c, b_r = dtype_bytes(mixed_precision)
     name, ag_bw, rs_bw, bw_source = _bandwidth(interconnect, busbw_GBps, machines, profile)
+    R = replicate_size or (profile.replicate_size if profile is not None else 1)
+    if W % R:
+        raise UsageError("--parallelism_config_dp_replicate_size", f"{R} does not divide --num_processes {W}",
+                         "pass the number of machines, or a divisor of --num_processes")
+    ar_bw, ar_source = _replicate_bandwidth(R, inter_node_busbw_GBps, profile)
     costs = {p: policy_costs(p, model, world_size=W, accumulation_steps=K, param_bytes=b_p, compute_bytes=b_c,
-                             reduce_bytes=b_r) for p in policies_for(False)}
+                             reduce_bytes=b_r, replicate_size=R) for p in policies_for(R > 1)}
     base = costs["sync_each_batch"]
     if free_memory_GB is not None:
         free, free_source = free_memory_GB * GB, "--free_memory_GB"
@@ -280,14 +306,14 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
     else:
         free, free_source = None, "not given (--gpu_memory_GB or --free_memory_GB): every policy is listed as fitting"
 
-    def seconds(c) -> tuple[float, float]:
-        return (collective_seconds(c.reduce_scatter_bytes, W, rs_bw), collective_seconds(c.all_gather_bytes, W, ag_bw))
+    def seconds(c) -> dict:
+        return comm_seconds(c, shard_GBps=rs_bw, all_gather_GBps=ag_bw, replicate_GBps=ar_bw)
 
-    base_comm = sum(seconds(base))
+    base_comm = seconds(base)["total"]
     rows = []
     for p, c in costs.items():
-        rs_s, ag_s = seconds(c)
-        comm = rs_s + ag_s
+        t = seconds(c)
+        rs_s, ag_s, comm = t["reduce_scatter"], t["all_gather"], t["total"]
         step = predicted_step(profile, p, K, comm) if profile else None
         base_step = predicted_step(profile, "sync_each_batch", K, base_comm) if profile else None
         need = c.accumulation_bytes
@@ -295,7 +321,8 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
                                fits=None if free is None else need <= free, reduce_scatter_seconds=rs_s,
                                all_gather_seconds=ag_s, comm_seconds=comm, step_seconds=step,
                                saved_seconds_vs_sync_each_batch=base_comm - comm,
-                               speedup_vs_sync_each_batch=base_step / step if step else None))
+                               speedup_vs_sync_each_batch=base_step / step if step else None,
+                               all_reduce_seconds=t["all_reduce"]))
     fitting = [r for r in rows if r.fits is not False]
     best = min(fitting, key=lambda r: (round(r.comm_seconds, 12), r.memory_needed_bytes)) if fitting else None
     notes = []
@@ -312,7 +339,7 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
     if profile is None:
         notes.append("no profile: policies ranked by communication alone (compute is the same for all); pass "
                      "--from_profile for step times")
-    arithmetic = _arithmetic(model, W, K, (b_p, b_c, b_r), ag_bw, rs_bw, costs, rows, best, free, profile)
+    arithmetic = _arithmetic(model, W, K, (b_p, b_c, b_r), ag_bw, rs_bw, costs, rows, best, free, profile, ar_bw)
     return FSDPPlan(model={**asdict(model), "P": model.parameters, "P_f": model.layer_parameters,
                            "P_0": model.other_parameters, "U_f": len(model.resharded), "U_0": len(model.kept)},
                     num_processes=W, num_machines=machines, gradient_accumulation_steps=K,
@@ -320,7 +347,21 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
                     interconnect=name, busbw_all_gather_GBps=ag_bw, busbw_reduce_scatter_GBps=rs_bw,
                     busbw_source=bw_source, free_memory_bytes=free, free_memory_source=free_source, profile=profile,
                     rows=tuple(rows), recommended=best.policy if best else None, arithmetic=arithmetic,
-                    notes=tuple(notes))
+                    notes=tuple(notes), replicate_size=R, busbw_all_reduce_GBps=ar_bw,
+                    busbw_all_reduce_source=ar_source)
+
+
+def _replicate_bandwidth(R: int, given: float | None, profile) -> tuple[float | None, str]:
+    """(bus bandwidth of the all-reduce across replicas, its source); (None, "") without replicas."""
+    if R < 2:
+        return None, ""
+    if given is not None:
+        checks.positive("--inter_node_busbw_GBps", given, fix="pass GB/s, e.g. 25 for InfiniBand NDR")
+        return given, "--inter_node_busbw_GBps"
+    if profile is not None and profile.all_reduce_busbw_GBps:
+        return profile.all_reduce_busbw_GBps, "the profile's measured all-reduce across replicas"
+    peak, source = INTERCONNECTS["infiniband"]
+    return peak, source + " (default across machines)"
 
 
 def predicted_step(profile: FSDPProfile, policy: str, K: int, comm_seconds: float) -> float:
@@ -338,7 +379,7 @@ def _g(x: float) -> str:
     return f"{x:.4g}"
 
 
-def _arithmetic(model, W, K, b, ag_bw, rs_bw, costs, rows, best, free, profile) -> dict:
+def _arithmetic(model, W, K, b, ag_bw, rs_bw, costs, rows, best, free, profile, ar_bw=None) -> dict:
     """The formulas with this plan's numbers: memory and seconds of the recommended policy and of sync_each_batch."""
     by = {r.policy: r for r in rows}
     out = {"P": f"P = P_f + P_0 = {model.layer_parameters} + {model.other_parameters} = {model.parameters} "
@@ -348,16 +389,20 @@ def _arithmetic(model, W, K, b, ag_bw, rs_bw, costs, rows, best, free, profile) 
             continue
         c, r = costs[name], by[name]
         f = c.formulas
+        S, R = c.shard_size, c.replicate_size
         lines = [f"gradients held: {f['gradients']} = {_g(c.gradient_bytes / GB)} GB",
                  f"gathered parameters kept: {f['gathered_parameters']} = {_g(c.gathered_parameter_bytes / GB)} GB",
                  f"fits: {_g(r.memory_needed_bytes / GB)} GB <= {_g(free / GB)} GB free: {r.fits}" if free is not None
                  else "fits: no memory given",
-                 f"reduce-scatters: {f['reduce_scatter']} B -> {c.reduce_scatter_bytes:.6g} B x ({W}-1)/{W} / "
+                 f"reduce-scatters: {f['reduce_scatter']} B -> {c.reduce_scatter_bytes:.6g} B x ({S}-1)/{S} / "
                  f"{_g(rs_bw)} GB/s = {_g(r.reduce_scatter_seconds)} s",
-                 f"all-gathers: {f['all_gather']} B -> {c.all_gather_bytes:.6g} B x ({W}-1)/{W} / {_g(ag_bw)} GB/s "
-                 f"= {_g(r.all_gather_seconds)} s",
-                 f"communication per step = {_g(r.reduce_scatter_seconds)} + {_g(r.all_gather_seconds)} = "
-                 f"{_g(r.comm_seconds)} s"]
+                 f"all-gathers: {f['all_gather']} B -> {c.all_gather_bytes:.6g} B x ({S}-1)/{S} / {_g(ag_bw)} GB/s "
+                 f"= {_g(r.all_gather_seconds)} s"]
+        if R > 1:
+            lines.append(f"all-reduces across replicas: {f['all_reduce']} B -> {c.all_reduce_bytes:.6g} B x 2 "
+                         f"({R}-1)/{R} / {_g(ar_bw)} GB/s = {_g(r.all_reduce_seconds)} s")
+        lines.append(f"communication per step = {_g(r.reduce_scatter_seconds)} + {_g(r.all_gather_seconds)}"
+                     + (f" + {_g(r.all_reduce_seconds)}" if R > 1 else "") + f" = {_g(r.comm_seconds)} s")
         if profile is not None:
             c, a, o = profile.compute_seconds, profile.accumulation_seconds, profile.other_seconds
             held = 0 if name == "sync_each_batch" else K - 1
@@ -379,6 +424,9 @@ def format_fsdp_plan(p: FSDPPlan) -> list[str]:
              f"other units); {m['source']}",
              f"  bus bandwidth ({p.interconnect}): all-gather {_g(p.busbw_all_gather_GBps)} GB/s, reduce-scatter "
              f"{_g(p.busbw_reduce_scatter_GBps)} GB/s; {p.busbw_source}",
+             *((f"  HSDP mesh: {p.replicate_size} replicas x {p.num_processes // p.replicate_size} shards; all-reduce "
+                f"across replicas at {_g(p.busbw_all_reduce_GBps)} GB/s ({p.busbw_all_reduce_source})",)
+               if p.replicate_size > 1 else ()),
              "  free memory per process: " + (f"{_g(p.free_memory_bytes / GB)} GB ({p.free_memory_source})"
                                               if p.free_memory_bytes is not None else p.free_memory_source)]
     if p.profile is not None:
@@ -387,14 +435,16 @@ def format_fsdp_plan(p: FSDPPlan) -> list[str]:
                      f"{_g(pr.accumulation_seconds)} s per micro-batch, o = "
                      f"{_g(pr.other_seconds)} s per step (K_p = {pr.gradient_accumulation_steps}, "
                      f"{pr.world_size} processes)")
-    headers = ("policy", "grads held GB", "gathered GB", "fits", "reduce-scatters", "all-gathers", "GB gathered",
-               "comm s", "saved s vs sync_each", *(("s/step", "speedup") if p.profile else ()))
+    hybrid = p.replicate_size > 1
+    headers = ("policy", "grads held GB", "gathered GB", "fits", "reduce-scatters", *(("all-reduces",) if hybrid else ()),
+               "all-gathers", "GB gathered", "comm s", "saved s vs sync_each", *(("s/step", "speedup") if p.profile else ()))
     table = []
     for r in p.rows:
         c = r.costs
         table.append((r.policy + (" *" if r.policy == p.recommended else ""), _g(c["gradient_bytes"] / GB),
                       _g(c["gathered_parameter_bytes"] / GB), {None: "n/a", True: "yes", False: "NO"}[r.fits],
-                      c["reduce_scatter_calls"], c["all_gather_calls"], _g(c["all_gather_bytes"] / GB),
+                      c["reduce_scatter_calls"], *((c["all_reduce_calls"],) if hybrid else ()), c["all_gather_calls"],
+                      _g(c["all_gather_bytes"] / GB),
                       _g(r.comm_seconds), _g(r.saved_seconds_vs_sync_each_batch),
                       *((_g(r.step_seconds), f"{r.speedup_vs_sync_each_batch:.3f}x") if p.profile else ())))
     lines += [f"  {line}" for line in tabulate(table, headers=headers, tablefmt="simple",

@@ -145,6 +145,8 @@ def make_plan(
     mixed_precision: str = "no",
     gpu_memory_GB: float | None = None,
     free_memory_GB: float | None = None,
+    parallelism_config_dp_replicate_size: int | None = None,
+    inter_node_busbw_GBps: float | None = None,
 ) -> PlanReport:
     """All of ``accum-kit plan`` from keyword arguments named like its flags.
 
@@ -184,7 +186,7 @@ def make_plan(
     if accumulation_schedule is not None:
         gradient_accumulation_steps = accumulation_schedule[0]
     check_whatif_flags(from_profile, num_machines, num_processes, interconnect, busbw_GBps, accumulation_steps,
-                       max_comm_share, compare_bench, fsdp=fsdp)
+                       max_comm_share, compare_bench, fsdp=fsdp, replicate_size=parallelism_config_dp_replicate_size)
     if num_processes is None:
         profiled = (load_fsdp_profile if fsdp else load_profile)(from_profile) if from_profile is not None else None
         num_processes = profiled.world_size if profiled is not None else 1
@@ -212,7 +214,8 @@ def make_plan(
             num_processes=num_processes, gradient_accumulation_steps=K, num_machines=num_machines,
             model_preset=model_preset, num_parameters=num_parameters, num_layers=num_layers, vocab_size=vocab_size,
             block_size=block_size, mixed_precision=mixed_precision, gpu_memory_GB=gpu_memory_GB,
-            free_memory_GB=free_memory_GB, interconnect=interconnect, busbw_GBps=busbw_GBps, from_profile=from_profile)
+            free_memory_GB=free_memory_GB, interconnect=interconnect, busbw_GBps=busbw_GBps, from_profile=from_profile,
+            replicate_size=parallelism_config_dp_replicate_size, inter_node_busbw_GBps=inter_node_busbw_GBps)
         if compare_bench is not None:
             fsdp_plan = replace(fsdp_plan, comparison=compare_fsdp_bench(compare_bench, fsdp_plan))
     elif from_profile is not None:

@@ -275,7 +275,7 @@ class WhatIfReport:
 
 
 def check_whatif_flags(from_profile, num_machines, num_processes, interconnect, busbw_GBps, accumulation_steps,
-                       max_comm_share, compare_bench, fsdp: bool = False) -> None:
+                       max_comm_share, compare_bench, fsdp: bool = False, replicate_size: int | None = None) -> None:
     """Ranges and combinations of the what-if flags (values may be None: not given).
 
     Raises:
@@ -307,7 +307,9 @@ def check_whatif_flags(from_profile, num_machines, num_processes, interconnect, 
     if num_processes is not None and num_processes % machines:
         raise UsageError("--num_processes", f"{num_processes} processes do not split evenly over {machines} machines",
                          "pass the total over all machines, a multiple of --num_machines")
-    if machines > 1 and interconnect == "nvlink" and busbw_GBps is None:
+    # under HSDP with one replica per machine the shard group's ring stays inside a machine: NVLink is right there
+    inside = fsdp and replicate_size is not None and replicate_size % machines == 0
+    if machines > 1 and interconnect == "nvlink" and busbw_GBps is None and not inside:
         raise UsageError("--interconnect", f"NVLink links GPUs within one machine; a ring over {machines} machines "
                          "runs at the network's speed", "use infiniband or ethernet, or pass --busbw_GBps")
 
