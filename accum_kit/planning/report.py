@@ -24,7 +24,8 @@ from .whatif import (
 )
 from .whatif_bench import compare_with_bench, format_comparison
 from .fsdp_compare import compare_fsdp_bench, format_fsdp_comparison
-from .fsdp_plan import FSDPPlan, format_fsdp_plan, load_fsdp_profile, make_fsdp_plan
+from .fsdp_format import format_fsdp_plan
+from .fsdp_plan import FSDPPlan, load_fsdp_profile, make_fsdp_plan
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,126 @@
+"""DDP, FSDP2 or HSDP on several machines: every engine and policy from the one cost table (torch-free).
+
+The three engines are three meshes of the same W processes on M machines,
+``R`` replicas x ``S`` shards, so :func:`accum_kit.planning.fsdp.policy_costs`
+prices all of them:
+
+- DDP: ``R = W, S = 1`` (every process holds everything; one all-reduce of
+  the gradient per synchronised backward, across all W processes);
+- FSDP2: ``R = 1, S = W`` (sharded over all W; its reduce-scatters and
+  all-gathers span the machines, so they run at the inter-node bandwidth,
+  the slowest link of the ring);
+- HSDP: ``R = M, S = W / M`` (sharded inside a machine, at the intra-node
+  bandwidth; the all-reduce across replicas at the inter-node bandwidth).
+
+Memory per process is the table's total: parameter shards + optimizer state
++ gradients held + gathered parameters kept (activations left out), compared
+with ``--gpu_memory_GB``. Time per step is the communication of
+:func:`accum_kit.planning.fsdp.comm_seconds` (every collective exposed), or
+with a profile the step of :func:`accum_kit.planning.fsdp_plan.predicted_step`.
+The recommendation is the fastest (engine, policy) that fits.
+"""
+
+from __future__ import annotations
+
+from ..policies import POLICIES, policies_for
+from .fsdp import comm_seconds, policy_costs
+from .whatif import INTERCONNECTS
+
+GB = 1e9
+
+
+def engine_meshes(world: int, machines: int) -> dict[str, tuple[int, int]]:
+    """``{engine: (R, S)}`` for W processes on M machines (HSDP only when M > 1 and S > 1)."""
+    meshes = {"DDP": (world, 1), "FSDP2": (1, world)}
+    if machines > 1 and world // machines > 1:
+        meshes["HSDP"] = (machines, world // machines)
+    return meshes
+
+
+def engine_policies(engine: str) -> list[str]:
+    """The policies an engine runs: DDP has no FSDP2-only policy, HSDP all five."""
+    if engine == "DDP":
+        return [p for p in POLICIES if not POLICIES[p].fsdp_only]
+    return policies_for(engine == "HSDP")
+
+
+def compare_engines(model, *, world: int, machines: int, K: int, element_bytes: tuple[int, int, int],
+                    intra_GBps: float, inter_GBps: float | None, inter_source: str = "",
+                    gpu_memory_GB: float | None = None, profile=None) -> dict:
+    """Every (engine, policy) of W processes on M machines: memory per process, communication, step time.
+
+    Args:
+        model: :class:`accum_kit.planning.fsdp.ShardedModel`.
+        world, machines: W (all machines) and M.
+        K: micro-batches per window.
+        element_bytes: (b_p, b_c, b_r).
+        intra_GBps: bus bandwidth inside a machine, GB/s; inter_GBps: across machines (None: InfiniBand's peak).
+        gpu_memory_GB: memory per process (1e9 bytes) for the fit; None: everything fits.
+        profile: an :class:`accum_kit.planning.fsdp_plan.FSDPProfile` for step times, or None.
+
+    Returns:
+        ``{"rows": [...], "recommended": {"engine", "policy"} | None, "intra_GBps", "inter_GBps",
+        "inter_source"}``; each row has ``engine``, ``mesh`` (R, S), ``policy``, the link of each group,
+        ``memory_bytes`` (total per process), ``fits``, ``comm`` (seconds by collective) and ``step_seconds``.
+    """
+    from .fsdp_plan import predicted_step
+
+    if inter_GBps is None:
+        inter_GBps, inter_source = INTERCONNECTS["infiniband"][0], "InfiniBand NDR nominal peak (default)"
+    per_machine = world // machines
+    b_p, b_c, b_r = element_bytes
+    rows = []
+    for engine, (R, S) in engine_meshes(world, machines).items():
+        shard_link = "intra" if machines == 1 or S <= per_machine else "inter"
+        shard_bw = intra_GBps if shard_link == "intra" else inter_GBps
+        replicate_bw = inter_GBps if machines > 1 else intra_GBps
+        for policy in engine_policies(engine):
+            c = policy_costs(policy, model, world_size=world, accumulation_steps=K, param_bytes=b_p,
+                             compute_bytes=b_c, reduce_bytes=b_r, replicate_size=R)
+            t = comm_seconds(c, shard_GBps=shard_bw, replicate_GBps=replicate_bw)
+            memory = c.total_bytes
+            rows.append({"engine": engine, "mesh": [R, S], "policy": policy,
+                         "shard_link": shard_link if S > 1 else None,
+                         "replicate_link": ("inter" if machines > 1 else "intra") if R > 1 else None,
+                         "memory_bytes": memory,
+                         "fits": None if gpu_memory_GB is None else memory <= gpu_memory_GB * GB,
+                         "comm": t, "step_seconds": predicted_step(profile, policy, K, t["total"]) if profile else None,
+                         "reduce_scatter_calls": c.reduce_scatter_calls, "all_reduce_calls": c.all_reduce_calls,
+                         "all_gather_calls": c.all_gather_calls})
+    fitting = [r for r in rows if r["fits"] is not False]
+    best = min(fitting, key=lambda r: (round(r["step_seconds"] or r["comm"]["total"], 12), r["memory_bytes"])) \
+        if fitting else None
+    return {"rows": rows, "recommended": {"engine": best["engine"], "policy": best["policy"]} if best else None,
+            "intra_GBps": intra_GBps, "inter_GBps": inter_GBps, "inter_source": inter_source,
+            "gpu_memory_GB": gpu_memory_GB}
+
+
+def format_engines(cmp: dict, world: int, machines: int, K: int) -> list[str]:
+    """Text lines: one row per (engine, policy), the recommendation, and how each link was priced."""
+    from tabulate import tabulate
+
+    def g(x):
+        return "n/a" if x is None else f"{x:.4g}"
+
+    best = cmp["recommended"] or {}
+    table = [(r["engine"], f"{r['mesh'][0]}x{r['mesh'][1]}",
+              r["policy"] + (" *" if (r["engine"], r["policy"]) == (best.get("engine"), best.get("policy")) else ""),
+              g(r["memory_bytes"] / GB), {None: "n/a", True: "yes", False: "NO"}[r["fits"]],
+              r["reduce_scatter_calls"], r["all_reduce_calls"], r["all_gather_calls"],
+              g(r["comm"]["reduce_scatter"] + r["comm"]["all_gather"]), g(r["comm"]["all_reduce"]),
+              g(r["comm"]["total"]), g(r["step_seconds"])) for r in cmp["rows"]]
+    lines = ["", f"Engines on {machines} machine(s) x {world // machines} processes, K = {K} (one cost table; "
+                 f"intra-node {g(cmp['intra_GBps'])} GB/s, inter-node {g(cmp['inter_GBps'])} GB/s "
+                 f"({cmp['inter_source'] or 'given'}))"]
+    lines += [f"  {line}" for line in tabulate(
+        table, headers=("engine", "R x S", "policy", "memory GB/proc", "fits", "reduce-scatters", "all-reduces",
+                        "all-gathers", "shard-group s", "all-reduce s", "comm s", "s/step"),
+        tablefmt="simple", disable_numparse=True).splitlines()]
+    lines.append("  recommended (fastest that fits): " + (f"{best['engine']} --accumulation_policy {best['policy']}"
+                                                          if best else "none fits"))
+    lines.append("  links: DDP's all-reduce and FSDP2's reduce-scatters and all-gathers span the machines (inter-node "
+                 "busbw, the ring's slowest link); HSDP shards inside a machine (intra-node) and all-reduces across "
+                 "machines (inter-node). Memory: parameter shards + AdamW state + gradients held + gathered "
+                 "parameters, activations left out" + ("" if cmp["gpu_memory_GB"] is not None else
+                                                       "; no --gpu_memory_GB: everything listed as fitting"))
+    return lines
