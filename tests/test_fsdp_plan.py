@@ -218,3 +218,85 @@ def test_bench_comparison_predicts_k_c_plus_comm_plus_o(tmp_path):
         assert row["predicted_s"] == pytest.approx(8 * 0.1 + comm + 0.1)
         assert row["predicted_over_measured"] == pytest.approx(row["predicted_s"])
     assert cmp["noise_floor"] == 0.05
+
+
+# --------------------------------------------------------------------------- HSDP: the same table with a mesh
+
+
+def simulate_hsdp(policy: str, layout: ShardedModel, K: int) -> dict:
+    """:func:`simulate`, plus HSDP's rule: after a unit's reduce-scatter its shard is all-reduced across replicas,
+    on every synchronised backward, except under reduce_scatter_each_batch, which reduce-scatters every
+    micro-batch and all-reduces only on the window's last one."""
+    p = POLICIES[policy]
+    out = simulate("sync_each_batch" if p.hsdp_only else policy, layout, K)
+    synced_backwards = K if (p.sync_each_batch or p.hsdp_only) else 1
+    all_reduced = 1 if p.hsdp_only else synced_backwards
+    units = len(layout.resharded) + len(layout.kept)
+    out["rs_calls"], out["ar_calls"] = synced_backwards * units, all_reduced * units
+    out["ar_elems"] = all_reduced * layout.parameters
+    return out
+
+
+@pytest.mark.parametrize("policy", policies_for(True))
+@pytest.mark.parametrize("K", [1, 3, 8])
+def test_hsdp_closed_forms_equal_the_simulated_window(policy, K):
+    R, W = 2, 8
+    S = W // R
+    c = policy_costs(policy, LAYOUT, world_size=W, accumulation_steps=K, param_bytes=4, compute_bytes=2,
+                     reduce_bytes=4, replicate_size=R)
+    sim = simulate_hsdp(policy, LAYOUT, K)
+    assert (c.all_gather_calls, c.all_gather_bytes) == (sim["ag_calls"], 2 * sim["ag_elems"])
+    assert c.reduce_scatter_calls == sim["rs_calls"]
+    assert (c.all_reduce_calls, c.all_reduce_bytes) == (sim["ar_calls"], 4 * sim["ar_elems"] / S)
+    assert c.parameter_shard_bytes == 4 * LAYOUT.parameters / S  # sharded over S, replicated over R
+
+
+def test_the_hsdp_policy_holds_the_sharded_gradient_and_needs_replicas():
+    P, S = LAYOUT.parameters, 4
+    new = policy_costs("reduce_scatter_each_batch", LAYOUT, world_size=8, accumulation_steps=4, replicate_size=2)
+    no_sync = policy_costs("no_sync", LAYOUT, world_size=8, accumulation_steps=4, replicate_size=2)
+    assert new.gradient_bytes == 4 * P / S and no_sync.gradient_bytes == 4 * P
+    assert new.gradient_bytes / no_sync.gradient_bytes == pytest.approx(1 / S)
+    with pytest.raises(UsageError) as err:
+        policy_costs("reduce_scatter_each_batch", LAYOUT, world_size=8, accumulation_steps=4)
+    assert err.value.flag == "--accumulation_policy"
+
+
+def test_engines_on_two_machines_priced_from_first_principles():
+    """DDP, FSDP2 over both machines and HSDP, K=8, fp32: communication recomputed here from the ring formulas
+    (nccl-tests' busbw) and memory from what each process holds; the recommendation is the fastest that fits."""
+    from accum_kit.planning.topology import compare_engines
+
+    W, M, K, intra, inter = 8, 2, 8, 400.0, 20.0
+    P, U, GB = LAYOUT.parameters, LAYOUT.units, 1e9
+    cmp = compare_engines(LAYOUT, world=W, machines=M, K=K, element_bytes=(4, 4, 4), intra_GBps=intra,
+                          inter_GBps=inter, gpu_memory_GB=16 * P / GB - 1e-9)  # DDP no_sync (16 P bytes) misses
+    rows = {(r["engine"], r["policy"]): r for r in cmp["rows"]}
+    ddp = rows[("DDP", "no_sync")]
+    assert ddp["comm"]["total"] == pytest.approx(2 * 4 * P * (W - 1) / W / (inter * GB))
+    assert ddp["memory_bytes"] == 4 * P + 8 * P + 4 * P and ddp["fits"] is False
+    assert (ddp["reduce_scatter_calls"], ddp["all_gather_calls"], ddp["all_reduce_calls"]) == (0, 0, U)
+    fsdp = rows[("FSDP2", "no_sync")]
+    gathered = K * (2 * LAYOUT.layer_parameters + LAYOUT.other_parameters) * 4
+    assert fsdp["comm"]["total"] == pytest.approx((4 * P + gathered) * (W - 1) / W / (inter * GB))
+    S = W // M
+    new = rows[("HSDP", "reduce_scatter_each_batch")]
+    assert new["comm"]["reduce_scatter"] == pytest.approx(K * 4 * P * (S - 1) / S / (intra * GB))
+    assert new["comm"]["all_reduce"] == pytest.approx(2 * 4 * P / S * (M - 1) / M / (inter * GB))
+    assert new["memory_bytes"] == pytest.approx((4 + 8 + 4) * P / S)
+    fitting = [r for r in cmp["rows"] if r["fits"]]
+    fastest = min(fitting, key=lambda r: r["comm"]["total"])
+    assert cmp["recommended"] == {"engine": fastest["engine"], "policy": fastest["policy"]}
+    assert fastest["engine"] == "HSDP"
+
+
+def test_plan_under_hsdp_lists_five_policies_and_a_single_machine_plan_does_not_move():
+    hsdp = make_fsdp_plan(num_processes=8, gradient_accumulation_steps=8, num_machines=2, model_preset="small",
+                          replicate_size=2, inter_node_busbw_GBps=25, busbw_GBps=400)
+    assert [r.policy for r in hsdp.rows] == policies_for(True) and hsdp.engines is not None
+    by = {r.policy: r for r in hsdp.rows}
+    assert by["reduce_scatter_each_batch"].all_reduce_seconds == pytest.approx(by["no_sync"].all_reduce_seconds)
+    assert by["sync_each_batch"].all_reduce_seconds == pytest.approx(8 * by["no_sync"].all_reduce_seconds)
+    flat = make_fsdp_plan(num_processes=2, gradient_accumulation_steps=8, model_preset="small")
+    assert [r.policy for r in flat.rows] == policies_for(False) and flat.engines is None
+    assert all(r.all_reduce_seconds == 0 for r in flat.rows)

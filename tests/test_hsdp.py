@@ -290,3 +290,18 @@ def test_the_hsdp_policy_is_refused_under_ddp(monkeypatch):
     with pytest.raises(UsageError) as err:
         build_accelerator(2, cpu=True, accumulation_policy=NEW)
     assert err.value.flag == "--accumulation_policy" and "cpu_fsdp.yaml" in err.value.fix
+
+
+def test_the_bench_refuses_hsdp_only_flags_elsewhere(tmp_path, monkeypatch):
+    from accum_kit import UsageError
+    from accum_kit.bench.config import BenchConfig
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    with pytest.raises(UsageError) as err:
+        BenchConfig(output_dir=str(tmp_path / "a"), emulate_inter_node_GBps=0.0)
+    assert err.value.flag == "--emulate_inter_node_GBps"
+    cfg = BenchConfig(output_dir=str(tmp_path / "b"), emulate_inter_node_GBps=0.1)
+    with pytest.raises(UsageError) as err:
+        cfg.check_hsdp_flags(hybrid=False)
+    assert err.value.flag == "--emulate_inter_node_GBps" and "cpu_hsdp.yaml" in err.value.fix
+    cfg.check_hsdp_flags(hybrid=True)  # accepted under HSDP

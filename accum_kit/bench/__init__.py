@@ -173,8 +173,10 @@ def run_command(cfg: BenchConfig) -> int:
     Under an FSDP2 launch (``accelerate_configs/cpu_fsdp.yaml``) the sweep compares the accumulation
     policies instead (:mod:`accum_kit.bench.fsdp`).
     """
+    from ..hsdp import launched_replicas
     from ..sharding import fsdp_requested
 
+    cfg.check_hsdp_flags(fsdp_requested() and launched_replicas() > 1)
     if fsdp_requested():
         from .fsdp import run as run_fsdp
 

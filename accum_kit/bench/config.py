@@ -157,15 +157,21 @@ class BenchConfig:
         if self.emulate_inter_node_GBps is not None:
             checks.positive("--emulate_inter_node_GBps", self.emulate_inter_node_GBps,
                             fix="pass the emulated inter-node bus bandwidth in GB/s, e.g. 0.1")
-            if not hybrid:
-                raise UsageError("--emulate_inter_node_GBps", "emulates the link HSDP all-reduces across replicas "
-                                 "over, and this launch is not HSDP", "launch with accelerate_configs/cpu_hsdp.yaml, "
-                                 "or drop the flag")
-        if not hybrid:
-            for p in self.accumulation_policies:
-                if POLICIES[p].hsdp_only:
-                    raise UsageError("--accumulation_policies", f"{p} needs HSDP (a replicate group)",
-                                     "launch with accelerate_configs/cpu_hsdp.yaml, or leave it out")
+
+    def check_hsdp_flags(self, hybrid: bool) -> None:
+        """At run time, once the launch is known: the HSDP-only flag and policy need a replicate group.
+
+        Raises:
+            UsageError: ``--emulate_inter_node_GBps`` or ``reduce_scatter_each_batch`` outside HSDP.
+        """
+        if self.emulate_inter_node_GBps is not None and not hybrid:
+            raise UsageError("--emulate_inter_node_GBps", "emulates the link HSDP all-reduces across replicas "
+                             "over, and this launch is not HSDP", "launch with accelerate_configs/cpu_hsdp.yaml, "
+                             "or drop the flag")
+        for p in self.accumulation_policies if not hybrid else ():
+            if POLICIES[p].hsdp_only:
+                raise UsageError("--accumulation_policies", f"{p} needs HSDP (a replicate group)",
+                                 "launch with accelerate_configs/cpu_hsdp.yaml, or leave it out")
         check_output_dir(self.output_dir)
 
     def _check_launch_kind(self, fsdp: bool, policies_given: bool) -> None:
