@@ -238,6 +238,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         info["profiler_calls"] = [{"kind": c.kind, "micro_batch": c.micro_batch - rec.offset, "unit": c.unit,
                                    "bytes": c.bytes, "seconds": c.seconds} for c in profiler.collective_calls]
         info["profiler_summary"] = profiler.local_summary()
+        info["profiler_summary_from_records"] = profiler.local_summary(from_records=True)
         info["memory"] = held.local()
         info["predicted_memory"] = predicted_memory(accelerator, model, sc["K"])
     (d / f"rank{rank}.json").write_text(json.dumps(info, indent=1))

@@ -458,6 +458,14 @@ def test_summary_keys_and_arithmetic(runs):
             assert (sp["min"], sp["max"]) == (min(vals), max(vals))
 
 
+@pytest.mark.parametrize("name", ["nosync_k5", "each_k2", "ab_k2"])
+def test_summary_from_running_aggregates_equals_the_one_from_every_record(runs, name):
+    """The profiler's whole-run summary comes from bounded running aggregates; on this short run (every raw
+    record kept) it equals the summary computed from all the records, key by key (float rounding aside)."""
+    for info in ranks(runs, name):
+        jh.assert_same_summary(info["summary"]["per_process"][info["rank"]], info["summary_from_records"])
+
+
 def test_format_table_shows_every_summary_row(runs):
     from accum_kit.profiler import format_table
 

@@ -181,7 +181,7 @@ def bench_fsdp_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
     acc_model, acc_opt = accelerator.prepare(model, opt)
     initial = [p.detach().clone() for p in acc_model.parameters()]  # DTensor shards
-    prof = CommProfiler(accelerator, acc_model)
+    prof = CommProfiler(accelerator, acc_model, keep_records=None)  # short runs: every raw record
 
     order = list(cfg.accumulation_policies)
     run_steps = cfg.warmup_steps + cfg.steps * len(order)

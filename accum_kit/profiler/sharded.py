@@ -46,27 +46,25 @@ Definitions (seconds, bytes; "per step" divides by the optimizer steps recorded)
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
-
-from ..stats import median
+from .figures import Figures, from_records
 from .records import ProfileRecords
-from .report import GB, busy_seconds
+from .report import GB
 
 
-def _bandwidths(calls, n: int) -> tuple[float | None, float | None]:
-    seconds = sum(c.seconds for c in calls)
+def _bandwidths(calls: int, nbytes: int, seconds: float, n: int) -> tuple[float | None, float | None]:
     if not calls or seconds <= 0:
         return None, None
-    algbw = sum(c.bytes for c in calls) / seconds / GB
+    algbw = nbytes / seconds / GB
     return algbw, algbw * (n - 1) / n if n > 1 else 0.0
 
 
-def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dict]) -> dict:
+def sharded_summary(records: ProfileRecords | Figures, *, world_size: int, units: list[dict]) -> dict:
     """FSDP2 figures of one process from its records of one mode (see the module docstring).
 
     Args:
         records: the process's records, already selected (one mode, maybe one tag or several: records
-            are told apart by (tag, micro-batch) and (tag, step), so runs with their own tags can be pooled).
+            are told apart by (tag, micro-batch) and (tag, step), so runs with their own tags can be pooled),
+            or their :class:`accum_kit.profiler.figures.Figures` (the profiler's running aggregates).
         world_size: processes in each collective (n of busbw).
         units: :meth:`accum_kit.profiler.collectives.CollectiveRecorder.unit_info`
             (``reshard_after_forward`` decides the all-gathers of syncing every micro-batch).
@@ -84,82 +82,51 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
     ``seconds_per_step_over_ideal``, ``estimated_seconds_saved``,
     ``estimated_seconds_saved_per_step``, ``overlap_fraction``, ``fsdp_units`` (``units``).
     """
+    f = records if isinstance(records, Figures) else from_records(records)
     n = world_size
-    mbs, steps = records.micro_batches, records.steps
-    rs = [c for c in records.collectives if c.kind == "reduce_scatter"]
-    ag = [c for c in records.collectives if c.kind == "all_gather"]
-    n_steps = len(steps) or len({(c.tag, c.step) for c in records.collectives}) or 1
-    k = len(mbs) / len(steps) if steps else None
-
-    by_micro: dict[int, list] = defaultdict(list)
-    for c in records.collectives:
-        by_micro[(c.tag, c.micro_batch)].append(c)
-    rs_by_sync: dict[int, list] = defaultdict(list)
-    for c in rs:
-        rs_by_sync[(c.tag, c.micro_batch)].append(c)
-    ag_per_micro = Counter((c.tag, c.micro_batch) for c in ag)
-
-    def collective_seconds(m, kinds) -> float:
-        return busy_seconds([c for c in by_micro.get((m.tag, m.micro_batch), []) if c.kind in kinds])
-
-    no_sync = [m for m in mbs if not m.sync]
-    if no_sync:
-        compute = median(m.forward_seconds + m.backward_seconds - collective_seconds(m, ("all_gather",)) for m in no_sync)
-    else:
-        compute = median(m.forward_seconds + m.backward_seconds - collective_seconds(m, ("all_gather", "reduce_scatter"))
-                         for m in mbs)
-    rs_per_sync = median(sum(c.seconds for c in g) for g in rs_by_sync.values())
-    bwd_sync = median(m.backward_seconds for m in mbs if m.sync)
-    bwd_nosync = median(m.backward_seconds for m in no_sync)
-    if bwd_sync is not None and bwd_nosync is not None and rs:
+    n_steps = f.optimizer_steps or f.collective_steps or 1
+    k = f.micro_batches / f.optimizer_steps if f.optimizer_steps else None
+    no_sync = f.no_sync_micro_batches
+    compute = f.compute_no_sync if no_sync else f.compute_all
+    rs_per_sync = f.rs_seconds_per_sync
+    bwd_sync, bwd_nosync = f.backward_sync, f.backward_no_sync
+    if bwd_sync is not None and bwd_nosync is not None and f.rs_calls:
         exposed_rs, source = max(bwd_sync - bwd_nosync, 0.0), "backward of sync minus no-sync micro-batches"
     else:
-        exposed_rs, source = (rs_per_sync, "reduce-scatter seconds per sync") if rs else (0.0, "no reduce-scatter")
-    first_of_window = {}
-    for m in mbs:
-        key = (m.tag, m.step)
-        first_of_window[key] = min(first_of_window.get(key, m.micro_batch), m.micro_batch)
-
-    def first(m) -> bool:
-        return m.micro_batch == first_of_window[(m.tag, m.step)]
-
-    bwd_first = median(m.backward_seconds for m in no_sync if first(m))
-    bwd_later = median(m.backward_seconds for m in no_sync if not first(m))
+        exposed_rs, source = (rs_per_sync, "reduce-scatter seconds per sync") if f.rs_calls else (0.0, "no reduce-scatter")
+    bwd_first, bwd_later = f.backward_first, f.backward_later
     accumulation = bwd_later - bwd_first if (bwd_first is not None and bwd_later is not None) else 0.0
-    syncs = len(rs_by_sync)
-    skipped = sum(1 for m in mbs if not m.sync)
-    ag_exposed = busy_seconds(ag) / n_steps
-    opt = median(s.optimizer_seconds for s in steps)
-    step = median(s.step_seconds for s in steps)
+    syncs, skipped = f.rs_syncs, no_sync
+    ag_exposed = f.ag_busy_seconds / n_steps
+    opt, step = f.optimizer, f.step
     ideal = (k * compute + syncs / n_steps * exposed_rs + ag_exposed + (opt or 0.0)
              if (k is not None and compute is not None) else None)
 
     ag_saved = 0.0  # per step, against every micro-batch syncing with the same reshard settings
     if k is not None:
         for index, unit in enumerate(units):
-            mine = [c for c in ag if c.unit == index]
+            calls, per_call = f.ag_per_unit.get(index, (0, None))
             baseline = k * (2 if unit.get("reshard_after_forward") else 1)
-            per_call = median(c.seconds for c in mine)
             if per_call is not None:
-                ag_saved += max(baseline - len(mine) / n_steps, 0.0) * per_call
+                ag_saved += max(baseline - calls / n_steps, 0.0) * per_call
     saved_per_step = skipped / n_steps * (exposed_rs - accumulation) + ag_saved
-    rs_alg, rs_bus = _bandwidths(rs, n)
-    ag_alg, ag_bus = _bandwidths(ag, n)
+    rs_alg, rs_bus = _bandwidths(f.rs_calls, f.rs_bytes, f.rs_seconds, n)
+    ag_alg, ag_bus = _bandwidths(f.ag_calls, f.ag_bytes, f.ag_seconds, n)
     return {
-        "reduce_scatter_calls": len(rs),
-        "reduce_scatter_bytes": sum(c.bytes for c in rs),
-        "reduce_scatter_seconds": sum(c.seconds for c in rs),
-        "reduce_scatter_calls_per_step": len(rs) / n_steps,
-        "reduce_scatter_bytes_per_step": sum(c.bytes for c in rs) / n_steps,
-        "reduce_scatter_calls_per_sync": median(len(g) for g in rs_by_sync.values()) or 0,
+        "reduce_scatter_calls": f.rs_calls,
+        "reduce_scatter_bytes": f.rs_bytes,
+        "reduce_scatter_seconds": f.rs_seconds,
+        "reduce_scatter_calls_per_step": f.rs_calls / n_steps,
+        "reduce_scatter_bytes_per_step": f.rs_bytes / n_steps,
+        "reduce_scatter_calls_per_sync": f.rs_calls_per_sync or 0,
         "reduce_scatter_algbw_GBps": rs_alg,
         "reduce_scatter_busbw_GBps": rs_bus,
-        "all_gather_calls": len(ag),
-        "all_gather_bytes": sum(c.bytes for c in ag),
-        "all_gather_seconds": sum(c.seconds for c in ag),
-        "all_gather_calls_per_step": len(ag) / n_steps,
-        "all_gather_bytes_per_step": sum(c.bytes for c in ag) / n_steps,
-        "all_gather_calls_per_micro_batch": median(ag_per_micro.get((m.tag, m.micro_batch), 0) for m in mbs),
+        "all_gather_calls": f.ag_calls,
+        "all_gather_bytes": f.ag_bytes,
+        "all_gather_seconds": f.ag_seconds,
+        "all_gather_calls_per_step": f.ag_calls / n_steps,
+        "all_gather_bytes_per_step": f.ag_bytes / n_steps,
+        "all_gather_calls_per_micro_batch": f.ag_calls_per_micro_batch,
         "all_gather_algbw_GBps": ag_alg,
         "all_gather_busbw_GBps": ag_bus,
         "syncs": syncs,
@@ -169,7 +136,7 @@ def sharded_summary(records: ProfileRecords, *, world_size: int, units: list[dic
         "exposed_reduce_scatter_source": source,
         "exposed_all_gather_seconds_per_step": ag_exposed,
         "exposed_comm_seconds_per_step": syncs / n_steps * exposed_rs + ag_exposed,
-        "overlap_fraction": max(0.0, 1 - exposed_rs / rs_per_sync) if rs_per_sync and no_sync and rs else None,
+        "overlap_fraction": max(0.0, 1 - exposed_rs / rs_per_sync) if rs_per_sync and no_sync and f.rs_calls else None,
         "accumulation_seconds": accumulation,
         "compute_seconds": compute,
         "ideal_seconds_per_step": ideal,
