@@ -52,6 +52,7 @@ import torch
 from accelerate.logging import get_logger
 
 from .callbacks import LoopCallback
+from .checkpoint_files import check_checkpoint_files
 from .data_cursor import DataCursor, rng_snapshot
 from .errors import UsageError
 from .outputs import atomic_write_json, fsync_dir, fsync_tree
@@ -93,7 +94,17 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 
 def read_loop_state(path: str | os.PathLike) -> dict:
-    return json.loads((Path(path) / LOOP_STATE).read_text())
+    """The checkpoint's ``loop_state.json``.
+
+    Raises:
+        UsageError: the file is not valid JSON (corrupt or edited), naming it.
+    """
+    file = Path(path) / LOOP_STATE
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError("--resume_from_checkpoint", f"{file} cannot be read ({exc}): the checkpoint is corrupt",
+                         "resume from another checkpoint, or delete this folder so 'latest' skips it") from None
 
 
 def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -144,8 +155,11 @@ def check_resumable(path, *, gradient_accumulation_steps: int, world_size: int, 
     Raises:
         UsageError: K, world size, per-device batch size or batches per epoch
             differ from the checkpoint's (the saved data position would point at
-            other examples); the message names the flag to change.
+            other examples); the message names the flag to change. A file of the
+            checkpoint cannot be loaded (corrupt, or a pickle that is not a torch
+            state): :func:`accum_kit.checkpoint_files.check_checkpoint_files`.
     """
+    check_checkpoint_files(path)
     saved = read_loop_state(path)
     k_flag = "--gradient_accumulation_steps"
     if accumulation_schedule is not None:

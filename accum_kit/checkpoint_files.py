@@ -1,7 +1,8 @@
 """A checkpoint's files checked before anything is loaded or written: a corrupt or tampered file is refused by name.
 
 Accelerate's ``load_state`` reads pickled files (optimizer, scheduler, RNG
-states) with torch's weights-only unpickler, so a planted pickle is refused
+states) with torch's weights-only unpickler (``accelerate.utils.other.load``,
+which also allows the numpy types of the RNG states), so a planted pickle is refused
 without running, but deep inside the training run, with a raw traceback from
 every process. :func:`check_checkpoint_files` opens every file the way the
 resume will (pickles through the same weights-only unpickler, safetensors
@@ -19,6 +20,8 @@ are left to their reader.
 from __future__ import annotations
 
 import json
+import pickle
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -40,10 +43,14 @@ def _check_one(path: Path) -> str | None:
         elif path.suffix == ".json":
             json.loads(path.read_text())
         elif path.suffix in PICKLED:
-            import torch
+            from accelerate.utils.other import load  # torch.load, weights only, with the numpy types of RNG states
 
             mmap = zipfile.is_zipfile(path)  # torch.save's format: map the storages, read only the pickle
-            torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            with warnings.catch_warnings():  # a foreign pickle's protocol warning: the error below says it all
+                warnings.simplefilter("ignore")
+                load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError:
+        return "not a torch state: torch's weights-only unpickler refused it, and nothing in it was run"
     except Exception as exc:  # noqa: BLE001 - any failure to read it is the user's corrupt file
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return f"{type(exc).__name__}: {first[:200]}"

@@ -89,8 +89,26 @@ def jobs(work):
     res["crash"] = jh.finish(crash, TIMEOUT_S)
     res["after_crash"] = {"latest": latest_checkpoint(crashed), "listing": sorted(p.name for p in crashed.iterdir())}
     res["uninterrupted"] = jh.finish(ref, TIMEOUT_S)
+    tampered = work / "tampered"
+    plant_pickle(work / "ref" / "epoch_0", tampered / "epoch_0", work / "planted_ran")
+    res["tampered_before"] = _tree(tampered)
+    bad = _launch(work, "tampered", *flags(tampered, "--num_train_epochs", 2, "--resume_from_checkpoint", "latest"))
     res["final"] = jh.finish(final, TIMEOUT_S)
+    res["tampered"] = jh.finish(bad, TIMEOUT_S)
     return res
+
+
+def plant_pickle(src: Path, dst: Path, marker: Path) -> None:
+    """Copy checkpoint ``src`` to ``dst`` with its optimizer file replaced by a plain pickle that, if it were
+    unpickled without torch's weights-only guard, would create ``marker`` (what a tampered file could do)."""
+    import pickle
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    shutil.copytree(src, dst)
+    (dst / "optimizer.bin").write_bytes(pickle.dumps({"state": Planted()}))
 
 
 def summary(path: Path) -> dict:
@@ -157,6 +175,22 @@ def test_resumed_chain_equals_uninterrupted_run(jobs, work):
     assert len(complete_checkpoints(work / "chain")) == 2
 
 
+def test_a_tampered_checkpoint_file_is_refused_by_name_before_anything_runs_or_is_written(jobs, work):
+    """A real 2-process launch resuming from a checkpoint whose optimizer file is a plain pickle: one error line
+    per process naming the file and the fix, the worker exits 2, the pickle never runs, nothing is written."""
+    res = jobs["tampered"]
+    assert res.returncode != 0, res.describe()
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    path = work / "tampered" / "epoch_0" / "optimizer.bin"
+    assert 1 <= len(errors) <= 2, res.describe()  # one per process (torchrun may stop the second one first)
+    assert all(e.startswith(f"error: --resume_from_checkpoint: {path} cannot be loaded (not a torch state")
+               and ". Fix: " in e for e in errors), errors
+    assert "UnpicklingError" not in res.stderr.split("error: ")[0]  # no raw unpickler traceback before it
+    assert res.stderr.count("exitcode  : 2") + res.stderr.count("exitcode : 2") >= 1, res.describe()  # torchrun's report
+    assert not (work / "planted_ran").exists()
+    assert _tree(work / "tampered") == jobs["tampered_before"]
+
+
 # --------------------------------------------------------------------------- bad input, in-process, 1 process
 
 
@@ -195,6 +229,8 @@ BAD = {
     "other_world_size": (["--resume_from_checkpoint", "{ref}/epoch_0"], "--num_processes", "world size 2"),
     "missing": (["--resume_from_checkpoint", "{one}/step_9999"], "--resume_from_checkpoint", "does not exist"),
     "incomplete": (["--resume_from_checkpoint", "{one}/.step_copy"], "--resume_from_checkpoint", "incomplete"),
+    "tampered": (["--resume_from_checkpoint", "{one}/.step_tampered"], "--resume_from_checkpoint",
+                 "optimizer.bin cannot be loaded"),
     "latest_without_any": (["--resume_from_checkpoint", "latest", "--output_dir", "{empty}"],
                            "--resume_from_checkpoint", "no complete checkpoint"),
     "unwritable_output_dir": (["--output_dir", "/sys/accum_kit_test/out"], "--output_dir", "/sys"),
@@ -212,6 +248,8 @@ def test_bad_input_exits_2_and_overwrites_nothing(inproc, capsys, work, jobs, on
     if not incomplete.exists():
         shutil.copytree(ckpt, incomplete)
         (incomplete / "checkpoint_complete").unlink()
+    if not (one / ".step_tampered").exists():
+        plant_pickle(ckpt, one / ".step_tampered", work / "planted_ran_inproc")
     (work / "empty").mkdir(exist_ok=True)
     argv, flag, detail = BAD[case]
     argv = [str(a).format(one=one, ckpt=ckpt, ref=work / "ref", empty=work / "empty") for a in argv]
@@ -222,7 +260,7 @@ def test_bad_input_exits_2_and_overwrites_nothing(inproc, capsys, work, jobs, on
     assert len(errors) == 1 and errors[0].startswith(f"error: {flag}: ") and ". Fix: " in errors[0], errors
     assert detail in errors[0], errors[0]
     assert _tree(one) == before
-    assert not Path("/sys/accum_kit_test").exists()
+    assert not Path("/sys/accum_kit_test").exists() and not (work / "planted_ran_inproc").exists()
 
 
 def test_elastic_restart_resumes_from_latest_without_a_flag(inproc, capsys, work, one_process_checkpoint):
