@@ -134,6 +134,7 @@ class CommProfiler(LoopCallback):
         self.phases = PhaseTimer(self.labels, synchronize=synchronize, keep_records=keep_records, sink=sink)
         self.trace = StepTrace(accelerator, trace_dir, trace_steps, trace_wait) if trace_dir else None
         self._attached = False
+        self._paused = False  # recording paused for a static-graph DDP model's priming sync
 
     # ---- labels --------------------------------------------------------------------------
     @property
@@ -203,6 +204,8 @@ class CommProfiler(LoopCallback):
         self.phases.on_train_begin(state)
 
     def on_micro_batch_begin(self, state):
+        if getattr(state, "forced_sync", False) and self.enabled:  # a static-graph DDP model's priming sync: no sync of the mode
+            self.enabled, self._paused = False, True
         if self.trace is not None and self.enabled:
             self.trace.on_micro_batch_begin(state)
         self.phases.on_micro_batch_begin(state)
@@ -214,6 +217,8 @@ class CommProfiler(LoopCallback):
         self.phases.on_backward_end(state)  # timed before the range closes
         if self.trace is not None:
             self.trace.close_range()
+        if self._paused:
+            self.enabled, self._paused = True, False
 
     def on_step_begin(self, state):
         self.phases.on_step_begin(state)
