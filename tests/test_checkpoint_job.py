@@ -31,6 +31,7 @@ import pytest
 
 import job_helpers as jh
 from accum_kit.checkpoint import CRASH_HOOK, PREEMPTED_EXIT_CODE, complete_checkpoints, latest_checkpoint
+from accum_kit.loop_history import read_history
 
 K, B, SAMPLES, STEPS_PER_EPOCH = 3, 2, 200, 17
 STEPS = 2 * STEPS_PER_EPOCH
@@ -128,7 +129,8 @@ def test_uninterrupted_reference_saved_each_epoch(jobs, work):
     state = json.loads((work / "ref" / "epoch_0" / "loop_state.json").read_text())
     # the epoch ended with a partial window of 2: the checkpoint points at the start of epoch 1
     assert (state["optimizer_steps"], state["epoch"], state["batches_done_in_epoch"]) == (STEPS_PER_EPOCH, 1, 0)
-    assert state["micro_batches"] == 50 and len(state["train_loss"]) == STEPS_PER_EPOCH
+    assert state["micro_batches"] == 50 and "train_loss" not in state  # the history is in history/
+    assert read_history(work / "ref" / "epoch_0")["train_loss"] == s["train_loss"][:STEPS_PER_EPOCH]
 
 
 def test_crash_during_save_leaves_latest_on_the_previous_checkpoint(jobs, work):
@@ -172,7 +174,15 @@ def test_resumed_chain_equals_uninterrupted_run(jobs, work):
     assert all((a[k] - b[k]).abs().max().item() <= 1e-6 for k in a)
     assert all(a[k].equal(b[k]) for k in a)  # and in fact bitwise
     assert got["eval_loss_after"] == ref["eval_loss_after"]
-    assert len(complete_checkpoints(work / "chain")) == 2
+    older, newer = complete_checkpoints(work / "chain")
+    # the history: the newer checkpoint links the older one's chunks (one inode), adds only its own stretch,
+    # and its loop_state.json holds no per-step list (its size does not grow with the step count)
+    a, b = (sorted(p.name for p in (c / "history").iterdir()) for c in (older, newer))
+    assert b[:len(a)] == a and len(b) == len(a) + 1, (a, b)
+    assert all((older / "history" / n).samefile(newer / "history" / n) for n in a)
+    history = read_history(newer)["train_loss"]
+    assert history == ref["train_loss"][:len(history)] and len(history) > len(read_history(older)["train_loss"])
+    assert abs((older / "loop_state.json").stat().st_size - (newer / "loop_state.json").stat().st_size) <= 8  # digits
 
 
 def test_a_tampered_checkpoint_file_is_refused_by_name_before_anything_runs_or_is_written(jobs, work):
@@ -274,4 +284,5 @@ def test_elastic_restart_resumes_from_latest_without_a_flag(inproc, capsys, work
     s = summary(out)
     assert s["resumed_from_step"] == steps and s["resumed_from"] == str(out / ckpt.name)
     saved = json.loads((ckpt / "loop_state.json").read_text())
-    assert s["train_loss"][:steps] == saved["train_loss"] and len(s["train_loss"]) == steps + 1
+    assert s["train_loss"][:steps] == read_history(ckpt)["train_loss"]
+    assert len(s["train_loss"]) == steps + 1
