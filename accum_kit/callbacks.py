@@ -33,6 +33,7 @@ class LoopState:
     micro_step: int = 0  # micro-batches done on this process
     boundary: bool = False  # this micro-batch ends a window (optimizer step follows)
     sync: bool = False  # DDP all-reduces gradients in this micro-batch's backward
+    forced_sync: bool = False  # it does so only to prime a static-graph DDP model (the profiler and memory skip it)
     loss: float = float("nan")  # loss of the last finished window, nats
     window_tokens: int = 0  # target tokens of the last finished window, all processes
     grad_norm: object = None  # global gradient norm before clipping (a tensor), when the loop clips

@@ -14,9 +14,12 @@ Folder ``<output_dir>/step_<N>`` (N optimizer steps done) or ``epoch_<E>``
 - what ``accelerator.save_state`` writes: model, optimizer, scheduler,
   GradScaler, and per process the RNG states and Accelerate's micro-batch counter;
 - ``loop_state.json`` (main process): optimizer steps, the data position
-  (epoch and micro-batches done in it, per process), the per-step loss, token
-  and seconds history, and K, world size, per-device batch and batches per
-  epoch, which a resume must match;
+  (epoch and micro-batches done in it, per process), and K, world size,
+  per-device batch and batches per epoch, which a resume must match;
+- ``history/`` (main process): the per-step loss, token, seconds and K
+  history in chunks, the earlier ones hard-linked from the previous
+  checkpoint, so that a save's cost does not grow with the step count
+  (:mod:`accum_kit.loop_history`);
 - ``data_rng_<rank>.pt`` (every process): the global torch RNG and the
   shuffling generators as they were when the current epoch began, so that
   the resumed epoch draws the same order before the consumed batches are skipped;
@@ -52,8 +55,10 @@ import torch
 from accelerate.logging import get_logger
 
 from .callbacks import LoopCallback
+from .checkpoint_files import check_checkpoint_files
 from .data_cursor import DataCursor, rng_snapshot
 from .errors import UsageError
+from .loop_history import HistoryWriter, read_history
 from .outputs import atomic_write_json, fsync_dir, fsync_tree
 from .planning.schedule import accumulation_steps_at
 
@@ -62,7 +67,7 @@ logger = get_logger("accum_kit.checkpoint")
 LOOP_STATE = "loop_state.json"
 COMPLETE = "checkpoint_complete"
 NAME = re.compile(r"^(step|epoch)_(\d+)$")
-FORMAT = 1
+FORMAT = 2  # 1: the history inline in loop_state.json (still read); 2: in history/ chunks
 
 #: Exit code of a job stopped by a preemption signal after saving (EX_TEMPFAIL of sysexits.h: "try again later").
 PREEMPTED_EXIT_CODE = 75
@@ -93,7 +98,17 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 
 def read_loop_state(path: str | os.PathLike) -> dict:
-    return json.loads((Path(path) / LOOP_STATE).read_text())
+    """The checkpoint's ``loop_state.json``.
+
+    Raises:
+        UsageError: the file is not valid JSON (corrupt or edited), naming it.
+    """
+    file = Path(path) / LOOP_STATE
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError("--resume_from_checkpoint", f"{file} cannot be read ({exc}): the checkpoint is corrupt",
+                         "resume from another checkpoint, or delete this folder so 'latest' skips it") from None
 
 
 def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -144,8 +159,11 @@ def check_resumable(path, *, gradient_accumulation_steps: int, world_size: int, 
     Raises:
         UsageError: K, world size, per-device batch size or batches per epoch
             differ from the checkpoint's (the saved data position would point at
-            other examples); the message names the flag to change.
+            other examples); the message names the flag to change. A file of the
+            checkpoint cannot be loaded (corrupt, or a pickle that is not a torch
+            state): :func:`accum_kit.checkpoint_files.check_checkpoint_files`.
     """
+    check_checkpoint_files(path)
     saved = read_loop_state(path)
     k_flag = "--gradient_accumulation_steps"
     if accumulation_schedule is not None:
@@ -193,12 +211,6 @@ def check_writable(output_dir: str | os.PathLike, flag: str = "--output_dir") ->
 # --------------------------------------------------------------------------- saving and loading
 
 
-def _encode_history(result) -> dict:
-    return {"train_loss": result.train_loss, "step_tokens": result.step_tokens, "step_seconds": result.step_seconds,
-            "step_accumulation_steps": result.step_accumulation_steps,
-            "accumulation_schedule": result.accumulation_schedule}
-
-
 def loop_state(accelerator, cursor: DataCursor, result, micro_batches: int) -> dict:
     """The loop's own state at a window boundary (JSON-ready); a finished epoch becomes (next epoch, 0)."""
     epoch, position = (cursor.epoch + 1, 0) if cursor.epoch_done else (cursor.epoch, cursor.position)
@@ -209,11 +221,11 @@ def loop_state(accelerator, cursor: DataCursor, result, micro_batches: int) -> d
             "batches_done_in_epoch": position, "micro_batches": micro_batches,
             "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
             "world_size": accelerator.num_processes, "per_device_batch_size": batch,
-            "batches_per_epoch": cursor.batches_per_epoch, **_encode_history(result)}
+            "batches_per_epoch": cursor.batches_per_epoch, "accumulation_schedule": result.accumulation_schedule}
 
 
 def save_checkpoint(accelerator, output_dir, name: str, state: dict, data_rng: dict,
-                    total_limit: int | None = None, timings: list | None = None) -> Path:
+                    total_limit: int | None = None, timings: list | None = None, history=None) -> Path:
     """Write checkpoint ``output_dir/name`` atomically; collective (call on every process).
 
     Args:
@@ -221,6 +233,9 @@ def save_checkpoint(accelerator, output_dir, name: str, state: dict, data_rng: d
         data_rng: this process's RNG snapshot from the start of the data position's epoch.
         total_limit: keep at most this many complete checkpoints; the oldest
             are deleted only after the new one is complete.
+        history: ``(folder, final) -> dict``, writing the per-step history into the folder
+            being saved (main process; :meth:`accum_kit.loop_history.HistoryWriter.write`); the
+            dict goes into the loop state as ``history``.
         timings: if given, the main process appends ``{"name", "seconds" (the whole save),
             "fsync_seconds" (from the end of writing: syncing files, marker and folders, the
             barriers around it, the renames and the deletion of replaced or stale checkpoints),
@@ -239,6 +254,8 @@ def save_checkpoint(accelerator, output_dir, name: str, state: dict, data_rng: d
     accelerator.save_state(tmp)  # model, optimizer, scheduler by the main process; RNG files by each
     torch.save(data_rng, tmp / f"data_rng_{accelerator.process_index}.pt")
     if accelerator.is_main_process:
+        if history is not None:
+            state = {**state, "history": history(tmp, final)}
         atomic_write_json(tmp / LOOP_STATE, state)
     if os.environ.get(CRASH_HOOK) == name:
         os._exit(3)
@@ -291,6 +308,13 @@ def load_checkpoint(accelerator, path, cursor: DataCursor, accumulation_schedule
                             world_size=accelerator.num_processes,
                             per_device_batch_size=total // accelerator.num_processes if total else None,
                             batches_per_epoch=cursor.batches_per_epoch, accumulation_schedule=accumulation_schedule)
+    if "history" in saved:  # format 2: the per-step lists in chunks
+        history = read_history(path)
+        if len(history["train_loss"]) != saved["history"]["steps"]:
+            raise UsageError("--resume_from_checkpoint", f"{path}/history holds {len(history['train_loss'])} steps "
+                             f"but the checkpoint has {saved['history']['steps']}: it is incomplete",
+                             "resume from another checkpoint")
+        saved.update(history)
     accelerator.load_state(str(path))
     rng_now = torch.get_rng_state()
     epoch_rng = torch.load(Path(path) / f"data_rng_{accelerator.process_index}.pt", weights_only=True)
@@ -336,6 +360,7 @@ class Checkpointer(LoopCallback):
         self._cursor = self._result = None
         self._received = 0
         self._previous: dict = {}
+        self._history = HistoryWriter()
 
     def attach(self, cursor: DataCursor, result) -> None:
         """Called by ``train_loop``: where the data stands and the history so far."""
@@ -369,7 +394,8 @@ class Checkpointer(LoopCallback):
         """Save checkpoint ``name`` now (collective; at a window boundary only)."""
         state = loop_state(self.accelerator, self._cursor, self._result, micro_batches)
         rng = self._cursor.epoch_rng if not self._cursor.epoch_done else rng_snapshot(self._cursor.dataloader)
-        path = save_checkpoint(self.accelerator, self.output_dir, name, state, rng, self.total_limit, self.timings)
+        path = save_checkpoint(self.accelerator, self.output_dir, name, state, rng, self.total_limit, self.timings,
+                               history=lambda folder, final: self._history.write(folder, self._result, final))
         self.saved.append(path)
         return path
 

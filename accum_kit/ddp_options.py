@@ -77,6 +77,9 @@ class StaticGraphFirstSync(LoopCallback):
     again, which leaves an already averaged term unchanged. Cost: one extra
     gradient all-reduce per run. Put it after every callback that sets
     ``sync_each_batch`` at train begin (:func:`accum_kit.train_loop` adds it last).
+    ``state.forced_sync`` is True during that micro-batch, so that the
+    profiler and :class:`accum_kit.memory.HeldMemory` leave it out: it is no
+    sync of the policy in force.
     """
 
     def __init__(self, accelerator):
@@ -87,6 +90,7 @@ class StaticGraphFirstSync(LoopCallback):
 
         self._saved = sync_each_batch(self.accelerator)
         set_sync_each_batch(self.accelerator, True)
+        state.forced_sync = True
 
     def on_backward_end(self, state):
         if self._saved is not None:
@@ -94,6 +98,7 @@ class StaticGraphFirstSync(LoopCallback):
 
             set_sync_each_batch(self.accelerator, self._saved)
             self._saved = None
+            state.forced_sync = False
 
 
 def static_graph_first_sync(accelerator, model) -> StaticGraphFirstSync | None:

@@ -105,7 +105,7 @@ class HeldMemory(LoopCallback):
         self.peaks: dict[str, dict] = {}
 
     def on_backward_end(self, state):
-        if state.boundary:
+        if state.boundary or getattr(state, "forced_sync", False):  # a static-graph DDP model's priming sync is no policy's
             return
         from .sharding import policy_name
 

@@ -64,8 +64,8 @@ class TrackerLogger(LoopCallback):
     under HSDP also ``comm/all_reduce_calls`` and ``comm/all_reduce_bytes``
     (gradient shards all-reduced across replicas) and ``comm/shard_seconds`` /
     ``comm/replicate_seconds`` (seconds in each mesh dimension's collectives).
-    Each step reads only the records added since the previous step, so the
-    cost per step does not grow with the run.
+    Each step reads the profiler's most recent records back to the step's
+    first, so the cost per step does not grow with the run.
 
     Args:
         accelerator: built with ``log_with=...``; call ``init_trackers`` first.
@@ -77,7 +77,6 @@ class TrackerLogger(LoopCallback):
         self.accelerator, self.optimizer, self.profiler = accelerator, optimizer, profiler
         self._t = None
         self._lr = None
-        self._seen_calls = self._seen_micro = self._seen_collectives = 0  # profiler records already read
         self._no_sync = None  # median no-sync backward seconds of the latest window with one
 
     def on_train_begin(self, state):
@@ -101,17 +100,14 @@ class TrackerLogger(LoopCallback):
         self.accelerator.log(values, step=state.step)
 
     def _comm(self, step: int) -> dict:
-        calls = [c for c in self.profiler.calls[self._seen_calls:] if c.step == step]
-        micro = [m for m in self.profiler.micro_batches[self._seen_micro:] if m.step == step]
-        self._seen_calls, self._seen_micro = len(self.profiler.calls), len(self.profiler.micro_batches)
+        calls, micro = of_step(self.profiler.calls, step), of_step(self.profiler.micro_batches, step)
         self._no_sync = median(m.backward_seconds for m in micro if not m.sync) or self._no_sync
         synced = [m.backward_seconds for m in micro if m.sync]
         exposed = sum(max(b - self._no_sync, 0.0) for b in synced) if (self._no_sync is not None and calls) else 0.0
         out = {"comm/allreduce_calls": len(calls), "comm/allreduce_bytes": sum(c.bytes for c in calls),
                "comm/exposed_seconds": exposed}
         if getattr(self.profiler, "sharded", False):  # FSDP2: its collectives instead of DDP's buckets
-            coll = [c for c in self.profiler.collective_calls[self._seen_collectives:] if c.step == step]
-            self._seen_collectives = len(self.profiler.collective_calls)
+            coll = of_step(self.profiler.collective_calls, step)
             del out["comm/allreduce_calls"], out["comm/allreduce_bytes"]
             hybrid = getattr(self.profiler, "replicate_size", 1) > 1
             for kind in ("reduce_scatter", "all_gather", "all_reduce") if hybrid else ("reduce_scatter", "all_gather"):
@@ -121,6 +117,17 @@ class TrackerLogger(LoopCallback):
                 for group in ("shard", "replicate"):
                     out[f"comm/{group}_seconds"] = sum(c.seconds for c in coll if c.group == group)
         return out
+
+
+def of_step(records: list, step: int) -> list:
+    """The records of optimizer step ``step`` among ``records`` (in order), read from the newest back."""
+    out = []
+    for r in reversed(records):
+        if r.step < step:
+            break
+        if r.step == step:
+            out.append(r)
+    return out[::-1]
 
 
 def quiet_other_processes(accelerator) -> None:

@@ -259,6 +259,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
                                    "bytes": c.bytes, "seconds": c.seconds, "group": c.group}
                                   for c in profiler.collective_calls]
         info["profiler_summary"] = profiler.local_summary()
+        info["profiler_summary_from_records"] = profiler.local_summary(from_records=True)
         info["memory"] = held.local()
         info["predicted_memory"] = predicted_memory(accelerator, model, sc["K"])
     (d / f"rank{rank}.json").write_text(json.dumps(info, indent=1))

@@ -231,3 +231,16 @@ def prepared_tiny_lm(accelerator, n_examples: int = 8, lr: float = 0.1):
     for d in data:
         d["labels"] = d["input_ids"].clone()
     return accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=lr), DataLoader(data, batch_size=2))
+
+
+def assert_same_summary(got: dict, want: dict, rel: float = 1e-9) -> None:
+    """Every key of two profiler summaries equal: numbers within ``rel`` (float rounding), the rest exactly."""
+    import math
+
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    for key, w in want.items():
+        g = got[key]
+        if isinstance(w, float) or isinstance(g, float):
+            assert g is not None and w is not None and math.isclose(g, w, rel_tol=rel, abs_tol=1e-12), (key, g, w)
+        else:
+            assert g == w, (key, g, w)

@@ -20,7 +20,8 @@ Per ``train`` scenario it writes OUT_DIR/<name>/:
 
 - ``final.pt`` (rank 0): the model's state_dict after training.
 - ``rank<r>.json`` (every rank): the profiler's raw records (``calls``,
-  ``micro_batches``, ``step_records``), its ``summary()``, the A/B switch's
+  ``micro_batches``, ``step_records``), its ``summary()`` (from its running
+  aggregates) and ``summary_from_records`` (the same from every record), the A/B switch's
   times and summary, DDP's own ``_get_ddp_logging_data()`` after training, the
   loop's per-micro-batch ``boundary`` / ``sync`` flags, and the gradient size
   in bytes computed here from the model's parameters (not from the profiler).
@@ -148,6 +149,7 @@ def run_train(spec: dict, sc: dict, out_dir: Path) -> None:
         "prof_micro_batches": [asdict(m) for m in prof.micro_batches],
         "step_records": [asdict(s) for s in prof.step_records],
         "summary": summary,
+        "summary_from_records": prof.local_summary(from_records=True),  # every record kept: a short run
         "ab_times": ab.times if ab is not None else None,
         "ab_summary": ab.summary() if ab is not None else None,
         "sync_each_batch_after": sync_each_batch(accelerator),

@@ -31,6 +31,7 @@ import pytest
 
 import job_helpers as jh
 from accum_kit.checkpoint import CRASH_HOOK, PREEMPTED_EXIT_CODE, complete_checkpoints, latest_checkpoint
+from accum_kit.loop_history import read_history
 
 K, B, SAMPLES, STEPS_PER_EPOCH = 3, 2, 200, 17
 STEPS = 2 * STEPS_PER_EPOCH
@@ -89,8 +90,26 @@ def jobs(work):
     res["crash"] = jh.finish(crash, TIMEOUT_S)
     res["after_crash"] = {"latest": latest_checkpoint(crashed), "listing": sorted(p.name for p in crashed.iterdir())}
     res["uninterrupted"] = jh.finish(ref, TIMEOUT_S)
+    tampered = work / "tampered"
+    plant_pickle(work / "ref" / "epoch_0", tampered / "epoch_0", work / "planted_ran")
+    res["tampered_before"] = _tree(tampered)
+    bad = _launch(work, "tampered", *flags(tampered, "--num_train_epochs", 2, "--resume_from_checkpoint", "latest"))
     res["final"] = jh.finish(final, TIMEOUT_S)
+    res["tampered"] = jh.finish(bad, TIMEOUT_S)
     return res
+
+
+def plant_pickle(src: Path, dst: Path, marker: Path) -> None:
+    """Copy checkpoint ``src`` to ``dst`` with its optimizer file replaced by a plain pickle that, if it were
+    unpickled without torch's weights-only guard, would create ``marker`` (what a tampered file could do)."""
+    import pickle
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    shutil.copytree(src, dst)
+    (dst / "optimizer.bin").write_bytes(pickle.dumps({"state": Planted()}))
 
 
 def summary(path: Path) -> dict:
@@ -110,7 +129,8 @@ def test_uninterrupted_reference_saved_each_epoch(jobs, work):
     state = json.loads((work / "ref" / "epoch_0" / "loop_state.json").read_text())
     # the epoch ended with a partial window of 2: the checkpoint points at the start of epoch 1
     assert (state["optimizer_steps"], state["epoch"], state["batches_done_in_epoch"]) == (STEPS_PER_EPOCH, 1, 0)
-    assert state["micro_batches"] == 50 and len(state["train_loss"]) == STEPS_PER_EPOCH
+    assert state["micro_batches"] == 50 and "train_loss" not in state  # the history is in history/
+    assert read_history(work / "ref" / "epoch_0")["train_loss"] == s["train_loss"][:STEPS_PER_EPOCH]
 
 
 def test_crash_during_save_leaves_latest_on_the_previous_checkpoint(jobs, work):
@@ -154,7 +174,31 @@ def test_resumed_chain_equals_uninterrupted_run(jobs, work):
     assert all((a[k] - b[k]).abs().max().item() <= 1e-6 for k in a)
     assert all(a[k].equal(b[k]) for k in a)  # and in fact bitwise
     assert got["eval_loss_after"] == ref["eval_loss_after"]
-    assert len(complete_checkpoints(work / "chain")) == 2
+    older, newer = complete_checkpoints(work / "chain")
+    # the history: the newer checkpoint links the older one's chunks (one inode), adds only its own stretch,
+    # and its loop_state.json holds no per-step list (its size does not grow with the step count)
+    a, b = (sorted(p.name for p in (c / "history").iterdir()) for c in (older, newer))
+    assert b[:len(a)] == a and len(b) == len(a) + 1, (a, b)
+    assert all((older / "history" / n).samefile(newer / "history" / n) for n in a)
+    history = read_history(newer)["train_loss"]
+    assert history == ref["train_loss"][:len(history)] and len(history) > len(read_history(older)["train_loss"])
+    assert abs((older / "loop_state.json").stat().st_size - (newer / "loop_state.json").stat().st_size) <= 8  # digits
+
+
+def test_a_tampered_checkpoint_file_is_refused_by_name_before_anything_runs_or_is_written(jobs, work):
+    """A real 2-process launch resuming from a checkpoint whose optimizer file is a plain pickle: one error line
+    per process naming the file and the fix, the worker exits 2, the pickle never runs, nothing is written."""
+    res = jobs["tampered"]
+    assert res.returncode != 0, res.describe()
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    path = work / "tampered" / "epoch_0" / "optimizer.bin"
+    assert 1 <= len(errors) <= 2, res.describe()  # one per process (torchrun may stop the second one first)
+    assert all(e.startswith(f"error: --resume_from_checkpoint: {path} cannot be loaded (not a torch state")
+               and ". Fix: " in e for e in errors), errors
+    assert "UnpicklingError" not in res.stderr.split("error: ")[0]  # no raw unpickler traceback before it
+    assert res.stderr.count("exitcode  : 2") + res.stderr.count("exitcode : 2") >= 1, res.describe()  # torchrun's report
+    assert not (work / "planted_ran").exists()
+    assert _tree(work / "tampered") == jobs["tampered_before"]
 
 
 # --------------------------------------------------------------------------- bad input, in-process, 1 process
@@ -195,6 +239,8 @@ BAD = {
     "other_world_size": (["--resume_from_checkpoint", "{ref}/epoch_0"], "--num_processes", "world size 2"),
     "missing": (["--resume_from_checkpoint", "{one}/step_9999"], "--resume_from_checkpoint", "does not exist"),
     "incomplete": (["--resume_from_checkpoint", "{one}/.step_copy"], "--resume_from_checkpoint", "incomplete"),
+    "tampered": (["--resume_from_checkpoint", "{one}/.step_tampered"], "--resume_from_checkpoint",
+                 "optimizer.bin cannot be loaded"),
     "latest_without_any": (["--resume_from_checkpoint", "latest", "--output_dir", "{empty}"],
                            "--resume_from_checkpoint", "no complete checkpoint"),
     "unwritable_output_dir": (["--output_dir", "/sys/accum_kit_test/out"], "--output_dir", "/sys"),
@@ -212,6 +258,8 @@ def test_bad_input_exits_2_and_overwrites_nothing(inproc, capsys, work, jobs, on
     if not incomplete.exists():
         shutil.copytree(ckpt, incomplete)
         (incomplete / "checkpoint_complete").unlink()
+    if not (one / ".step_tampered").exists():
+        plant_pickle(ckpt, one / ".step_tampered", work / "planted_ran_inproc")
     (work / "empty").mkdir(exist_ok=True)
     argv, flag, detail = BAD[case]
     argv = [str(a).format(one=one, ckpt=ckpt, ref=work / "ref", empty=work / "empty") for a in argv]
@@ -222,7 +270,7 @@ def test_bad_input_exits_2_and_overwrites_nothing(inproc, capsys, work, jobs, on
     assert len(errors) == 1 and errors[0].startswith(f"error: {flag}: ") and ". Fix: " in errors[0], errors
     assert detail in errors[0], errors[0]
     assert _tree(one) == before
-    assert not Path("/sys/accum_kit_test").exists()
+    assert not Path("/sys/accum_kit_test").exists() and not (work / "planted_ran_inproc").exists()
 
 
 def test_elastic_restart_resumes_from_latest_without_a_flag(inproc, capsys, work, one_process_checkpoint):
@@ -236,4 +284,5 @@ def test_elastic_restart_resumes_from_latest_without_a_flag(inproc, capsys, work
     s = summary(out)
     assert s["resumed_from_step"] == steps and s["resumed_from"] == str(out / ckpt.name)
     saved = json.loads((ckpt / "loop_state.json").read_text())
-    assert s["train_loss"][:steps] == saved["train_loss"] and len(s["train_loss"]) == steps + 1
+    assert s["train_loss"][:steps] == read_history(ckpt)["train_loss"]
+    assert len(s["train_loss"]) == steps + 1

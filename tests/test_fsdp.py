@@ -191,6 +191,8 @@ def test_profiler_sees_every_collective_the_independent_count_sees(runs, policy)
             assert s[f"{kind}_busbw_GBps"] > 0
         assert s["syncs"] == sum(m["sync"] for m in info["micro"]) and "allreduce_calls" not in s
         assert s["ideal_seconds_per_step"] > 0 and s["compute_seconds"] > 0
+        # from the bounded running aggregates; on this short run equal to the summary from every record
+        jh.assert_same_summary(s, info["profiler_summary_from_records"])
     s = runs[f"tok_k3_{policy}"]["ranks"][0]["profiler_summary"]
     print(f"\n{policy}: reduce-scatters {s['reduce_scatter_calls']} ({s['reduce_scatter_bytes']} B), all-gathers "
           f"{s['all_gather_calls']} ({s['all_gather_bytes']} B) on rank 0, equal to the independent count")

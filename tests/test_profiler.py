@@ -100,7 +100,9 @@ def launch(tmp_path_factory):
             "--max_train_steps", str(JOB_STEPS), "--profile_ab_steps", str(JOB_AB), "--trace_dir", str(trace_dir),
             "--profile_overhead_steps", str(JOB_OVERHEAD),
             "--output_dir", str(job_out), "--max_train_samples", "64", "--max_eval_samples", "8",
-            "--num_warmup_steps", "0", "--logging_steps", "10", "--with_tracking", "--report_to", "tensorboard"]
+            "--num_warmup_steps", "0", "--logging_steps", "10", "--with_tracking", "--report_to", "tensorboard",
+            # static graph: the run's first micro-batch syncs to prime DDP; the figures must leave it out
+            "--ddp_static_graph", "true"]
     spec = {"model_config": MODEL_CONFIG, "seed": SEED, "lr": LR, "pad_id": PAD_ID, "bucket_cap_mb": BUCKET_CAP_MB,
             "examples": make_examples(), "scenarios": SCENARIOS, "train_job": {"argv": argv}}
     spec_path = root / "spec.json"
@@ -458,6 +460,14 @@ def test_summary_keys_and_arithmetic(runs):
             assert (sp["min"], sp["max"]) == (min(vals), max(vals))
 
 
+@pytest.mark.parametrize("name", ["nosync_k5", "each_k2", "ab_k2"])
+def test_summary_from_running_aggregates_equals_the_one_from_every_record(runs, name):
+    """The profiler's whole-run summary comes from bounded running aggregates; on this short run (every raw
+    record kept) it equals the summary computed from all the records, key by key (float rounding aside)."""
+    for info in ranks(runs, name):
+        jh.assert_same_summary(info["summary"]["per_process"][info["rank"]], info["summary_from_records"])
+
+
 def test_format_table_shows_every_summary_row(runs):
     from accum_kit.profiler import format_table
 
@@ -507,7 +517,7 @@ def test_train_job_summary_has_comm_block(runs):
     assert comm["profiler_overhead_ratio"] == pytest.approx(
         comm["seconds_per_step_profiler_on"] / comm["seconds_per_step_profiler_off"])
     assert comm["optimizer_steps"] == home_steps
-    assert comm["skipped_syncs"] == home_steps * (JOB_K - 1)
+    assert comm["skipped_syncs"] == home_steps * (JOB_K - 1) - 1  # the static graph's priming micro-batch synced
     assert comm["allreduce_calls"] >= home_steps and comm["allreduce_bytes"] > 0
     assert comm["busbw_GBps"] == pytest.approx(comm["algbw_GBps"] * 2 * (WORLD - 1) / WORLD, rel=1e-12)
     assert comm["seconds_per_step_sync_each_batch"] > 0 and comm["seconds_per_step_no_sync"] > 0
@@ -516,6 +526,11 @@ def test_train_job_summary_has_comm_block(runs):
     assert comm["speedup"] == pytest.approx(comm["seconds_per_step_sync_each_batch"] / comm["seconds_per_step_no_sync"])
     assert Path(comm["trace_file"]).name == "trace_rank0.json"
     assert len(comm["per_process"]) == WORLD
+    # --ddp_static_graph: the priming sync of the first micro-batch is no sync of either mode
+    assert comm["syncs"] == home_steps
+    by_policy = summary["memory"]["by_policy"]
+    assert by_policy["sync_each_batch"]["measurements"] == JOB_AB * (JOB_K - 1), by_policy  # A/B windows only
+    assert by_policy["no_sync"]["measurements"] == (JOB_STEPS - JOB_AB) * (JOB_K - 1) - 1, by_policy  # not the first
 
 
 def test_train_job_logs_comm_per_step_to_tensorboard(runs):

@@ -186,7 +186,7 @@ def bench_fsdp_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[
     initial = [p.detach().clone() for p in acc_model.parameters()]  # DTensor shards
     link = (EmulatedInterNodeLink(acc_model, cfg.emulate_inter_node_GBps).install()
             if cfg.emulate_inter_node_GBps is not None else None)  # before the profiler: its timings include it
-    prof = CommProfiler(accelerator, acc_model)
+    prof = CommProfiler(accelerator, acc_model, keep_records=None)  # short runs: every raw record
 
     order = list(cfg.accumulation_policies)
     run_steps = cfg.warmup_steps + cfg.steps * len(order)

@@ -136,7 +136,7 @@ class TrainerHooks(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         ddp = self.trainer.model_wrapped  # prepared (DDP-wrapped) before on_train_begin
-        self.profiler = CommProfiler(self.accelerator, ddp, hook=self.hook)
+        self.profiler = CommProfiler(self.accelerator, ddp, hook=self.hook, keep_records=None)
         self.profiler.mode = "no_sync"  # Trainer runs non-final micro-batches under no_sync
         self._loop = CallbackList(self.make_callbacks(self.profiler))
         self._handles = [ddp.register_forward_pre_hook(self._forward_begin), ddp.register_forward_hook(self._forward_end)]

@@ -99,16 +99,16 @@ def bench_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict,
     ddp_kw = cfg.ddp_kwargs()
     dev_ids = [device.index if device.index is not None else accelerator.local_process_index] if device.type == "cuda" else None
     hook = comm_hook(cfg.comm_hook)
-    prof_acc = CommProfiler(accelerator, acc_model, hook=hook)
+    prof_acc = CommProfiler(accelerator, acc_model, hook=hook, keep_records=None)  # short runs: every raw record
     raw_ddp = raw_opt = prof_raw = None
     if want_raw:  # plain DDP, the same constructor arguments as Accelerate's DistributedDataParallelKwargs
         raw_ddp = DistributedDataParallel(raw_model, device_ids=dev_ids, **ddp_kw)
         raw_opt = torch.optim.AdamW(raw_ddp.parameters(), lr=cfg.learning_rate)
-        prof_raw = CommProfiler(accelerator, raw_ddp, hook=hook)
+        prof_raw = CommProfiler(accelerator, raw_ddp, hook=hook, keep_records=None)
     manual_opt = prof_manual = None
     if want_manual:  # one plain copy for both manual modes (weights and AdamW state reset before every run)
         manual_opt = torch.optim.AdamW(manual_model.parameters(), lr=cfg.learning_rate)
-        prof_manual = CommProfiler(accelerator, manual_model, distributed=True)  # told of each all-reduce
+        prof_manual = CommProfiler(accelerator, manual_model, distributed=True, keep_records=None)  # told of each all-reduce
 
     # Data: the K-th dataloader holds exactly (warm-up + measured) x K micro-batches per process.
     run_steps = cfg.warmup_steps + cfg.steps

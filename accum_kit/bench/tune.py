@@ -72,7 +72,7 @@ def tune_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict, 
         ddp = DistributedDataParallel(copy.deepcopy(model).to(device), device_ids=dev_ids,
                                       **DistributedDataParallelKwargs(**kwargs).to_kwargs())
         built[label] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=cfg.learning_rate),
-                        CommProfiler(accelerator, ddp, hook=hook))
+                        CommProfiler(accelerator, ddp, hook=hook, keep_records=None))
     run_steps = cfg.warmup_steps + cfg.steps
     B = cfg.per_device_train_batch_size
     tokens = synthetic_tokens(run_steps * K * world * B, cfg.block_size, cfg.vocab_size, cfg.seed + 1)

@@ -14,6 +14,9 @@ micro-batch, tagged sync or no-sync. The parts, each usable on its own:
 - :mod:`.trace`: :class:`StepTrace`, a ``torch.profiler`` Chrome trace through
   Accelerate's ``ProfileKwargs`` / ``accelerator.profile()``;
 - :mod:`.records`: the plain records and :class:`Labels` (mode, tag);
+- :mod:`.aggregates`: the whole run's running aggregates (bounded memory),
+  with :mod:`.quantiles` (count / sum / min / max and quantile estimates);
+  :mod:`.figures`: what the summaries are computed from, from either;
 - :mod:`.report`: summaries from records (definitions of algbw, busbw,
   exposed time, estimated saving there) and :func:`format_table`;
 - :mod:`.switches`: :class:`ABSwitch` and :class:`OverheadSwitch`.
@@ -27,10 +30,11 @@ from .. import checks
 from ..callbacks import LoopCallback
 from ..compat import sync_each_batch
 from ..hsdp import run_mesh
+from .aggregates import RunningAggregates
 from .buckets import BucketRecorder, allreduce_mean_hook
 from .collectives import CollectiveRecorder
 from .phases import PhaseTimer
-from .records import COLLECTIVES, MODES, BucketCall, CollectiveCall, Labels, MicroBatchTimes, ProfileRecords, StepTimes
+from .records import COLLECTIVES, KEEP_RECORDS, MODES, BucketCall, CollectiveCall, Labels, MicroBatchTimes, ProfileRecords, StepTimes
 from .report import format_table, local_summary, summarize_processes
 from .sharded import sharded_summary
 from .switches import ABSwitch, AlternatingWindows, OverheadSwitch
@@ -44,14 +48,19 @@ ALLREDUCE_KEYS = ("allreduce_calls", "allreduce_bytes", "allreduce_seconds", "al
 
 __all__ = [
     "ABSwitch", "AlternatingWindows", "BucketCall", "BucketRecorder", "COLLECTIVES", "CollectiveCall",
-    "CollectiveRecorder", "CommProfiler", "Labels", "MODES", "MicroBatchTimes", "OverheadSwitch", "PhaseTimer",
-    "ProfileRecords", "StepTimes", "StepTrace", "allreduce_mean_hook", "format_table", "local_summary",
+    "CollectiveRecorder", "CommProfiler", "KEEP_RECORDS", "Labels", "MODES", "MicroBatchTimes", "OverheadSwitch", "PhaseTimer",
+    "ProfileRecords", "RunningAggregates", "StepTimes", "StepTrace", "allreduce_mean_hook", "format_table", "local_summary",
     "sharded_summary", "summarize_processes",
 ]
 
 
 class CommProfiler(LoopCallback):
     """Records every DDP gradient all-reduce (FSDP2: all-gather and reduce-scatter) and the phase times.
+
+    Memory stays bounded whatever the run's length: every record is folded
+    into running aggregates (:class:`RunningAggregates`), from which the
+    summaries come, and only the most recent ``keep_records`` raw records of
+    each kind are kept (:meth:`records`).
 
     Use it three ways:
 
@@ -85,6 +94,9 @@ class CommProfiler(LoopCallback):
             default: True when ``model`` is DDP. Pass True for a plain model whose
             loop all-reduces the gradients itself, and report each of those
             all-reduces with :meth:`record_allreduce`.
+        keep_records: raw records of each kind kept, the most recent
+            (default :data:`KEEP_RECORDS`; None: every one, for short runs that
+            read them all, such as the bench).
 
     Attributes:
         mode: ``"no_sync"`` or ``"sync_each_batch"``, stamped on new records
@@ -94,6 +106,7 @@ class CommProfiler(LoopCallback):
             one profiler that serves several runs; see :meth:`records`.
         enabled: False makes the recorders skip everything (the hook stays).
         trace_path: the trace file written, or None.
+        aggregates: the :class:`RunningAggregates` of every record.
 
     Raises:
         RuntimeError: the model already has a comm hook (DDP allows only one):
@@ -102,7 +115,7 @@ class CommProfiler(LoopCallback):
     """
 
     def __init__(self, accelerator, model, *, hook=None, hook_state=None, trace_dir=None, trace_steps=2,
-                 trace_wait=1, synchronize=None, distributed=None):
+                 trace_wait=1, synchronize=None, distributed=None, keep_records: int | None = KEEP_RECORDS):
         self.accelerator, self.model = accelerator, model
         self.world_size = accelerator.num_processes
         self.sharded = bool(getattr(accelerator, "is_fsdp2", False)) and self.world_size > 1
@@ -117,13 +130,16 @@ class CommProfiler(LoopCallback):
                              "all-gathers and reduce-scatters through FSDPModule.set_custom_all_gather / "
                              "set_custom_reduce_scatter")
         self.labels = Labels(mode=MODES[sync_each_batch(accelerator)])
-        self.buckets = BucketRecorder(self.labels, hook, hook_state)
-        self.collectives = CollectiveRecorder(self.labels)
+        self.aggregates = RunningAggregates()
+        sink = self.aggregates.add
+        self.buckets = BucketRecorder(self.labels, hook, hook_state, keep_records=keep_records, sink=sink)
+        self.collectives = CollectiveRecorder(self.labels, keep_records=keep_records, sink=sink)
         if synchronize is None:
             synchronize = accelerator.device.type == "cuda"
-        self.phases = PhaseTimer(self.labels, synchronize=synchronize)
+        self.phases = PhaseTimer(self.labels, synchronize=synchronize, keep_records=keep_records, sink=sink)
         self.trace = StepTrace(accelerator, trace_dir, trace_steps, trace_wait) if trace_dir else None
         self._attached = False
+        self._paused = False  # recording paused for a static-graph DDP model's priming sync
 
     # ---- labels --------------------------------------------------------------------------
     @property
@@ -196,6 +212,8 @@ class CommProfiler(LoopCallback):
         self.phases.on_train_begin(state)
 
     def on_micro_batch_begin(self, state):
+        if getattr(state, "forced_sync", False) and self.enabled:  # a static-graph DDP model's priming sync: no sync of the mode
+            self.enabled, self._paused = False, True
         if self.trace is not None and self.enabled:
             self.trace.on_micro_batch_begin(state)
         self.phases.on_micro_batch_begin(state)
@@ -207,6 +225,8 @@ class CommProfiler(LoopCallback):
         self.phases.on_backward_end(state)  # timed before the range closes
         if self.trace is not None:
             self.trace.close_range()
+        if self._paused:
+            self.enabled, self._paused = True, False
 
     def on_step_begin(self, state):
         self.phases.on_step_begin(state)
@@ -232,25 +252,31 @@ class CommProfiler(LoopCallback):
 
     @property
     def micro_batches(self) -> list[MicroBatchTimes]:
-        return self.phases.micro_batches
+        """The most recent micro-batch records (a copy)."""
+        return list(self.phases.micro_batches)
 
     @property
     def step_records(self) -> list[StepTimes]:
-        return self.phases.steps
+        """The most recent optimizer-step records (a copy)."""
+        return list(self.phases.steps)
 
     def records(self, *, mode: str | None = None, tag: str | None = None) -> ProfileRecords:
-        """Every record so far, or those of one ``mode`` and / or ``tag`` (None: any)."""
-        return ProfileRecords(self.calls, list(self.micro_batches), list(self.step_records),
+        """The raw records kept (the last ``keep_records`` of each kind), or those of one ``mode`` and / or ``tag``."""
+        return ProfileRecords(self.calls, self.micro_batches, self.step_records,
                               self.collective_calls).select(mode=mode, tag=tag)
 
-    def local_summary(self, tag: str | None = None) -> dict:
-        """This process's figures for the records of the current ``mode`` (and of ``tag``, if given).
+    def local_summary(self, tag: str | None = None, *, from_records: bool = False) -> dict:
+        """This process's figures for the records of the current ``mode`` (and of ``tag``, if given), whole run.
 
         See :func:`accum_kit.profiler.report.local_summary` for the keys, and under FSDP2
         :func:`accum_kit.profiler.sharded.sharded_summary` for those it adds or redefines
-        (``syncs`` are then backward passes that reduce-scattered).
+        (``syncs`` are then backward passes that reduce-scattered). Computed from the running
+        aggregates (medians exact up to 2,048 samples, then within 1 %: see :mod:`.quantiles`);
+        ``from_records=True`` computes them from the raw records kept instead, which cover the
+        whole run only while it made fewer than ``keep_records`` of each kind.
         """
-        records = self.records(mode=self.mode, tag=tag)
+        records = (self.records(mode=self.mode, tag=tag) if from_records
+                   else self.aggregates.figures(mode=self.mode, tag=tag))
         out = local_summary(records, mode=self.mode, world_size=self.world_size, distributed=self.distributed)
         if self.sharded:
             for key in ALLREDUCE_KEYS:  # DDP's all-reduce: FSDP2 has none

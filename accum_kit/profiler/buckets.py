@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .records import BucketCall, Labels
+from .records import KEEP_RECORDS, BucketCall, Labels, recent
 
 
 def allreduce_mean_hook(process_group, bucket):
@@ -38,6 +38,8 @@ class BucketRecorder:
             ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook``;
             default: :func:`allreduce_mean_hook`.
         hook_state: the state passed to ``hook`` (default None: the world group).
+        keep_records: raw records kept, the most recent (None: all).
+        sink: called with every new record (the profiler's running aggregates), or None.
 
     Notes:
         The future's callback may run on another thread (gloo), hence the
@@ -45,12 +47,21 @@ class BucketRecorder:
         CPU / gloo only.
     """
 
-    def __init__(self, labels: Labels, hook=None, hook_state=None):
+    def __init__(self, labels: Labels, hook=None, hook_state=None, keep_records: int | None = KEEP_RECORDS,
+                 sink=None):
         self.labels = labels
         self.hook, self.hook_state = hook or allreduce_mean_hook, hook_state
-        self._calls: list[BucketCall] = []
+        self._calls = recent(keep_records)
+        self.sink = sink
         self._lock = threading.Lock()
         self._sync = 0  # index of the synchronised backward in progress
+        self._in_sync = 0  # calls recorded so far in that sync (record_call's bucket index)
+
+    def _add(self, call: BucketCall) -> None:
+        with self._lock:
+            self._calls.append(call)
+        if self.sink is not None:
+            self.sink(call)
 
     def register(self, model) -> None:
         """Register on the ``DistributedDataParallel`` ``model`` (DDP cannot unregister a hook).
@@ -69,7 +80,7 @@ class BucketRecorder:
 
     @property
     def calls(self) -> list[BucketCall]:
-        """The completed bucket all-reduces so far, in completion order (a copy)."""
+        """The most recent completed bucket all-reduces (``keep_records`` of them), in completion order (a copy)."""
         with self._lock:
             return list(self._calls)
 
@@ -84,12 +95,11 @@ class BucketRecorder:
         if not self.labels.enabled:
             return
         lab = self.labels
-        with self._lock:
-            index = sum(1 for c in self._calls if c.sync == self._sync)
-            self._calls.append(BucketCall(step=lab.step, micro_batch=lab.micro_batch, sync=self._sync, mode=lab.mode,
-                                          tag=lab.tag, bucket=index, bytes=nbytes, start=start, seconds=seconds))
+        self._add(BucketCall(step=lab.step, micro_batch=lab.micro_batch, sync=self._sync, mode=lab.mode,
+                             tag=lab.tag, bucket=self._in_sync, bytes=nbytes, start=start, seconds=seconds))
+        self._in_sync += 1
         if last:
-            self._sync += 1
+            self._sync, self._in_sync = self._sync + 1, 0
 
     def on_bucket(self, bucket):
         """Call the wrapped hook on ``bucket`` and record it when its future completes."""
@@ -105,9 +115,7 @@ class BucketRecorder:
             self._sync += 1
 
         def done(f):
-            seconds = time.perf_counter() - start
-            with self._lock:
-                self._calls.append(BucketCall(**fields, seconds=seconds))
+            self._add(BucketCall(**fields, seconds=time.perf_counter() - start))
             return f.value()
 
         return fut.then(done)

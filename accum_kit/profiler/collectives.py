@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .records import CollectiveCall, Labels
+from .records import KEEP_RECORDS, CollectiveCall, Labels, recent
 
 
 def _nbytes(tensor) -> int:
@@ -133,6 +133,8 @@ class CollectiveRecorder:
     Args:
         labels: the shared :class:`Labels` stamped on every record; with
             ``labels.enabled`` False calls go straight to the wrapped objects.
+        keep_records: raw records kept, the most recent (None: all).
+        sink: called with every new record (the profiler's running aggregates), or None.
 
     Attributes:
         units: one dict per unit after :meth:`register`: ``name`` (module path,
@@ -141,9 +143,9 @@ class CollectiveRecorder:
             FSDP2 settles the root's at the first forward).
     """
 
-    def __init__(self, labels: Labels):
-        self.labels = labels
-        self._calls: list[CollectiveCall] = []
+    def __init__(self, labels: Labels, keep_records: int | None = KEEP_RECORDS, sink=None):
+        self.labels, self.sink = labels, sink
+        self._calls = recent(keep_records)
         self._pending: list = []  # CUDA: (fields, begin event, end event)
         self._lock = threading.Lock()
         self._groups: list = []
@@ -195,8 +197,11 @@ class CollectiveRecorder:
                  "reshard_after_forward": fsdp_reshards_after_forward(g)} for g in self._groups]
 
     def add(self, call: CollectiveCall) -> None:
+        """Keep ``call`` among the recent records and pass it to the sink."""
         with self._lock:
             self._calls.append(call)
+        if self.sink is not None:
+            self.sink(call)
 
     def add_pending(self, fields: dict, begin, end) -> None:
         with self._lock:
@@ -204,7 +209,7 @@ class CollectiveRecorder:
 
     @property
     def calls(self) -> list[CollectiveCall]:
-        """Every recorded collective so far (a copy); waits for pending CUDA ones."""
+        """The most recent recorded collectives (``keep_records`` of them; a copy); waits for pending CUDA ones."""
         with self._lock:
             pending, self._pending = self._pending, []
         for fields, begin, end in pending:

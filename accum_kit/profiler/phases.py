@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from ..callbacks import LoopCallback
-from .records import Labels, MicroBatchTimes, StepTimes
+from .records import KEEP_RECORDS, Labels, MicroBatchTimes, StepTimes, recent
 
 
 class PhaseTimer(LoopCallback):
@@ -19,13 +19,21 @@ class PhaseTimer(LoopCallback):
             timed or recorded (the step clock still restarts at each step end).
         synchronize: call ``torch.cuda.synchronize()`` at each phase boundary
             so that times cover the GPU work (use on CUDA only).
+        keep_records: records of each kind kept in ``micro_batches`` and
+            ``steps``, the most recent (None: all).
+        sink: called with every new record (the profiler's running aggregates), or None.
     """
 
-    def __init__(self, labels: Labels, synchronize: bool = False):
-        self.labels, self.synchronize = labels, synchronize
-        self.micro_batches: list[MicroBatchTimes] = []
-        self.steps: list[StepTimes] = []
+    def __init__(self, labels: Labels, synchronize: bool = False, keep_records: int | None = KEEP_RECORDS, sink=None):
+        self.labels, self.synchronize, self.sink = labels, synchronize, sink
+        self.micro_batches = recent(keep_records)
+        self.steps = recent(keep_records)
         self._t: dict[str, float] = {}
+
+    def _add(self, store, record) -> None:
+        store.append(record)
+        if self.sink is not None:
+            self.sink(record)
 
     def now(self) -> float:
         """``perf_counter`` seconds, after the GPU's queued work when ``synchronize`` is on."""
@@ -56,7 +64,7 @@ class PhaseTimer(LoopCallback):
         if not self.labels.enabled:
             return
         end = self.now()
-        self.micro_batches.append(MicroBatchTimes(
+        self._add(self.micro_batches, MicroBatchTimes(
             step=state.step, micro_batch=state.micro_step, sync=bool(state.sync), mode=self.labels.mode,
             tag=self.labels.tag, forward_seconds=self._t["forward"] - self._t["begin"],
             backward_seconds=end - self._t["forward"]))
@@ -68,7 +76,7 @@ class PhaseTimer(LoopCallback):
     def on_step_end(self, state):
         if self.labels.enabled:
             now = self.now()
-            self.steps.append(StepTimes(
+            self._add(self.steps, StepTimes(
                 step=state.step - 1, mode=self.labels.mode, tag=self.labels.tag,
                 optimizer_seconds=now - self._t["optimizer"], step_seconds=now - self._t["step_start"],
                 cpu_seconds=time.process_time() - self._t["step_cpu"]))

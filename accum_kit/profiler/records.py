@@ -17,7 +17,24 @@ No torch here: the report works on these records alone.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+#: Raw records of each kind a profiler keeps by default (the most recent ones; the
+#: whole run's figures come from running aggregates, see :mod:`.aggregates`).
+KEEP_RECORDS = 4096
+
+
+def recent(keep: int | None) -> deque:
+    """The store of one kind of raw record: the last ``keep`` records (None: every record, for short runs).
+
+    Raises:
+        ValueError: ``keep`` below 1.
+    """
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep_records must be a positive integer or None (got {keep!r})")
+    return deque(maxlen=keep)
+
 
 #: The two values of ``mode``: Accelerate's ``sync_each_batch`` flag off / on.
 MODES = ("no_sync", "sync_each_batch")
@@ -54,6 +71,7 @@ class BucketCall:
             compression hook sends fewer over the wire).
         start: ``perf_counter`` seconds when the wrapped hook was called.
         seconds: from ``start`` to the completion of the all-reduce future.
+        group: the process group it ran over: ``"world"`` (every process).
     """
 
     step: int
@@ -65,6 +83,7 @@ class BucketCall:
     bytes: int
     start: float
     seconds: float
+    group: str = "world"
 
 
 #: The kinds of :class:`CollectiveCall`.
@@ -92,8 +111,9 @@ class CollectiveCall:
             process's shard; the all-reduce's buffer (one shard).
         start: ``perf_counter`` seconds when the collective was called.
         seconds: from ``start`` to its completion.
-        group: ``"shard"`` or ``"replicate"`` (:data:`GROUPS`): the mesh dimension it ran on.
-            The all-reduce's ``unit`` is -1 (FSDP2 calls it without naming the unit).
+        group: ``"shard"`` or ``"replicate"`` (:data:`GROUPS`): the mesh dimension it ran on
+            (plain FSDP2's one dimension is ``"shard"``). The all-reduce's ``unit`` is -1 (FSDP2
+            calls it without naming the unit).
     """
 
     kind: str

@@ -17,28 +17,22 @@ Definitions (per process, then min / median / max over processes):
 
 from __future__ import annotations
 
-from ..stats import median, spread
-from .records import BucketCall, ProfileRecords
+from ..stats import spread
+from .figures import Figures, busy_seconds, from_records
+from .records import ProfileRecords
 
 GB = 1e9
 
-
-def busy_seconds(calls: list[BucketCall]) -> float:
-    """Length (seconds) of the union of the calls' ``[start, start + seconds]`` intervals."""
-    total, end = 0.0, float("-inf")
-    for c in sorted(calls, key=lambda c: c.start):
-        lo, hi = c.start, c.start + c.seconds
-        if hi > end:
-            total += hi - max(lo, end)
-            end = hi
-    return total
+__all__ = ["GB", "busy_seconds", "format_table", "local_summary", "summarize_processes"]
 
 
-def local_summary(records: ProfileRecords, *, mode: str, world_size: int, distributed: bool) -> dict:
+def local_summary(records: ProfileRecords | Figures, *, mode: str, world_size: int, distributed: bool) -> dict:
     """One process's figures (seconds, bytes, GB/s) from its records of one mode.
 
     Args:
-        records: the process's records, already selected (one mode, maybe one tag).
+        records: the process's records, already selected (one mode, maybe one tag), or
+            their :class:`accum_kit.profiler.figures.Figures` (what the profiler's running
+            aggregates give for a run of any length).
         mode: reported as ``mode``.
         world_size: processes in the all-reduce (n of busbw).
         distributed: False when the model is not DDP: nothing was skipped.
@@ -59,34 +53,27 @@ def local_summary(records: ProfileRecords, *, mode: str, world_size: int, distri
     ``backward_seconds_sync``, ``backward_seconds_no_sync``,
     ``optimizer_seconds``, ``seconds_per_step`` (medians per micro-batch / step).
     """
-    calls, mbs, steps = records.calls, records.micro_batches, records.steps
-    by_sync: dict[int, list] = {}
-    for c in calls:
-        by_sync.setdefault(c.sync, []).append(c)
-    busy = [busy_seconds(g) for g in by_sync.values()]
-    n_bytes, seconds = sum(c.bytes for c in calls), sum(c.seconds for c in calls)
-    busy_total = sum(busy)
-    algbw = n_bytes / busy_total / GB if busy_total > 0 else 0.0
+    f = records if isinstance(records, Figures) else from_records(records)
+    algbw = f.allreduce_bytes / f.busy_seconds / GB if f.busy_seconds > 0 else 0.0
     n = world_size
-    bwd_sync = median(m.backward_seconds for m in mbs if m.sync)
-    bwd_nosync = median(m.backward_seconds for m in mbs if not m.sync)
-    per_sync = median(busy)
-    exposed = max(bwd_sync - bwd_nosync, 0.0) if (bwd_sync is not None and bwd_nosync is not None and calls) else None
-    skipped = sum(1 for m in mbs if not m.sync) if distributed else 0
-    n_steps = len(steps) or len({c.step for c in calls}) or 1
+    bwd_sync, bwd_nosync, per_sync = f.backward_sync, f.backward_no_sync, f.seconds_per_sync
+    exposed = (max(bwd_sync - bwd_nosync, 0.0)
+               if (bwd_sync is not None and bwd_nosync is not None and f.allreduce_calls) else None)
+    skipped = f.no_sync_micro_batches if distributed else 0
+    n_steps = f.optimizer_steps or f.call_steps or 1
     nothing_skipped = 0.0 if not distributed else None  # one process: no saving, rather than unknown
     return {
         "world_size": n,
         "mode": mode,
-        "optimizer_steps": len(steps),
-        "micro_batches": len(mbs),
-        "allreduce_calls": len(calls),
-        "allreduce_bytes": n_bytes,
-        "allreduce_seconds": seconds,
-        "syncs": len(by_sync),
-        "allreduce_calls_per_step": len(calls) / n_steps,
-        "allreduce_bytes_per_step": n_bytes / n_steps,
-        "allreduce_calls_per_sync": median(len(g) for g in by_sync.values()) or 0,
+        "optimizer_steps": f.optimizer_steps,
+        "micro_batches": f.micro_batches,
+        "allreduce_calls": f.allreduce_calls,
+        "allreduce_bytes": f.allreduce_bytes,
+        "allreduce_seconds": f.allreduce_seconds,
+        "syncs": f.syncs,
+        "allreduce_calls_per_step": f.allreduce_calls / n_steps,
+        "allreduce_bytes_per_step": f.allreduce_bytes / n_steps,
+        "allreduce_calls_per_sync": f.calls_per_sync or 0,
         "seconds_per_sync": per_sync or 0.0,
         "algbw_GBps": algbw,
         "busbw_GBps": algbw * 2 * (n - 1) / n if n > 1 else 0.0,
@@ -98,11 +85,11 @@ def local_summary(records: ProfileRecords, *, mode: str, world_size: int, distri
         "estimated_seconds_saved": skipped * exposed if exposed is not None else nothing_skipped,
         "estimated_seconds_saved_upper": skipped * (per_sync or 0.0),
         "estimated_seconds_saved_per_step": (skipped / n_steps * exposed) if exposed is not None else nothing_skipped,
-        "forward_seconds": median(m.forward_seconds for m in mbs),
+        "forward_seconds": f.forward,
         "backward_seconds_sync": bwd_sync,
         "backward_seconds_no_sync": bwd_nosync,
-        "optimizer_seconds": median(s.optimizer_seconds for s in steps),
-        "seconds_per_step": median(s.step_seconds for s in steps),
+        "optimizer_seconds": f.optimizer,
+        "seconds_per_step": f.step,
     }
 
 

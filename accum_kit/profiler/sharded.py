@@ -56,27 +56,26 @@ Definitions (seconds, bytes; "per step" divides by the optimizer steps recorded)
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
-
-from ..stats import median
+from .figures import Figures, from_records
 from .records import ProfileRecords
-from .report import GB, busy_seconds
+from .report import GB
 
 
-def _bandwidths(calls, n: int) -> tuple[float | None, float | None]:
-    seconds = sum(c.seconds for c in calls)
+def _bandwidths(calls: int, nbytes: int, seconds: float, n: int) -> tuple[float | None, float | None]:
     if not calls or seconds <= 0:
         return None, None
-    algbw = sum(c.bytes for c in calls) / seconds / GB
+    algbw = nbytes / seconds / GB
     return algbw, algbw * (n - 1) / n if n > 1 else 0.0
 
 
-def sharded_summary(records: ProfileRecords, *, shard_size: int, units: list[dict], replicate_size: int = 1) -> dict:
+def sharded_summary(records: ProfileRecords | Figures, *, shard_size: int, units: list[dict],
+                    replicate_size: int = 1) -> dict:
     """FSDP2 figures of one process from its records of one mode (see the module docstring).
 
     Args:
         records: the process's records, already selected (one mode, maybe one tag or several: records
-            are told apart by (tag, micro-batch) and (tag, step), so runs with their own tags can be pooled).
+            are told apart by (tag, micro-batch) and (tag, step), so runs with their own tags can be pooled),
+            or their :class:`accum_kit.profiler.figures.Figures` (the profiler's running aggregates).
         shard_size: S, processes in each all-gather and reduce-scatter (n of their busbw): the world
             under plain FSDP2, the shard group under HSDP.
         replicate_size: R, processes in each all-reduce across replicas (HSDP; 1 for plain FSDP2).
@@ -95,97 +94,66 @@ def sharded_summary(records: ProfileRecords, *, shard_size: int, units: list[dic
     ``compute_seconds`` (per micro-batch), ``ideal_seconds_per_step``,
     ``seconds_per_step_over_ideal``, ``estimated_seconds_saved``,
     ``estimated_seconds_saved_per_step``, ``overlap_fraction``, ``fsdp_units`` (``units``),
-    ``mesh`` (``dp_replicate_size``, ``dp_shard_size``) and ``by_group`` (:func:`by_group`). Under HSDP ``all_reduce_*`` as ``reduce_scatter_*``, and the
-    reduce-scatter per sync and its exposed time include the all-reduce that follows it in the backward.
+    ``mesh`` (``dp_replicate_size``, ``dp_shard_size``) and ``by_group`` (:func:`by_group`). Under HSDP
+    ``all_reduce_*`` as ``reduce_scatter_*``, and the reduce-scatter per sync and its exposed time
+    include the all-reduce that follows it in the backward.
     """
+    f = records if isinstance(records, Figures) else from_records(records)
     n = shard_size
-    mbs, steps = records.micro_batches, records.steps
-    rs = [c for c in records.collectives if c.kind == "reduce_scatter"]
-    ag = [c for c in records.collectives if c.kind == "all_gather"]
-    n_steps = len(steps) or len({(c.tag, c.step) for c in records.collectives}) or 1
-    k = len(mbs) / len(steps) if steps else None
-
-    by_micro: dict[int, list] = defaultdict(list)
-    for c in records.collectives:
-        by_micro[(c.tag, c.micro_batch)].append(c)
-    rs_by_sync: dict[int, list] = defaultdict(list)
-    for c in rs:
-        rs_by_sync[(c.tag, c.micro_batch)].append(c)
-    ag_per_micro = Counter((c.tag, c.micro_batch) for c in ag)
-
-    def collective_seconds(m, kinds) -> float:
-        return busy_seconds([c for c in by_micro.get((m.tag, m.micro_batch), []) if c.kind in kinds])
-
-    no_sync = [m for m in mbs if not m.sync]
-    if no_sync:
-        compute = median(m.forward_seconds + m.backward_seconds - collective_seconds(m, ("all_gather",)) for m in no_sync)
-    else:
-        compute = median(m.forward_seconds + m.backward_seconds
-                         - collective_seconds(m, ("all_gather", "reduce_scatter", "all_reduce")) for m in mbs)
-    rs_per_sync = median(sum(c.seconds for c in g) for g in rs_by_sync.values())
-    bwd_sync = median(m.backward_seconds for m in mbs if m.sync)
-    bwd_nosync = median(m.backward_seconds for m in no_sync)
-    if bwd_sync is not None and bwd_nosync is not None and rs:
+    n_steps = f.optimizer_steps or f.collective_steps or 1
+    k = f.micro_batches / f.optimizer_steps if f.optimizer_steps else None
+    no_sync = f.no_sync_micro_batches
+    compute = f.compute_no_sync if no_sync else f.compute_all
+    rs_per_sync = f.rs_seconds_per_sync
+    bwd_sync, bwd_nosync = f.backward_sync, f.backward_no_sync
+    if bwd_sync is not None and bwd_nosync is not None and f.rs_calls:
         exposed_rs, source = max(bwd_sync - bwd_nosync, 0.0), "backward of sync minus no-sync micro-batches"
     else:
-        exposed_rs, source = (rs_per_sync, "reduce-scatter seconds per sync") if rs else (0.0, "no reduce-scatter")
-    first_of_window = {}
-    for m in mbs:
-        key = (m.tag, m.step)
-        first_of_window[key] = min(first_of_window.get(key, m.micro_batch), m.micro_batch)
-
-    def first(m) -> bool:
-        return m.micro_batch == first_of_window[(m.tag, m.step)]
-
-    bwd_first = median(m.backward_seconds for m in no_sync if first(m))
-    bwd_later = median(m.backward_seconds for m in no_sync if not first(m))
+        exposed_rs, source = (rs_per_sync, "reduce-scatter seconds per sync") if f.rs_calls else (0.0, "no reduce-scatter")
+    bwd_first, bwd_later = f.backward_first, f.backward_later
     accumulation = bwd_later - bwd_first if (bwd_first is not None and bwd_later is not None) else 0.0
-    syncs = len(rs_by_sync)
-    skipped = sum(1 for m in mbs if not m.sync)
-    ag_exposed = busy_seconds(ag) / n_steps
-    ar_extra, ar_saved = _replicate_all_reduce(records, mbs, n_steps, from_backwards=bool(no_sync and rs))
-    opt = median(s.optimizer_seconds for s in steps)
-    step = median(s.step_seconds for s in steps)
+    syncs, skipped = f.rs_syncs, no_sync
+    ag_exposed = f.ag_busy_seconds / n_steps
+    ar_extra, ar_saved = _replicate_all_reduce(f, n_steps, from_backwards=bool(no_sync and f.rs_calls))
+    opt, step = f.optimizer, f.step
     ideal = (k * compute + syncs / n_steps * exposed_rs + ar_extra + ag_exposed + (opt or 0.0)
              if (k is not None and compute is not None) else None)
 
     ag_saved = 0.0  # per step, against every micro-batch syncing with the same reshard settings
     if k is not None:
         for index, unit in enumerate(units):
-            mine = [c for c in ag if c.unit == index]
+            calls, per_call = f.ag_per_unit.get(index, (0, None))
             baseline = k * (2 if unit.get("reshard_after_forward") else 1)
-            per_call = median(c.seconds for c in mine)
             if per_call is not None:
-                ag_saved += max(baseline - len(mine) / n_steps, 0.0) * per_call
+                ag_saved += max(baseline - calls / n_steps, 0.0) * per_call
     saved_per_step = skipped / n_steps * (exposed_rs - accumulation) + ag_saved + ar_saved
-    rs_alg, rs_bus = _bandwidths(rs, n)
-    ag_alg, ag_bus = _bandwidths(ag, n)
-    ar = [c for c in records.collectives if c.kind == "all_reduce"]
+    rs_alg, rs_bus = _bandwidths(f.rs_calls, f.rs_bytes, f.rs_seconds, n)
+    ag_alg, ag_bus = _bandwidths(f.ag_calls, f.ag_bytes, f.ag_seconds, n)
     hsdp = {} if replicate_size < 2 else {
-        "all_reduce_calls": len(ar),
-        "all_reduce_bytes": sum(c.bytes for c in ar),
-        "all_reduce_seconds": sum(c.seconds for c in ar),
-        "all_reduce_calls_per_step": len(ar) / n_steps,
-        "all_reduce_bytes_per_step": sum(c.bytes for c in ar) / n_steps,
+        "all_reduce_calls": f.ar_calls,
+        "all_reduce_bytes": f.ar_bytes,
+        "all_reduce_seconds": f.ar_seconds,
+        "all_reduce_calls_per_step": f.ar_calls / n_steps,
+        "all_reduce_bytes_per_step": f.ar_bytes / n_steps,
     }
     return {
         **hsdp,
         "mesh": {"dp_replicate_size": replicate_size, "dp_shard_size": shard_size},
-        "by_group": by_group(records.collectives, n_steps, shard_size, replicate_size),
-        "reduce_scatter_calls": len(rs),
-        "reduce_scatter_bytes": sum(c.bytes for c in rs),
-        "reduce_scatter_seconds": sum(c.seconds for c in rs),
-        "reduce_scatter_calls_per_step": len(rs) / n_steps,
-        "reduce_scatter_bytes_per_step": sum(c.bytes for c in rs) / n_steps,
-        "reduce_scatter_calls_per_sync": median(len(g) for g in rs_by_sync.values()) or 0,
+        "by_group": by_group(f, n_steps, shard_size, replicate_size),
+        "reduce_scatter_calls": f.rs_calls,
+        "reduce_scatter_bytes": f.rs_bytes,
+        "reduce_scatter_seconds": f.rs_seconds,
+        "reduce_scatter_calls_per_step": f.rs_calls / n_steps,
+        "reduce_scatter_bytes_per_step": f.rs_bytes / n_steps,
+        "reduce_scatter_calls_per_sync": f.rs_calls_per_sync or 0,
         "reduce_scatter_algbw_GBps": rs_alg,
         "reduce_scatter_busbw_GBps": rs_bus,
-        "all_gather_calls": len(ag),
-        "all_gather_bytes": sum(c.bytes for c in ag),
-        "all_gather_seconds": sum(c.seconds for c in ag),
-        "all_gather_calls_per_step": len(ag) / n_steps,
-        "all_gather_bytes_per_step": sum(c.bytes for c in ag) / n_steps,
-        "all_gather_calls_per_micro_batch": median(ag_per_micro.get((m.tag, m.micro_batch), 0) for m in mbs),
+        "all_gather_calls": f.ag_calls,
+        "all_gather_bytes": f.ag_bytes,
+        "all_gather_seconds": f.ag_seconds,
+        "all_gather_calls_per_step": f.ag_calls / n_steps,
+        "all_gather_bytes_per_step": f.ag_bytes / n_steps,
+        "all_gather_calls_per_micro_batch": f.ag_calls_per_micro_batch,
         "all_gather_algbw_GBps": ag_alg,
         "all_gather_busbw_GBps": ag_bus,
         "syncs": syncs,
@@ -195,7 +163,7 @@ def sharded_summary(records: ProfileRecords, *, shard_size: int, units: list[dic
         "exposed_reduce_scatter_source": source,
         "exposed_all_gather_seconds_per_step": ag_exposed,
         "exposed_comm_seconds_per_step": syncs / n_steps * exposed_rs + ar_extra + ag_exposed,
-        "overlap_fraction": max(0.0, 1 - exposed_rs / rs_per_sync) if rs_per_sync and no_sync and rs else None,
+        "overlap_fraction": max(0.0, 1 - exposed_rs / rs_per_sync) if rs_per_sync and no_sync and f.rs_calls else None,
         "accumulation_seconds": accumulation,
         "compute_seconds": compute,
         "ideal_seconds_per_step": ideal,
@@ -206,7 +174,7 @@ def sharded_summary(records: ProfileRecords, *, shard_size: int, units: list[dic
     }
 
 
-def _replicate_all_reduce(records: ProfileRecords, mbs, n_steps: int, from_backwards: bool) -> tuple[float, float]:
+def _replicate_all_reduce(f: Figures, n_steps: int, from_backwards: bool) -> tuple[float, float]:
     """HSDP's all-reduces across replicas: (exposed seconds per step not already in the exposed
     reduce-scatter, estimated seconds saved per step against all-reducing on every micro-batch).
 
@@ -216,19 +184,18 @@ def _replicate_all_reduce(records: ProfileRecords, mbs, n_steps: int, from_backw
     all-reduce (``reduce_scatter_each_batch``'s non-boundary ones) x the median all-reduce seconds of a
     micro-batch that did.
     """
-    ar = [c for c in records.collectives if c.kind == "all_reduce"]
-    if not ar:
+    if not f.ar_calls:
         return 0.0, 0.0
-    per_micro: dict = defaultdict(float)
-    for c in ar:
-        per_micro[(c.tag, c.micro_batch)] += c.seconds
-    deferred = sum(1 for m in mbs if m.sync and (m.tag, m.micro_batch) not in per_micro)
-    extra = 0.0 if from_backwards else sum(per_micro.values()) / n_steps
-    return extra, deferred / n_steps * (median(per_micro.values()) or 0.0)
+    deferred = max(f.micro_batches - f.no_sync_micro_batches - f.ar_micro_batches, 0)
+    extra = 0.0 if from_backwards else f.ar_seconds / n_steps
+    return extra, deferred / n_steps * (f.ar_seconds_per_micro or 0.0)
 
 
-def by_group(collectives, n_steps: int, shard_size: int, replicate_size: int) -> dict:
+def by_group(f: Figures, n_steps: int, shard_size: int, replicate_size: int) -> dict:
     """Per mesh dimension and collective kind, per optimizer step: what ran where.
+
+    FSDP2's reduce-scatters and all-gathers run in the shard group, its all-reduces (HSDP) in the
+    replicate group, so the kinds' totals are the groups' totals.
 
     Returns:
         ``{"shard": {"size": S, "reduce_scatter": {...}, "all_gather": {...}},
@@ -239,16 +206,15 @@ def by_group(collectives, n_steps: int, shard_size: int, replicate_size: int) ->
         time), ``algbw_GBps`` and ``busbw_GBps`` (nccl-tests: ``(n - 1) / n`` for reduce-scatter and
         all-gather, ``2 (n - 1) / n`` for all-reduce, n the group's size).
     """
-    def block(kind: str, n: int) -> dict:
-        calls = [c for c in collectives if c.kind == kind]
-        alg, bus = _bandwidths(calls, n)
-        if kind == "all_reduce" and bus is not None:
-            bus *= 2  # an all-reduce moves 2 (n - 1) / n of its buffer per process
-        return {"calls_per_step": len(calls) / n_steps, "bytes_per_step": sum(c.bytes for c in calls) / n_steps,
-                "seconds_per_step": sum(c.seconds for c in calls) / n_steps, "algbw_GBps": alg, "busbw_GBps": bus}
+    def block(calls: int, nbytes: int, seconds: float, n: int, factor: float = 1.0) -> dict:
+        alg, bus = _bandwidths(calls, nbytes, seconds, n)
+        return {"calls_per_step": calls / n_steps, "bytes_per_step": nbytes / n_steps,
+                "seconds_per_step": seconds / n_steps, "algbw_GBps": alg,
+                "busbw_GBps": bus * factor if bus is not None else None}
 
-    out = {"shard": {"size": shard_size, "reduce_scatter": block("reduce_scatter", shard_size),
-                     "all_gather": block("all_gather", shard_size)}}
-    if replicate_size > 1:
-        out["replicate"] = {"size": replicate_size, "all_reduce": block("all_reduce", replicate_size)}
+    out = {"shard": {"size": shard_size, "reduce_scatter": block(f.rs_calls, f.rs_bytes, f.rs_seconds, shard_size),
+                     "all_gather": block(f.ag_calls, f.ag_bytes, f.ag_seconds, shard_size)}}
+    if replicate_size > 1:  # an all-reduce moves 2 (n - 1) / n of its buffer per process
+        out["replicate"] = {"size": replicate_size,
+                            "all_reduce": block(f.ar_calls, f.ar_bytes, f.ar_seconds, replicate_size, 2.0)}
     return out
