@@ -28,7 +28,7 @@ import job_helpers as jh
 from accum_kit.multinode import node_commands
 
 HSDP_CONFIG = jh.REPO / "accelerate_configs" / "cpu_hsdp.yaml"
-K, STEPS, EVERY = 3, 6, 2
+K, STEPS, EVERY = 3, 4, 2
 POLICY = "reduce_scatter_each_batch"
 
 
