@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 #: Raw records of each kind a profiler keeps by default (the most recent ones; the
 #: whole run's figures come from running aggregates, see :mod:`.aggregates`).
-KEEP_RECORDS = 4096
+KEEP_RECORDS = 1024
 
 
 def recent(keep: int | None) -> deque:
