@@ -163,6 +163,28 @@ def dynamo_plugin_for(torch_compile: bool = False, backend: str | None = None, m
     return plugin
 
 
+def check_ddp_buckets(plugin, handlers: list) -> None:
+    """Refuse DDP buckets smaller than DDP's first bucket (1 MiB) when the whole DDP model is compiled.
+
+    dynamo's ``DDPOptimizer`` splits the compiled graph at DDP's bucket
+    boundaries and asserts that DDP's first bucket (1 MiB,
+    ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``) is no larger than the
+    others, so ``bucket_cap_mb`` below 1 fails inside the first forward with
+    "First bucket should be smaller/equal to other buckets" (torch 2.13).
+
+    Raises:
+        UsageError: ``bucket_cap_mb < 1`` in a ``DistributedDataParallelKwargs`` with compilation on.
+    """
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    if plugin is None or plugin.use_regional_compilation:
+        return
+    for h in handlers:
+        if isinstance(h, DistributedDataParallelKwargs) and h.bucket_cap_mb < 1:
+            raise UsageError("--ddp_bucket_cap_mb", f"{h.bucket_cap_mb} MB is below DDP's first bucket (1 MiB), which "
+                             "torch.compile's DDP graph splitting does not accept", "pass 1 or more, or drop --torch_compile")
+
+
 def compile_settings(accelerator) -> dict | None:
     """``{"backend", "mode", "regional", "dynamic"}`` of the Accelerator's dynamo plugin; None when it does not compile."""
     plugin = accelerator.state.dynamo_plugin

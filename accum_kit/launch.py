@@ -237,7 +237,8 @@ def build_accelerator(
         UsageError: K below 1, ``ddp_timeout`` not a positive number, an
             unknown policy, an FSDP-only policy without FSDP, FSDP1, FSDP on
             CPU with one process, ``ddp_kwargs`` under FSDP, an unknown compile
-            backend or mode, or a backend whose compiler is missing.
+            backend or mode, a backend whose compiler is missing, or DDP buckets
+            below 1 MB with compilation.
         ProcessCountError: launched and visible process counts differ.
         TypeError: a ``ddp_kwargs`` key that ``DistributedDataParallelKwargs`` does not have.
     """
@@ -263,6 +264,9 @@ def build_accelerator(
             accelerator_kwargs["dynamo_plugin"] = plugin
     handlers, timeout = _with_timeout(list(accelerator_kwargs.pop("kwargs_handlers", None) or []), ddp_timeout)
     handlers = _with_ddp_kwargs(handlers, ddp_kwargs)
+    if accelerator_kwargs.get("dynamo_plugin") is not None:
+        from .compiling import check_ddp_buckets
+        check_ddp_buckets(accelerator_kwargs["dynamo_plugin"], handlers)
     if cpu is None:
         cpu = launcher_world_size() > 1 and not _has_gpu()
     if fsdp and ddp_kwargs:
