@@ -86,7 +86,7 @@ def resolve_flags(torch_compile: bool, backend: str | None, mode: str | None,
     checks.one_of(flags[0], backend, backends())
     if mode is not None:
         checks.one_of(flags[1], mode, MODES)
-        if backend != "inductor":
+        if backend != "inductor" and mode != "default":
             raise UsageError(flags[1], f"{mode!r} is an inductor mode, but the backend is {backend!r}",
                              f"drop {flags[1]}, or pass {flags[0]} inductor")
     return backend, mode

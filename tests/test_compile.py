@@ -133,7 +133,8 @@ def test_compiled_run_matches_the_big_batch_within_the_measured_floor(runs, name
     for info in run["ranks"]:
         settings = info["compile_settings"]
         assert settings["backend"] == BACKEND and settings["regional"] == name.endswith("fsdp"), settings
-        assert info["compile"]["compiles"] > 0, "nothing was compiled"
+        # a later scenario of the same launch may reuse the first one's compiled code (same code, guards hold)
+        assert info["model_class"] == "OptimizedModule" or info["compile"]["compiles"] > 0, "not compiled"
     params, losses = ex.oracle_run(run["init"], ex.windows_for(W, 3), "tokens", 3, W)
     tol = _tolerance(runs["floor"])
     worst = max(ex.max_excess(got, want)[0] for got, want in zip(run["steps"], params))

@@ -105,7 +105,8 @@ class CommProfiler(LoopCallback):
         self.accelerator, self.model = accelerator, model
         self.world_size = accelerator.num_processes
         self.sharded = bool(getattr(accelerator, "is_fsdp2", False)) and self.world_size > 1
-        self.is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        # torch.compile(DDP(model)) (Accelerate's dynamo plugin) forwards attributes to the DDP model it wraps
+        self.is_ddp = isinstance(getattr(model, "_orig_mod", model), torch.nn.parallel.DistributedDataParallel)
         self.distributed = (self.sharded or self.is_ddp) if distributed is None else bool(distributed)
         if self.sharded and hook is not None:
             raise ValueError("hook= wraps a DDP comm hook, and FSDP2 has none; the profiler records FSDP2's "
