@@ -232,3 +232,29 @@ def test_flags_build_accelerates_dynamo_plugin(monkeypatch):
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "EAGER")  # an accelerate config's dynamo_config
     assert dynamo_plugin_for(fsdp=True).backend.value == "EAGER"
     assert dynamo_plugin_for(fsdp=True).use_regional_compilation
+
+
+def test_bench_figures_per_k_from_paired_runs():
+    """Break-even and the paired ratio from hand-made runs (no compile): 2 repeats, compiled 0.8 s vs eager 1.0 s."""
+    import math
+
+    from accum_kit.bench.compiled import summarize_k
+
+    runs = [{"K": 8, "repeat": rep, "mode": mode, "measured": [s], "losses": [1.0, 2.0 + (mode == "compiled") * 1e-7]}
+            for rep, (e, c) in enumerate([(1.0, 0.8), (1.1, 0.77)]) for mode, s in (("eager", e), ("compiled", c))]
+    row = summarize_k("tiny", runs, 8, compile_seconds=30.0)
+    assert row["eager_step_seconds"] == pytest.approx(1.05) and row["compiled_step_seconds"] == pytest.approx(0.785)
+    assert row["seconds_saved_per_step"] == pytest.approx(0.265)
+    assert row["break_even_steps"] == pytest.approx(30.0 / 0.265)
+    assert row["compiled_over_eager"]["geometric_mean"] == pytest.approx(math.sqrt(0.8 * 0.7))
+    assert row["loss_max_abs_diff"] == pytest.approx(1e-7)
+    slower = [{**r, "measured": [2.0]} if r["mode"] == "compiled" else r for r in runs]
+    assert summarize_k("tiny", slower, 8, compile_seconds=30.0)["break_even_steps"] is None
+
+
+@pytest.mark.parametrize("argv", [["--torch_compile", "--tune"], ["--torch_compile_backend", "nope"]])
+def test_bench_compile_flags_are_checked(tmp_path, capsys, argv):
+    from accum_kit.cli import run
+
+    assert run("bench", [*argv, "--output_dir", str(tmp_path / "b")]) == 2
+    assert "error: --torch_compile" in capsys.readouterr().err

@@ -84,7 +84,7 @@ def bench_compiled_preset(cfg: BenchConfig, preset: str, accelerator, backend: s
                 "load_average_1min": load_average(), **rec}
 
     k0 = cfg.accumulation_steps[0]
-    watch = CompileWatch(warmup_steps=1)
+    watch = CompileWatch()  # not a loop callback here: recompiles after the first window are counted by difference
     first = one_run("compiled", k0, steps=1)  # compiles: forward at the first micro-batch, backward at its backward
     first["compile"] = watch.summary()
     compile_seconds = first["compile"]["compile_seconds"]
@@ -99,27 +99,36 @@ def bench_compiled_preset(cfg: BenchConfig, preset: str, accelerator, backend: s
                 runs.append(rec)
     watch_end = watch.summary()
     watch.close()
-    per_k = []
-    for K in cfg.accumulation_steps:
-        by = {(r["repeat"], r["mode"]): r for r in runs if r["K"] == K}
-        ratios = [median(by[(rep, "compiled")]["measured"]) / median(by[(rep, "eager")]["measured"])
-                  for rep in range(cfg.repeats)]
-        med = {m: median([s for r in runs if r["K"] == K and r["mode"] == m for s in r["measured"]]) for m in MODES}
-        saved = med["eager"] - med["compiled"]
-        diffs = [abs(a - b) for rep in range(cfg.repeats)
-                 for a, b in zip(by[(rep, "compiled")]["losses"], by[(rep, "eager")]["losses"])]
-        per_k.append({"preset": preset, "K": K, "eager_step_seconds": med["eager"],
-                      "compiled_step_seconds": med["compiled"], "compiled_over_eager": ratio_interval(ratios),
-                      "seconds_saved_per_step": saved,
-                      "break_even_steps": compile_seconds / saved if saved > 0 else None,
-                      "loss_max_abs_diff": max(diffs) if diffs else None})
+    per_k = [summarize_k(preset, runs, K, compile_seconds) for K in cfg.accumulation_steps]
     del compiled, models, ddp, opt, loaders, model
     accelerator.free_memory()
     torch._dynamo.reset()
     return {"preset": preset, "parameters": n_params, "config": PRESETS[preset], "compile_seconds": compile_seconds,
             "first_window_seconds": first["wall_seconds"], "compile": first["compile"],
-            "recompiles_after_first_window": watch_end["recompiles_after_warmup"], "per_k": per_k,
+            "recompiles_after_first_window": watch_end["recompiles"] - first["compile"]["recompiles"], "per_k": per_k,
             "warmup_runs": warm, "runs": runs}
+
+
+def summarize_k(preset: str, runs: list[dict], K: int, compile_seconds: float) -> dict:
+    """The figures of one K from its runs (each with ``repeat``, ``mode``, ``measured`` step seconds, ``losses``).
+
+    Returns:
+        median step seconds per mode over all measured steps, the paired ratio
+        compiled / eager (per repeat: ratio of the two runs' median steps) with
+        its 95 % interval, ``seconds_saved_per_step`` (eager minus compiled
+        median), ``break_even_steps`` (``compile_seconds`` / saved; None when
+        nothing is saved) and the largest per-step loss difference.
+    """
+    by = {(r["repeat"], r["mode"]): r for r in runs if r["K"] == K}
+    repeats = sorted({rep for rep, _ in by})
+    ratios = [median(by[(rep, "compiled")]["measured"]) / median(by[(rep, "eager")]["measured"]) for rep in repeats]
+    med = {m: median([s for r in runs if r["K"] == K and r["mode"] == m for s in r["measured"]]) for m in MODES}
+    saved = med["eager"] - med["compiled"]
+    diffs = [abs(a - b) for rep in repeats for a, b in zip(by[(rep, "compiled")]["losses"], by[(rep, "eager")]["losses"])]
+    return {"preset": preset, "K": K, "eager_step_seconds": med["eager"], "compiled_step_seconds": med["compiled"],
+            "compiled_over_eager": ratio_interval(ratios), "seconds_saved_per_step": saved,
+            "break_even_steps": compile_seconds / saved if saved > 0 else None,
+            "loss_max_abs_diff": max(diffs) if diffs else None}
 
 
 def format_compiled_table(presets: list[dict]) -> str:
