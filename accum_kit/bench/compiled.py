@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import time
 from dataclasses import asdict
 
@@ -46,6 +45,7 @@ from ..stats import RATIO_INTERVAL_METHOD, median, ratio_interval
 from .config import BenchConfig
 from .data import TokenRows, synthetic_tokens, variable_target_labels
 from .runs import load_average, reset_training_state
+from .sweep import command
 
 MODES = ("eager", "compiled")
 
@@ -166,7 +166,7 @@ def run(cfg: BenchConfig) -> dict:
     accelerator = build_accelerator(None, ddp_kwargs=cfg.ddp_kwargs())
     t0, load_start = time.perf_counter(), os.getloadavg()
     presets = [bench_compiled_preset(cfg, p, accelerator, backend, mode) for p in cfg.model_presets]
-    result = {"schema": "accum_kit.bench.compile/1", "command": " ".join(sys.argv), "config": asdict(cfg),
+    result = {"schema": "accum_kit.bench.compile/1", "command": command(cfg, accelerator.num_processes), "config": asdict(cfg),
               "backend": backend, "mode": mode or "default", "world_size": accelerator.num_processes,
               "versions": library_versions(), "interval_method": RATIO_INTERVAL_METHOD,
               "timing": {"total_seconds": time.perf_counter() - t0, "load_average_start": list(load_start),
