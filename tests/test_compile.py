@@ -25,7 +25,6 @@ compiled multi-process run must then match the oracle within
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
