@@ -247,6 +247,9 @@ def test_bench_figures_per_k_from_paired_runs():
     assert row["break_even_steps"] == pytest.approx(30.0 / 0.265)
     assert row["compiled_over_eager"]["geometric_mean"] == pytest.approx(math.sqrt(0.8 * 0.7))
     assert row["loss_max_abs_diff"] == pytest.approx(1e-7)
+    lo, hi = row["break_even_steps_interval"]
+    ci = row["compiled_over_eager"]
+    assert lo == pytest.approx(30.0 / (1.05 * (1 - ci["low"]))) and (hi is None or hi > lo)
     slower = [{**r, "measured": [2.0]} if r["mode"] == "compiled" else r for r in runs]
     assert summarize_k("tiny", slower, 8, compile_seconds=30.0)["break_even_steps"] is None
 

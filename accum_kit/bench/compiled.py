@@ -117,7 +117,10 @@ def summarize_k(preset: str, runs: list[dict], K: int, compile_seconds: float) -
         compiled / eager (per repeat: ratio of the two runs' median steps) with
         its 95 % interval, ``seconds_saved_per_step`` (eager minus compiled
         median), ``break_even_steps`` (``compile_seconds`` / saved; None when
-        nothing is saved) and the largest per-step loss difference.
+        nothing is saved), ``break_even_steps_interval`` (the same at the two
+        ends of the ratio's interval, with the eager median; None at an end
+        where compiling does not save time: then it may never pay) and the
+        largest per-step loss difference.
     """
     by = {(r["repeat"], r["mode"]): r for r in runs if r["K"] == K}
     repeats = sorted({rep for rep, _ in by})
@@ -125,9 +128,16 @@ def summarize_k(preset: str, runs: list[dict], K: int, compile_seconds: float) -
     med = {m: median([s for r in runs if r["K"] == K and r["mode"] == m for s in r["measured"]]) for m in MODES}
     saved = med["eager"] - med["compiled"]
     diffs = [abs(a - b) for rep in repeats for a, b in zip(by[(rep, "compiled")]["losses"], by[(rep, "eager")]["losses"])]
+    ci = ratio_interval(ratios)
+
+    def even(ratio):  # steps to earn the compile back if compiled / eager were ``ratio`` (None: never)
+        return compile_seconds / (med["eager"] * (1 - ratio)) if ratio is not None and ratio < 1 else None
+
     return {"preset": preset, "K": K, "eager_step_seconds": med["eager"], "compiled_step_seconds": med["compiled"],
-            "compiled_over_eager": ratio_interval(ratios), "seconds_saved_per_step": saved,
+            "compiled_over_eager": ci, "seconds_saved_per_step": saved,
             "break_even_steps": compile_seconds / saved if saved > 0 else None,
+            # from the ratio's interval: (at its low end, at its high end); None at an end where compiling is slower
+            "break_even_steps_interval": [even(ci["low"]), even(ci["high"])],
             "loss_max_abs_diff": max(diffs) if diffs else None}
 
 
@@ -139,14 +149,17 @@ def format_compiled_table(presets: list[dict]) -> str:
                      f"(first window {p['first_window_seconds']:.1f} s), {p['compile']['graphs']} graphs, "
                      f"recompiles after the first window: {p['recompiles_after_first_window']}")
         lines.append(f"{'K':>3} {'eager s/step':>13} {'compiled s/step':>16} {'compiled/eager [95% CI]':>28} "
-                     f"{'saved s/step':>13} {'break-even steps':>17}")
+                     f"{'saved s/step':>13} {'break-even steps [95% CI]':>26}")
         for r in p["per_k"]:
             ci = r["compiled_over_eager"]
             interval = (f"{ci['geometric_mean']:.3f} [{ci['low']:.3f}, {ci['high']:.3f}]" if ci["low"] is not None
                         else f"{ci['geometric_mean']:.3f} [n/a]")
+            lo, hi = r["break_even_steps_interval"]
             even = f"{r['break_even_steps']:.0f}" if r["break_even_steps"] is not None else "never"
+            even += f" [{lo:.0f}, {hi:.0f}]" if lo is not None and hi is not None else (
+                f" [{lo:.0f}, never]" if lo is not None else "")
             lines.append(f"{r['K']:>3} {r['eager_step_seconds']:>13.4f} {r['compiled_step_seconds']:>16.4f} "
-                         f"{interval:>28} {r['seconds_saved_per_step']:>13.4f} {even:>17}")
+                         f"{interval:>28} {r['seconds_saved_per_step']:>13.4f} {even:>26}")
     return "\n".join(lines)
 
 
