@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from . import checks
 from .clm_flags import resolve_run_clm_flags
+from .compiling import MODES, resolve_flags
 from .data import check_data_flags
 from .ddp_options import check_ddp_flags, ddp_field
 from .errors import UsageError
@@ -78,6 +79,9 @@ class TrainConfig:
     checkpointing_steps: str | None = field(default=None, metadata={"help": "Save a checkpoint every N optimizer steps (step_<N>), or 'epoch' after each epoch (epoch_<E>); always at a window boundary."})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "Continue from a checkpoint folder, or 'latest' (the newest complete one in --output_dir)."})
     checkpoints_total_limit: int | None = field(default=None, metadata={"help": "Keep at most N checkpoints; the oldest is deleted after the new one is complete."})
+    torch_compile: bool = field(default=False, metadata={"help": "Compile the model with torch.compile through Accelerate's dynamo plugin: the whole model under DDP, each block under FSDP2 (docs/compile.md)."})
+    torch_compile_backend: str | None = field(default=None, metadata={"help": "torch.compile backend (implies --torch_compile), e.g. inductor (the default), aot_eager, eager."})
+    torch_compile_mode: str | None = field(default=None, metadata={"help": f"inductor mode (implies --torch_compile), one of {list(MODES)}."})
     ddp_timeout: int = field(default=1800, metadata={"help": "Seconds a collective may wait for the other processes before the job fails (torch.distributed timeout)."})
     # DDP constructor settings (Trainer's flag names), passed as Accelerate's DistributedDataParallelKwargs
     ddp_bucket_cap_mb: float | None = ddp_field("ddp_bucket_cap_mb")
@@ -120,6 +124,8 @@ class TrainConfig:
             if getattr(self, flag) is not None:
                 checks.at_least(f"--{flag}", getattr(self, flag))
         check_ddp_flags(self)
+        if resolve_flags(self.torch_compile, self.torch_compile_backend, self.torch_compile_mode) is not None:
+            self.torch_compile = True
 
     def _check_schedule(self) -> None:
         """Parse --accumulation_schedule into ``{step: K}``; it sets K unless --gradient_accumulation_steps agrees."""

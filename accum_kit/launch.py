@@ -186,6 +186,10 @@ def build_accelerator(
     cpu: bool | None = None,
     ddp_timeout: float | None = None,
     ddp_kwargs: dict | None = None,
+    torch_compile: bool = False,
+    torch_compile_backend: str | None = None,
+    torch_compile_mode: str | None = None,
+    torch_compile_dynamic: bool | None = None,
     **accelerator_kwargs,
 ) -> Accelerator:
     """Build an Accelerator for gradient accumulation that is safe on CPU-only machines, with DDP or FSDP2.
@@ -214,6 +218,15 @@ def build_accelerator(
             ``gradient_as_bucket_view``, ``static_graph``, ``find_unused_parameters``;
             see :func:`accum_kit.ddp_options.ddp_kwargs`), passed as
             ``DistributedDataParallelKwargs`` (updating one given in ``kwargs_handlers``).
+        torch_compile, torch_compile_backend, torch_compile_mode: compile the
+            model in ``prepare`` (transformers' names; a backend or a mode
+            implies ``torch_compile``, the backend defaults to ``inductor``)
+            through Accelerate's ``TorchDynamoPlugin``: the whole model under
+            DDP, per block under FSDP2; without them an accelerate config's
+            ``dynamo_config`` is checked and used the same way (see
+            :func:`accum_kit.compiling.dynamo_plugin_for`).
+        torch_compile_dynamic: ``torch.compile``'s ``dynamic`` (True: shapes
+            are symbolic from the first call; None: torch's default).
         **accelerator_kwargs: passed to ``accelerate.Accelerator`` (e.g.
             ``mixed_precision``, ``log_with``, ``kwargs_handlers``, ``fsdp_plugin``).
 
@@ -245,8 +258,10 @@ def build_accelerator(
         UsageError: K below 1, ``ddp_timeout`` not a positive number, an
             unknown policy, an FSDP-only policy without FSDP, an HSDP-only policy
             without a replicate group, FSDP1, FSDP on CPU with one process,
-            ``ddp_kwargs`` under FSDP, or a parallelism config that cannot work
-            (see :func:`accum_kit.hsdp.resolve_parallelism_config`).
+            ``ddp_kwargs`` under FSDP, a parallelism config that cannot work
+            (see :func:`accum_kit.hsdp.resolve_parallelism_config`), an unknown
+            compile backend or mode, a backend whose compiler is missing, or DDP
+            buckets below 1 MB with compilation.
         ProcessCountError: launched and visible process counts differ.
         TypeError: a ``ddp_kwargs`` key that ``DistributedDataParallelKwargs`` does not have.
     """
@@ -263,8 +278,17 @@ def build_accelerator(
     if fsdp:
         accelerator_kwargs["fsdp_plugin"] = fsdp_plugin_for(policy, accelerator_kwargs.get("fsdp_plugin"),
                                                             accelerator_kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    if "dynamo_plugin" not in accelerator_kwargs and "dynamo_backend" not in accelerator_kwargs:
+        from .compiling import dynamo_plugin_for
+        plugin = dynamo_plugin_for(torch_compile, torch_compile_backend, torch_compile_mode, fsdp=fsdp,
+                                   dynamic=torch_compile_dynamic)
+        if plugin is not None:
+            accelerator_kwargs["dynamo_plugin"] = plugin
     handlers, timeout = _with_timeout(list(accelerator_kwargs.pop("kwargs_handlers", None) or []), ddp_timeout)
     handlers = _with_ddp_kwargs(handlers, ddp_kwargs)
+    if accelerator_kwargs.get("dynamo_plugin") is not None:
+        from .compiling import check_ddp_buckets
+        check_ddp_buckets(accelerator_kwargs["dynamo_plugin"], handlers)
     if cpu is None:
         cpu = launcher_world_size() > 1 and not _has_gpu()
     if fsdp and ddp_kwargs:

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from .callbacks import LoopCallback
 from .checkpoint import (PREEMPTED_EXIT_CODE, Checkpointer, Preempted, check_resumable, check_writable,
                          latest_checkpoint, resolve_checkpoint)
+from .compiling import CompileWatch, compile_settings
 from .config import TrainConfig
 from .data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
 from .ddp_options import ddp_kwargs
@@ -152,7 +153,11 @@ def run(cfg: TrainConfig) -> dict:
         check_trackers(cfg.report_to, cfg.output_dir)
     tracking = dict(log_with=cfg.report_to, project_dir=cfg.output_dir) if cfg.with_tracking else {}
     accelerator = build_accelerator(k, accumulation_policy=cfg.accumulation_policy, ddp_timeout=cfg.ddp_timeout,
-                                    ddp_kwargs=ddp_kwargs(cfg), **tracking)
+                                    ddp_kwargs=ddp_kwargs(cfg), torch_compile=cfg.torch_compile,
+                                    torch_compile_backend=cfg.torch_compile_backend,
+                                    torch_compile_mode=cfg.torch_compile_mode,
+                                    # unpacked examples vary in length: symbolic shapes from the first call
+                                    torch_compile_dynamic=None if cfg.packing else True, **tracking)
     quiet_other_processes(accelerator)
     check_supported(accelerator, cfg.loss_normalization)  # before any data or model work
     resume = _resume_path(cfg)
@@ -205,6 +210,10 @@ def run(cfg: TrainConfig) -> dict:
             "mixed_precision": accelerator.mixed_precision, "model": _model_name(cfg),
             "block_size": cfg.block_size, "seed": cfg.seed})
         callbacks.append(TrackerLogger(accelerator, optimizer, profiler))  # logs K and the effective batch per step
+    compiled = compile_settings(accelerator)
+    watch = CompileWatch(warmup_steps=1) if compiled else None  # before the first compiled call (the evaluation)
+    if watch is not None:
+        callbacks.append(watch)
     eval_before, ppl_before = evaluate_loss(accelerator, model, eval_dl)
     logger.info("eval loss before training: %.4f (perplexity %.2f)", eval_before, ppl_before)
     accelerator.log({"eval/loss": eval_before, "eval/perplexity": ppl_before}, step=0)
@@ -273,6 +282,9 @@ def run(cfg: TrainConfig) -> dict:
     }
     if comm is not None:
         summary["comm"] = comm
+    summary["compile"] = {**compiled, **watch.summary()} if watch is not None else None  # the last eval counted too
+    if watch is not None:
+        watch.close()
     summary["memory"] = held.summary()  # collective
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # collective under FSDP: the full, unsharded parameters

@@ -14,13 +14,17 @@ SPEC.json (written by the test)::
                     "sync_each_batch": bool, "epochs": int, "max_train_steps": int|null,
                     "max_grad_norm": float|null, "mixed_precision": "no"|"bf16",
                     "schedule": [[step, K], ...]|null, "policy": str|null,
-                    "resume_from": [step, ...]}, ...]}
+                    "resume_from": [step, ...], "torch_compile_backend": str|null,
+                    "bucket_cap_mb": float}, ...]}
 
 (``epochs``, ``max_train_steps``, ``max_grad_norm`` and ``schedule`` are passed to train_loop as
 ``num_train_epochs``, ``max_train_steps``, ``max_grad_norm`` and ``accumulation_schedule``;
 missing keys mean 1, None, None, None. With a schedule, ``K`` is the Accelerator's K at build time.
 ``mixed_precision`` goes to the Accelerator, missing means "no"; ``policy`` is
-``build_accelerator(accumulation_policy=...)``.)
+``build_accelerator(accumulation_policy=...)``; ``torch_compile_backend`` compiles the model through
+``build_accelerator(torch_compile_backend=...)`` (``bucket_cap_mb``, default 0.01, must then be
+at least 1: see :func:`accum_kit.compiling.check_ddp_buckets`), and ``rank<r>.json`` then holds the
+:class:`accum_kit.compiling.CompileWatch` summary as ``compile``.)
 
 Launched with accelerate_configs/cpu_fsdp.yaml the model is sharded with FSDP2:
 the worker then counts, per micro-batch, the calls and bytes of ``torch.distributed``'s
@@ -61,6 +65,7 @@ from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import accum_kit
+import accum_kit.compiling
 import accum_kit.memory
 import accum_kit.profiler
 from job_helpers import pad_collate  # the worker runs as a script from tests/
@@ -184,7 +189,9 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         accumulation_policy=sc.get("policy"),
         mixed_precision=precision,
         # Small buckets: several all-reduces per synchronised backward (the test must not assume one).
-        kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=0.01)],
+        kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=sc.get("bucket_cap_mb", 0.01))],
+        torch_compile_backend=sc.get("torch_compile_backend"),
+        torch_compile_dynamic=True if sc.get("torch_compile_backend") else None,  # variable lengths: symbolic at once
     )
     rank, world = accelerator.process_index, accelerator.num_processes
     torch.manual_seed(spec["seed"])
@@ -197,9 +204,10 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     rec = Recorder(raw_model, save_steps=accelerator.is_main_process)
-    hooked = isinstance(model, DistributedDataParallel)
+    ddp = getattr(model, "_orig_mod", model)  # torch.compile(DDP(model)) wraps the DDP model
+    hooked = isinstance(ddp, DistributedDataParallel)
     if hooked:
-        model.register_comm_hook(None, rec.hook)  # state None: the default (WORLD) group
+        ddp.register_comm_hook(None, rec.hook)  # state None: the default (WORLD) group
     restore = rec.count_fsdp_collectives() if accelerator.is_fsdp2 else (lambda: None)
     # Under FSDP2 accum_kit's own profiler and memory measurement run too, to be checked against the counts above.
     profiler = accum_kit.profiler.CommProfiler(accelerator, model) if accelerator.is_fsdp2 else None
@@ -208,6 +216,11 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
     checkpointer = None
     if sc.get("resume_from") and resume_from is None:  # the uninterrupted run saves after every step
         checkpointer = Checkpointer(accelerator, out_dir / sc["name"] / "ckpts", checkpointing_steps=1, signals=())
+    watch = None
+    if sc.get("torch_compile_backend"):
+        from accum_kit.compiling import CompileWatch
+
+        watch = CompileWatch(warmup_steps=1)
     result = accum_kit.train_loop(
         accelerator,
         model,
@@ -217,7 +230,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         max_train_steps=sc.get("max_train_steps"),
         max_grad_norm=sc.get("max_grad_norm"),
         loss_normalization=sc["mode"],
-        callbacks=[rec] + ([held] if held is not None else []),
+        callbacks=[rec] + ([held] if held is not None else []) + ([watch] if watch is not None else []),
         profiler=profiler,
         progress=False,
         accumulation_schedule={s: k for s, k in sc["schedule"]} if sc.get("schedule") else None,
@@ -252,6 +265,10 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         "stray_allreduce_calls": rec.stray_calls,
         "collective_groups": rec.groups,
     }
+    if watch is not None:
+        info["compile"] = watch.summary()
+        info["compile_settings"] = accum_kit.compiling.compile_settings(accelerator)
+        watch.close()
     if profiler is not None:
         from accum_kit.sharding import predicted_memory
 

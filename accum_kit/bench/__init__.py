@@ -128,6 +128,9 @@ reduce-scatters and all-gathers per step, bytes, gradient memory held between mi
 prediction, the ideal step from the profile, and a plot of seconds saved against memory added
 (:mod:`.fsdp`, :mod:`.fsdp_report`, :mod:`.fsdp_files`; docs/fsdp_costs.md).
 
+``--torch_compile`` (:mod:`.compiled`) runs instead the ``no_sync`` loop compiled against eager, paired and
+interleaved per K, with compile seconds and the break-even step count (``compile.json``; docs/compile.md).
+
 ``--tune`` (:mod:`.tune`, :mod:`.tune_report`) runs instead the ``no_sync``
 loop at one K under several DDP settings, each on its own copy of the model:
 the bench's own DDP flags, then each bucket size of ``--tune_bucket_cap_mb``,
@@ -177,7 +180,11 @@ def run_command(cfg: BenchConfig) -> int:
     from ..sharding import fsdp_requested
 
     cfg.check_hsdp_flags(fsdp_requested() and launched_replicas() > 1)
-    if fsdp_requested():
+    if cfg.torch_compile:  # compiled against eager instead of the modes (:mod:`.compiled`)
+        from .compiled import run as run_compiled
+
+        run_compiled(cfg)
+    elif fsdp_requested():
         from .fsdp import run as run_fsdp
 
         run_fsdp(cfg)

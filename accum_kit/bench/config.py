@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from .. import checks
 from ..ddp_options import check_ddp_flags, ddp_field, flag_of
 from ..ddp_options import ddp_kwargs as _ddp_kwargs
+from ..compiling import resolve_flags
 from ..errors import UsageError
 from ..models import PRESETS
 from ..outputs import check_output_dir
@@ -103,6 +104,14 @@ class BenchConfig:
                 "communication against its limit, s/step with intervals and peak memory, and recommends one."})
     tune_bucket_cap_mb: list[float] = field(default_factory=lambda: list(TUNE_BUCKET_CAP_MB), metadata={
         "help": "Bucket sizes (MB) that --tune tries besides the base's."})
+    torch_compile: bool = field(default=False, metadata={
+        "help": "Instead of the modes: the no_sync loop compiled (torch.compile of the DDP model, as Accelerate's "
+                "dynamo plugin does) against eager, paired and interleaved per K, with compile seconds and the "
+                "break-even step count (compile.json; docs/compile.md)."})
+    torch_compile_backend: str | None = field(default=None, metadata={
+        "help": "torch.compile backend for --torch_compile (implies it), e.g. inductor (default), aot_eager."})
+    torch_compile_mode: str | None = field(default=None, metadata={
+        "help": "inductor mode for --torch_compile (implies it), e.g. default, max-autotune-no-cudagraphs."})
     output_dir: str = field(default="runs/bench", metadata={"help": "Where bench.json, bench.csv and bench.png go."})
 
     def __post_init__(self):
@@ -154,9 +163,11 @@ class BenchConfig:
             for mb in self.tune_bucket_cap_mb:
                 checks.positive("--tune_bucket_cap_mb", mb, fix="pass sizes in MB, e.g. 5 100")
         self._check_launch_kind(fsdp, policies_given)
+        self._check_compile(fsdp)
         if self.emulate_inter_node_GBps is not None:
             checks.positive("--emulate_inter_node_GBps", self.emulate_inter_node_GBps,
                             fix="pass the emulated inter-node bus bandwidth in GB/s, e.g. 0.1")
+        check_output_dir(self.output_dir)
 
     def check_hsdp_flags(self, hybrid: bool) -> None:
         """At run time, once the launch is known: the HSDP-only flag and policy need a replicate group.
@@ -172,7 +183,18 @@ class BenchConfig:
             if POLICIES[p].hsdp_only:
                 raise UsageError("--accumulation_policies", f"{p} needs HSDP (a replicate group)",
                                  "launch with accelerate_configs/cpu_hsdp.yaml, or leave it out")
-        check_output_dir(self.output_dir)
+
+    def _check_compile(self, fsdp: bool) -> None:
+        """``--torch_compile*``: known backend and mode, DDP launch, not with --tune (both replace the modes)."""
+        if resolve_flags(self.torch_compile, self.torch_compile_backend, self.torch_compile_mode) is None:
+            return
+        self.torch_compile = True
+        for flag, given in (("--tune", self.tune), ("--accumulation_policies", fsdp)):
+            if given:
+                raise UsageError("--torch_compile", f"compares compiled with eager under DDP and cannot run with {flag}"
+                                 if flag == "--tune" else "compares compiled with eager under DDP, and this launch "
+                                 "is sharded", "drop one of them" if flag == "--tune" else
+                                 "launch with accelerate_configs/cpu_ddp.yaml")
 
     def _check_launch_kind(self, fsdp: bool, policies_given: bool) -> None:
         """Refuse the flags that mean nothing for this launch (DDP's under FSDP2, the policies under DDP)."""

@@ -123,7 +123,8 @@ class CommProfiler(LoopCallback):
         #: HSDP's replicas R and shard group S (plain FSDP2: 1 and W; DDP: 1 and W, unused)
         self.replicate_size = mesh.replicate if mesh is not None else 1
         self.shard_size = self.world_size // self.replicate_size
-        self.is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        # torch.compile(DDP(model)) (Accelerate's dynamo plugin) forwards attributes to the DDP model it wraps
+        self.is_ddp = isinstance(getattr(model, "_orig_mod", model), torch.nn.parallel.DistributedDataParallel)
         self.distributed = (self.sharded or self.is_ddp) if distributed is None else bool(distributed)
         if self.sharded and hook is not None:
             raise ValueError("hook= wraps a DDP comm hook, and FSDP2 has none; the profiler records FSDP2's "
