@@ -7,6 +7,7 @@ process-wide singleton state between in-process runs.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -244,3 +245,61 @@ def assert_same_summary(got: dict, want: dict, rel: float = 1e-9) -> None:
             assert g is not None and w is not None and math.isclose(g, w, rel_tol=rel, abs_tol=1e-12), (key, g, w)
         else:
             assert g == w, (key, g, w)
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the worker with ``RANK=rank`` among the launcher's descendants (torchrun's children)."""
+    import psutil
+
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    for child in children:
+        try:
+            if child.environ().get("RANK") == str(rank):
+                return child.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def run_dist_worker(config: Path, spec: dict, root: Path, name: str, world: int, timeout: float) -> dict:
+    """One ``accelerate launch --config_file config`` of tests/dist_worker.py over ``spec``; its scenarios loaded.
+
+    Returns ``{scenario name: {"scenario", "init", "steps", "ranks", "resumed": {step: {"steps", "ranks"}}}}``
+    (see tests/dist_worker.py for the files); fails the test with the launch's output if it fails.
+    """
+    import pytest
+    import torch
+
+    (root / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+           "--main_process_port", str(free_port()), str(REPO / "tests" / "dist_worker.py"), str(root / "spec.json"),
+           str(root / "out")]
+    res = run(cmd, clean_env(HF_DATASETS_CACHE=str(root / "hf_cache")), root / "logs", name, timeout=timeout)
+    if res.returncode != 0:
+        pytest.fail(f"{name} worker failed\n{res.describe()}", pytrace=False)
+
+    def load(d):
+        return {"steps": torch.load(d / "steps.pt", weights_only=True),
+                "ranks": [json.loads((d / f"rank{r}.json").read_text()) for r in range(world)]}
+
+    out = {}
+    for sc in spec["scenarios"]:
+        d = root / "out" / sc["name"]
+        out[sc["name"]] = {"scenario": sc, "init": torch.load(d / "init.pt", weights_only=True), **load(d),
+                           "resumed": {s: load(d / f"resumed_{s}") for s in sc.get("resume_from", [])}}
+    return out
+
+
+def windows_of(micro: list[dict]) -> list[list[dict]]:
+    """dist_worker's per-micro-batch records split into windows (each ends on a boundary)."""
+    out, cur = [], []
+    for m in micro:
+        cur.append(m)
+        if m["boundary"]:
+            out.append(cur)
+            cur = []
+    return out
+

@@ -65,23 +65,6 @@ def _job_flags(out):
             "--max_eval_samples", "16", "--output_dir", str(out)]
 
 
-def _worker_pid(launcher_pid: int, rank: int) -> int | None:
-    """The pid of the worker with ``RANK=rank`` among the launcher's descendants (torchrun's children)."""
-    import psutil
-
-    try:
-        children = psutil.Process(launcher_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return None
-    for child in children:
-        try:
-            if child.environ().get("RANK") == str(rank):
-                return child.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return None
-
-
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     """Start all five launches at once, fire each signal when its job is ready, time what follows."""
@@ -112,7 +95,7 @@ def faults(tmp_path_factory):
         "stall": (signal.SIGSTOP, lambda: pid_file_ready("stall")),
         "kill": (signal.SIGKILL, lambda: pid_file_ready("kill")),
         "restarted_job": (signal.SIGKILL,
-                          lambda: latest_checkpoint(root / "restarted_job") and _worker_pid(proc["restarted_job"].pid, 1)),
+                          lambda: latest_checkpoint(root / "restarted_job") and jh.worker_pid(proc["restarted_job"].pid, 1)),
     }
     facts = {name: {} for name in pending}
     try:

@@ -19,7 +19,6 @@ import csv
 import json
 import math
 import statistics
-import sys
 
 import pytest
 import torch
@@ -62,23 +61,7 @@ def runs(tmp_path_factory):
     custom = next(e for e in example_specs(corpus) if e["name"] == "custom_loop")
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
             "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "example_scripts": [custom], "bench_argv": BENCH_ARGV}
-    (root / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG),
-           "--main_process_port", str(jh.free_port()), str(ex.WORKER), str(root / "spec.json"), str(root / "out")]
-    res = jh.run(cmd, jh.clean_env(HF_DATASETS_CACHE=str(root / "hf_cache")), root / "logs", "fsdp",
-                 timeout=TIMEOUT_S)
-    if res.returncode != 0:
-        pytest.fail(f"FSDP worker failed\n{res.describe()}", pytrace=False)
-
-    def load(d):
-        return {"steps": torch.load(d / "steps.pt", weights_only=True),
-                "ranks": [json.loads((d / f"rank{r}.json").read_text()) for r in range(W)]}
-
-    out = {}
-    for sc in SCENARIOS:
-        d = root / "out" / sc["name"]
-        out[sc["name"]] = {"scenario": sc, "init": torch.load(d / "init.pt", weights_only=True), **load(d),
-                           "resumed": {s: load(d / f"resumed_{s}") for s in sc.get("resume_from", [])}}
+    out = jh.run_dist_worker(FSDP_CONFIG, spec, root, "fsdp", W, TIMEOUT_S)
     out["bench"] = root / "out" / "bench"
     out["custom_loop"] = [json.loads((root / "out" / f"custom_loop.rank{r}.json").read_text()) for r in range(W)]
     return out
@@ -102,17 +85,6 @@ def test_model_is_sharded_with_fsdp2_and_the_policy_applied(runs, name):
 # --------------------------------------------------------------------------- collectives per micro-batch
 
 
-def _windows_of(micro):
-    """Split the per-micro-batch records into windows (each ends on a boundary)."""
-    out, cur = [], []
-    for m in micro:
-        cur.append(m)
-        if m["boundary"]:
-            out.append(cur)
-            cur = []
-    return out
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 def test_reduce_scatters_only_where_the_policy_says(runs, policy):
     """no_sync policies reduce-scatter on the boundary micro-batch only, sync_each_batch on every one;
@@ -130,7 +102,7 @@ def test_reduce_scatters_only_where_the_policy_says(runs, policy):
         assert all(m["allreduce_calls"] == 0 for m in micro)
         per_rank.append(calls)
     assert per_rank[0] == per_rank[1]
-    windows = _windows_of(run["ranks"][0]["micro"])
+    windows = jh.windows_of(run["ranks"][0]["micro"])
     print(f"\n{policy}: reduce-scatters per window {[sum(m['reduce_scatter_calls'] for m in w) for w in windows]} "
           f"for windows of {[len(w) for w in windows]} micro-batches")
 
@@ -143,7 +115,7 @@ def test_all_gathers_follow_the_policy(runs):
     first, later = {}, {}
     for policy in POLICIES:
         info = runs[f"tok_k3_{policy}"]["ranks"][0]
-        windows = _windows_of(info["micro"])
+        windows = jh.windows_of(info["micro"])
         firsts = {w[0]["all_gather_calls"] for w in windows}
         rest = {m["all_gather_calls"] for w in windows for m in w[1:]}
         assert len(firsts) == 1 and len(rest) == 1, f"{policy}: all-gathers vary between windows {info['micro']}"
@@ -212,7 +184,7 @@ def test_cost_formulas_give_the_collectives_counted_in_every_window(runs, policy
     count of calls and bytes (nccl-tests' S: the gathered output, the reduce-scattered input)."""
     from accum_kit.planning.fsdp import policy_costs
 
-    for w in _windows_of(runs[f"tok_k3_{policy}"]["ranks"][0]["micro"]):
+    for w in jh.windows_of(runs[f"tok_k3_{policy}"]["ranks"][0]["micro"]):
         c = policy_costs(policy, _layout(), world_size=W, accumulation_steps=len(w))
         counted = {k: sum(m[k] for m in w) for k in ("reduce_scatter_calls", "reduce_scatter_bytes",
                                                      "all_gather_calls", "all_gather_bytes")}

@@ -16,8 +16,6 @@ the HSDP-only policy elsewhere) are checked in-process.
 
 from __future__ import annotations
 
-import json
-import sys
 
 import pytest
 import torch
@@ -55,34 +53,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hsdp")
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
             "examples": ex.EXAMPLES, "scenarios": SCENARIOS}
-    (root / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(HSDP_CONFIG),
-           "--main_process_port", str(jh.free_port()), str(ex.WORKER), str(root / "spec.json"), str(root / "out")]
-    res = jh.run(cmd, jh.clean_env(HF_DATASETS_CACHE=str(root / "hf_cache")), root / "logs", "hsdp",
-                 timeout=TIMEOUT_S)
-    if res.returncode != 0:
-        pytest.fail(f"HSDP worker failed\n{res.describe()}", pytrace=False)
-
-    def load(d):
-        return {"steps": torch.load(d / "steps.pt", weights_only=True),
-                "ranks": [json.loads((d / f"rank{r}.json").read_text()) for r in range(W)]}
-
-    out = {}
-    for sc in SCENARIOS:
-        d = root / "out" / sc["name"]
-        out[sc["name"]] = {"scenario": sc, "init": torch.load(d / "init.pt", weights_only=True), **load(d),
-                           "resumed": {s: load(d / f"resumed_{s}") for s in sc.get("resume_from", [])}}
-    return out
-
-
-def _windows_of(micro):
-    out, cur = [], []
-    for m in micro:
-        cur.append(m)
-        if m["boundary"]:
-            out.append(cur)
-            cur = []
-    return out
+    return jh.run_dist_worker(HSDP_CONFIG, spec, root, "hsdp", W, TIMEOUT_S)
 
 
 def _layout():
@@ -123,7 +94,7 @@ def test_collectives_per_group_follow_the_policy(runs, policy):
         assert [m["sync"] for m in micro] == [rs_every or m["boundary"] for m in micro], "LoopState.sync"
         synced = [m for m in micro if m["reduce_scatter_calls"]]
         assert len({m["reduce_scatter_calls"] for m in synced}) == 1, "unequal reduce-scatters per sync"
-    windows = _windows_of(run["ranks"][0]["micro"])
+    windows = jh.windows_of(run["ranks"][0]["micro"])
     counts = [(sum(m["reduce_scatter_calls"] for m in w), sum(m["replicate_all_reduce_calls"] for m in w))
               for w in windows]
     print(f"\n{policy}: (reduce-scatters, all-reduces across replicas) per window {counts} for windows of "
@@ -136,7 +107,7 @@ def test_cost_formulas_give_the_collectives_counted_per_group(runs, policy):
     reduce-scatters and all-gathers in the shard group, all-reduces in the replicate group (calls and bytes)."""
     from accum_kit.planning.fsdp import policy_costs
 
-    for w in _windows_of(runs[f"tok_k3_{policy}"]["ranks"][0]["micro"]):
+    for w in jh.windows_of(runs[f"tok_k3_{policy}"]["ranks"][0]["micro"]):
         c = policy_costs(policy, _layout(), world_size=W, accumulation_steps=len(w), replicate_size=R)
         counted = {k: sum(m[k] for m in w) for k in ("reduce_scatter_calls", "reduce_scatter_bytes", "all_gather_calls",
                                                      "all_gather_bytes", "replicate_all_reduce_calls",

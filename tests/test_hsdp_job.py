@@ -48,22 +48,6 @@ def _machines(out: Path, corpus: Path, *extra) -> list[list[str]]:
             for line in lines]
 
 
-def _worker_pid(launcher_pid: int, rank: int) -> int | None:
-    import psutil
-
-    try:
-        children = psutil.Process(launcher_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return None
-    for child in children:
-        try:
-            if child.environ().get("RANK") == str(rank):
-                return child.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return None
-
-
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     from accum_kit.checkpoint import latest_checkpoint
@@ -78,7 +62,7 @@ def jobs(tmp_path_factory):
     killed = None
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline and killed is None and machines[1][1].poll() is None:
-        pid = latest_checkpoint(work / "two") and _worker_pid(machines[1][1].pid, 3)
+        pid = latest_checkpoint(work / "two") and jh.worker_pid(machines[1][1].pid, 3)
         if pid:
             os.kill(pid, signal.SIGKILL)
             killed = latest_checkpoint(work / "two").name
