@@ -424,6 +424,19 @@ def max_excess(a: dict, b: dict) -> tuple[float, float]:
     return diff, excess
 
 
+def assert_resumed_equals_uninterrupted(run, step: int) -> None:
+    """dist_worker's run resumed from its step-``step`` checkpoint: every later step's parameters bit for bit,
+    and on every rank the restored and continued loss history, equal to the uninterrupted run's."""
+    resumed = run["resumed"][step]
+    assert len(resumed["steps"]) == len(run["steps"]) - step
+    for s, (got, want) in enumerate(zip(resumed["steps"], run["steps"][step:])):
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"resumed at {step}: {k} differs after step {step + s + 1}"
+    for info, full in zip(resumed["ranks"], run["ranks"]):
+        assert info["resumed_from_step"] == step
+        assert info["train_loss"] == full["train_loss"], "the restored and continued loss history differs"
+
+
 def assert_params_match(saved_steps, oracle_params, label):
     assert len(saved_steps) == len(oracle_params), f"{label}: {len(saved_steps)} steps, oracle {len(oracle_params)}"
     for s, (got, want) in enumerate(zip(saved_steps, oracle_params)):
