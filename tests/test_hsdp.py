@@ -18,7 +18,6 @@ from __future__ import annotations
 
 
 import pytest
-import torch
 
 import job_helpers as jh
 import test_exactness as ex
