@@ -66,7 +66,7 @@ class TrainConfig:
     max_grad_norm: float | None = field(default=1.0, metadata={"help": "Clip the gradient norm to this; 0 or less: no clipping."})
     loss_normalization: str = field(default="tokens", metadata={"help": f"One of {NORMALIZATIONS}: exact token-mean over the window, or Accelerate's per-micro-batch mean / K."})
     sync_each_batch: bool = field(default=False, metadata={"help": "All-reduce gradients on every micro-batch (slower; for A/B comparisons); the same as --accumulation_policy sync_each_batch."})
-    accumulation_policy: str | None = field(default=None, metadata={"help": f"What a window skips and keeps, one of {list(POLICIES)}; the last two need FSDP2 (accelerate_configs/cpu_fsdp.yaml) and keep parameters gathered (docs/fsdp.md). Default: no_sync."})
+    accumulation_policy: str | None = field(default=None, metadata={"help": f"What a window skips and keeps, one of {list(POLICIES)}; the two no_sync_no_reshard ones need FSDP2 (accelerate_configs/cpu_fsdp.yaml) and keep parameters gathered (docs/fsdp.md); reduce_scatter_each_batch needs HSDP (accelerate_configs/cpu_hsdp.yaml) and defers only the all-reduce across replicas (docs/hsdp.md). Default: no_sync."})
     profile_comm: bool = field(default=False, metadata={"help": "Record every gradient all-reduce and phase times; adds a 'comm' block to train_summary.json."})
     profile_ab_steps: int = field(default=0, metadata={"help": "Measure the no_sync saving: alternate N windows with and N without no_sync (after 1 warm-up step); implies --profile_comm."})
     profile_overhead_steps: int = field(default=0, metadata={"help": "Measure the profiler's own cost: after the A/B windows, alternate N windows with it recording and N without; implies --profile_comm."})
