@@ -303,3 +303,17 @@ def windows_of(micro: list[dict]) -> list[list[dict]]:
             cur = []
     return out
 
+
+def tensorboard_scalars(log_dir) -> dict:
+    """{tag: {step: value}} read back with tensorboard's own event reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = [p.parent for p in log_dir.rglob("events.out.tfevents.*")]
+    assert runs, f"no event file under {log_dir}"
+    out = {}
+    for run in set(runs):
+        acc = EventAccumulator(str(run))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out

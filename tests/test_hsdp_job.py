@@ -55,7 +55,8 @@ def jobs(tmp_path_factory):
     work = tmp_path_factory.mktemp("hsdp_job")
     corpus = jh.write_corpus(work / "corpus.txt")
     env = jh.clean_env(HF_DATASETS_CACHE=str(work / "hf_cache"))
-    single = jh.start(jh.accelerate_launch_cmd(*_flags(corpus, work / "single", "--profile_comm"), config=HSDP_CONFIG,
+    single = jh.start(jh.accelerate_launch_cmd(*_flags(corpus, work / "single", "--profile_comm", "--with_tracking",
+                                                       "--report_to", "tensorboard"), config=HSDP_CONFIG,
                                               num_processes=4),
                       env, work / "logs", "single")
     machines = [jh.start(cmd, env, work / "logs", f"machine{r}") for r, cmd in enumerate(_machines(work / "two", corpus))]
@@ -116,3 +117,17 @@ def test_the_jobs_comm_block_gives_each_mesh_dimension(jobs):
     for block in (groups["shard"]["reduce_scatter"], groups["shard"]["all_gather"], groups["replicate"]["all_reduce"]):
         assert block["seconds_per_step"] > 0 and block["busbw_GBps"] > 0
     assert comm["mesh"] == {"dp_replicate_size": 2, "dp_shard_size": 2}
+
+
+def test_the_tracker_logs_each_mesh_dimension_per_step(jobs):
+    """TensorBoard, read back: per step the all-reduces across replicas (one per unit: the policy's one round per
+    window) and the seconds of each group, next to the shard group's reduce-scatters (K rounds)."""
+    out = jobs["work"] / "single"
+    tb = jh.tensorboard_scalars(out / "accum_kit")
+    units = len(_summary(out)["comm"]["fsdp_units"])
+    assert sorted(tb["comm/all_reduce_calls"]) == list(range(1, STEPS + 1))
+    assert set(tb["comm/all_reduce_calls"].values()) == {units}
+    assert set(tb["comm/reduce_scatter_calls"].values()) == {K * units}
+    assert all(v > 0 for v in tb["comm/replicate_seconds"].values())
+    assert all(v > 0 for v in tb["comm/shard_seconds"].values())
+

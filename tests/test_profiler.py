@@ -534,7 +534,7 @@ def test_train_job_summary_has_comm_block(runs):
 
 
 def test_train_job_logs_comm_per_step_to_tensorboard(runs):
-    from test_train_job import tensorboard_scalars
+    from job_helpers import tensorboard_scalars
 
     launch = runs["_launch"]
     summary = json.loads((launch["job_out"] / "train_summary.json").read_text())

@@ -171,25 +171,10 @@ def test_ddp_job_summary(ddp_run):
     assert math.isfinite(s["eval_loss_before"]) and s["eval_loss_after"] < s["eval_loss_before"] - 0.3
 
 
-def tensorboard_scalars(log_dir) -> dict:
-    """{tag: {step: value}} read back with tensorboard's own event reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    runs = [p.parent for p in log_dir.rglob("events.out.tfevents.*")]
-    assert runs, f"no event file under {log_dir}"
-    out = {}
-    for run in set(runs):
-        acc = EventAccumulator(str(run))
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    return out
-
-
 def test_ddp_job_tensorboard_matches_the_summary(ddp_run):
     _, out = ddp_run
     s = load_summary(out)
-    tb = tensorboard_scalars(out / "accum_kit")
+    tb = jh.tensorboard_scalars(out / "accum_kit")
     # every optimizer step, from the main process only, equal (float32 event storage) to train_summary.json
     assert sorted(tb["train/loss"]) == list(range(1, STEPS + 1))
     for step, loss in enumerate(s["train_loss"], start=1):
@@ -348,7 +333,7 @@ def test_fsdp_job_reports_collectives_and_memory_held(fsdp_runs):
     assert mem["gathered_parameter_bytes_peak"]["max"] == full and mem["process_peak_bytes"]["min"] > full
     assert abs(mem["measured_over_predicted"] - 1) <= 0.10
     # TensorBoard, per step: one reduce-scatter per unit, the whole fp32 gradient, and the run's all-gathers
-    tb = tensorboard_scalars(out / "accum_kit")
+    tb = jh.tensorboard_scalars(out / "accum_kit")
     assert tb["comm/reduce_scatter_calls"] == {step: len(units) for step in range(1, STEPS + 1)}
     assert set(tb["comm/reduce_scatter_bytes"].values()) == {full}
     assert sum(tb["comm/all_gather_calls"].values()) == comm["all_gather_calls"] and "comm/allreduce_calls" not in tb
@@ -410,7 +395,7 @@ def test_single_process_schedule_reports_k_batch_and_scaled_lr_per_step(inproc, 
     assert s["gradient_accumulation_steps_per_step"] == ks
     assert s["effective_batch_size_per_step"] == [2 * k for k in ks]
     assert s["micro_batches_per_process"] == sum(ks) < MAX_TRAIN // 2  # the epoch never ends
-    tb = tensorboard_scalars(out / "accum_kit")
+    tb = jh.tensorboard_scalars(out / "accum_kit")
     for step, k in enumerate(ks, start=1):
         assert tb["train/gradient_accumulation_steps"][step] == k
         assert tb["train/effective_batch_size"][step] == 2 * k
