@@ -51,7 +51,9 @@ class PeakMemory:
             self.start_mb = torch.cuda.memory_allocated(self.device) / 2**20
         elif self.method:
             self._clear_refs()
-            self.start_mb = proc_status_kb("VmRSS") / 1024
+            # the high-water mark just after the reset (the RSS at that moment), not a later VmRSS read: the RSS
+            # may grow between two reads, and the peak is measured from the reset
+            self.start_mb = proc_status_kb("VmHWM") / 1024
 
     def peak(self) -> tuple[float | None, float | None]:
         """(peak MB since :meth:`reset`, that peak minus the usage at reset, MB)."""
