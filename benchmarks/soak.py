@@ -50,7 +50,7 @@ from accum_kit.stats import ratio_interval
 from accum_kit.tracking import TrackerLogger
 
 
-def parse(argv) -> argparse.Namespace:
+def parse_args(argv) -> argparse.Namespace:
     """The flags; raises UsageError for a value that cannot work."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20000, help="optimizer steps")
@@ -118,7 +118,7 @@ def step_time_ratio(step_seconds: list, block: int) -> dict:
 
 def main(argv=None) -> int:
     try:
-        args = parse(argv)
+        args = parse_args(argv)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
