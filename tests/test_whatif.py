@@ -330,3 +330,23 @@ def test_batch_size_missing_everywhere_exits_2(capsys, tmp_path):
         code, out, err = plan_argv(capsys, *argv)
         assert code == 2 and out == ""
         assert err.startswith("error: --per_device_train_batch_size:") and "Fix: pass" in err, err
+
+
+def test_ddp_is_the_cost_tables_row_with_one_process_per_shard():
+    """DDP read off the shared cost table: K syncs (or 1 with no_sync) of the whole gradient, no sharded collective."""
+    from accum_kit.planning.ddp_costs import ddp_costs, syncs_per_window
+
+    grad = 6_000_000.0
+    for policy, syncs in (("sync_each_batch", 8), ("no_sync", 1)):
+        c = ddp_costs(policy, world_size=4, accumulation_steps=8, gradient_bytes=grad)
+        assert (c.all_reduce_calls, c.all_reduce_bytes) == (syncs, syncs * grad)
+        assert (c.reduce_scatter_calls, c.all_gather_calls, c.shard_size) == (0, 0, 1)
+        assert c.parameter_shard_bytes == grad and c.gradient_bytes == grad  # every process holds all of it
+        assert syncs_per_window(policy, 8) == syncs
+    assert ddp_costs("no_sync", world_size=1, accumulation_steps=8, gradient_bytes=grad).all_reduce_calls == 0
+    # the what-if step times use those counts: K c + syncs e + o
+    row = predict(8, 0.5, 0.25, 0.125)
+    assert row.no_sync_step_seconds == pytest.approx(8 * 0.5 + 0.25 + 0.125)
+    assert row.sync_each_batch_step_seconds == pytest.approx(8 * 0.5 + 8 * 0.25 + 0.125)
+    with pytest.raises(UsageError, match="--accumulation_policy"):
+        ddp_costs("no_sync_no_reshard", world_size=2, accumulation_steps=2, gradient_bytes=grad)

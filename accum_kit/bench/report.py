@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..planning.ddp_costs import syncs_per_window
 from ..stats import RATIO_INTERVAL_METHOD, interval_verdict, median, quartiles, ratio, ratio_interval
 
 if TYPE_CHECKING:
@@ -43,9 +44,15 @@ def compute_c_a(runs: list[dict]) -> dict:
             "backward_no_sync_median_s": median(bwd_nosync)}
 
 
+def ideal_step_seconds(mode: str, K: int, c: float, a: float) -> float:
+    """``K c + n a``: compute plus one exposed all-reduce per sync, n syncs per window from the cost table
+    (:func:`accum_kit.planning.ddp_costs.syncs_per_window`: K with ``sync_each_batch``, 1 with ``no_sync``)."""
+    return K * c + syncs_per_window(mode, K) * a
+
+
 def ideal_speedup(K: int, c: float, a: float) -> float:
     """``(K c + K a) / (K c + a)``: sync_each_batch's ideal step time over no_sync's."""
-    return (K * c + K * a) / (K * c + a)
+    return ideal_step_seconds("sync_each_batch", K, c, a) / ideal_step_seconds("no_sync", K, c, a)
 
 
 def _mode_row(preset: str, parameters: int, K: int, mode: str, rs: list[dict], a, tokens_per_micro: int,
@@ -106,7 +113,8 @@ def _per_k(preset: str, K: int, c, a, med: dict, runs: list[dict]) -> dict:
     """The derived figures of one K: ideal step times and speedup, measured (paired) ratios with intervals, overhead."""
     d = {"preset": preset, "K": K, "c_s": c, "a_s": a}
     if c is not None and a is not None:
-        d.update(ideal_no_sync_step_s=K * c + a, ideal_sync_each_batch_step_s=K * c + K * a,
+        d.update(ideal_no_sync_step_s=ideal_step_seconds("no_sync", K, c, a),
+                 ideal_sync_each_batch_step_s=ideal_step_seconds("sync_each_batch", K, c, a),
                  ideal_speedup=ideal_speedup(K, c, a))
     else:
         d.update(ideal_no_sync_step_s=None, ideal_sync_each_batch_step_s=None, ideal_speedup=None)

@@ -55,6 +55,8 @@ from dataclasses import asdict, dataclass
 
 from .. import checks
 from ..errors import UsageError
+from .ddp_costs import sync_seconds as ring_allreduce_seconds  # the cost table's all-reduce, under its old name here
+from .ddp_costs import syncs_per_window
 
 GB = 1e9
 
@@ -199,15 +201,6 @@ def settings_from_profile(path: str, per_device_train_batch_size: int | None,
     return per_device_train_batch_size, gradient_accumulation_steps, note
 
 
-def ring_allreduce_seconds(n_bytes: float, num_processes: int, busbw_GBps: float) -> float:
-    """``2 (n - 1) / n x bytes / busbw``: a ring all-reduce of ``n_bytes`` bytes over n processes, seconds.
-
-    ``busbw_GBps`` is the bus bandwidth in GB/s (1e9 bytes/s), as nccl-tests
-    defines it (doc/PERFORMANCE.md). One process: 0 (nothing to reduce).
-    """
-    return 2 * (num_processes - 1) / num_processes * n_bytes / (busbw_GBps * GB)
-
-
 @dataclass(frozen=True)
 class WhatIfRow:
     """Predictions for one K (seconds; shares in [0, 1])."""
@@ -226,11 +219,13 @@ def predict(K: int, c: float, exposed: float, other: float, examples_per_micro_b
 
     ``examples_per_micro_batch`` is B x n over all processes (for the throughput column).
     """
-    ns = K * c + exposed + other
-    se = K * (c + exposed) + other
+    # syncs per window from the cost table (planning.ddp_costs): 1 with no_sync, K with sync_each_batch
+    e_ns, e_se = (syncs_per_window(policy, K) * exposed for policy in ("no_sync", "sync_each_batch"))
+    ns = K * c + e_ns + other
+    se = K * c + e_se + other
     rate = examples_per_micro_batch * K / ns if examples_per_micro_batch else None
     return WhatIfRow(K=K, no_sync_step_seconds=ns, sync_each_batch_step_seconds=se, speedup=se / ns,
-                     comm_share_no_sync=exposed / ns, comm_share_sync_each_batch=K * exposed / se,
+                     comm_share_no_sync=e_ns / ns, comm_share_sync_each_batch=e_se / se,
                      examples_per_second_no_sync=rate)
 
 
