@@ -87,10 +87,11 @@ FSDP_REFERENCE_TIMEOUT_S = 420
 
 @pytest.fixture(scope="session")
 def fsdp_reference(tmp_path_factory):
-    """The FSDP2 job (``jh.fsdp_job_argv``) uninterrupted, with ``--profile_comm`` and TensorBoard tracking, as a
-    :class:`job_helpers.Pending`: started when first asked for, so that the asking module's own launches run beside
-    it; ``.result()`` waits. ``--checkpointing_steps jh.FSDP_REFERENCE_EVERY``. (Profiling, tracking and the save interval change no
-    number: the modules that compare with it run without them, or with another interval.)"""
+    """The FSDP2 job (``jh.fsdp_job_argv``) uninterrupted, with ``--profile_comm``, TensorBoard tracking and
+    ``--checkpointing_steps jh.FSDP_REFERENCE_EVERY``, as a :class:`job_helpers.Pending`: started when first asked
+    for, so that the asking module's own launches run beside it; ``.result()`` waits. (Profiling, tracking and
+    the save interval change no number: the modules that compare with it run without them, or with another
+    interval, and must agree bitwise.)"""
     work = tmp_path_factory.mktemp("fsdp_reference")
     corpus = jh.write_corpus(work / "corpus.txt")
     cache, out = work / "hf_datasets_cache", work / "out"
