@@ -45,6 +45,7 @@ class LoopResult:
             window of an epoch may hold fewer micro-batches).
         accumulation_schedule: the schedule as ``[[step, K], ...]`` (None: constant K).
         micro_batches: micro-batches run by this process.
+        epochs: passes over the data begun (the last may be partial), restored ones included.
         resumed_from_step: optimizer steps restored from a checkpoint (None:
             not resumed); the lists above then hold the restored steps first.
     """
@@ -62,6 +63,8 @@ class LoopResult:
         """Take over the history of a checkpoint's loop state (see :mod:`accum_kit.checkpoint`)."""
         self.train_loss, self.step_tokens = list(saved["train_loss"]), list(saved["step_tokens"])
         self.step_seconds, self.resumed_from_step = list(saved["step_seconds"]), saved["optimizer_steps"]
+        # a run resumed after its last step runs no epoch: it must still report those the checkpoint had begun
+        self.epochs = saved["epoch"] + (1 if saved["batches_done_in_epoch"] else 0)
         # checkpoints written before schedules existed ran one K throughout
         self.step_accumulation_steps = list(saved.get("step_accumulation_steps")
                                             or [saved["gradient_accumulation_steps"]] * len(self.train_loss))

@@ -14,7 +14,8 @@ step, then, for every step in ``resume_from``, a fresh Accelerator, model,
 optimizer, scheduler and dataloader built the same way and ``train_loop(...,
 resume_from=<checkpoint>)``. Written (rank 0): ``<name>/full.pt`` and
 ``<name>/resumed_<step>.pt``, each ``{"train_loss", "steps": [state_dict after
-every step run in this process], "final", "resumed_from_step", "micro_batches"}``,
+every step run in this process], "final", "resumed_from_step", "micro_batches", "epochs",
+"resumed_at": [epoch, micro-batches done in it] of the checkpoint}``,
 plus ``<name>/init.pt``. The test compares them; nothing is checked here.
 """
 
@@ -72,9 +73,18 @@ def run(spec, sc, ckpt_dir: Path, resume_from=None) -> dict:
     acc.wait_for_everyone()
     return {"train_loss": result.train_loss, "steps": rec.steps, "final": rec.steps[-1] if rec.steps else None,
             "resumed_from_step": result.resumed_from_step, "micro_batches": result.micro_batches,
+            "epochs": result.epochs, "resumed_at": _data_position(resume_from),
             "step_tokens": result.step_tokens, "init": init, "rank": acc.process_index,
             "step_accumulation_steps": result.step_accumulation_steps,
             "lrs": rec.lrs, "base_lrs": list(sched.scheduler.base_lrs)}
+
+
+def _data_position(checkpoint) -> list | None:
+    """``[epoch, micro-batches done in it]`` that a checkpoint resumes at (from its loop_state.json)."""
+    if checkpoint is None:
+        return None
+    saved = json.loads((Path(checkpoint) / "loop_state.json").read_text())
+    return [saved["epoch"], saved["batches_done_in_epoch"]]
 
 
 def main(argv) -> int:

@@ -1,4 +1,5 @@
-"""Shared fixtures. ``example_results``: every example of the ladder, run once on 2 gloo processes."""
+"""Shared fixtures. ``example_results``: every example of the ladder, run once on 2 gloo processes;
+``fsdp_reference``: the uninterrupted FSDP2 train job, run once for the modules that check or break it."""
 
 from __future__ import annotations
 
@@ -79,6 +80,28 @@ def example_results(tmp_path_factory):
                 per_rank.append({"error": err.read_text() if err.exists() else f"no result\n{res.describe()}"})
         results[s["name"]] = per_rank
     return results
+
+
+FSDP_REFERENCE_TIMEOUT_S = 420
+
+
+@pytest.fixture(scope="session")
+def fsdp_reference(tmp_path_factory):
+    """The FSDP2 job (``jh.fsdp_job_argv``) uninterrupted, with ``--profile_comm``, TensorBoard tracking and
+    ``--checkpointing_steps jh.FSDP_REFERENCE_EVERY``, as a :class:`job_helpers.Pending`: started when first asked
+    for, so that the asking module's own launches run beside it; ``.result()`` waits. (Profiling, tracking and
+    the save interval change no number: the modules that compare with it run without them, or with another
+    interval, and must agree bitwise.)"""
+    work = tmp_path_factory.mktemp("fsdp_reference")
+    corpus = jh.write_corpus(work / "corpus.txt")
+    cache, out = work / "hf_datasets_cache", work / "out"
+    cmd = jh.accelerate_launch_cmd(*jh.fsdp_job_argv(corpus, out, "--checkpointing_steps", jh.FSDP_REFERENCE_EVERY,
+                                                     "--profile_comm", "--with_tracking", "--report_to", "tensorboard"),
+                                   config=jh.FSDP_CONFIG)
+    pending = jh.Pending(jh.start(cmd, jh.clean_env(HF_DATASETS_CACHE=str(cache)), work, "fsdp_reference"), out,
+                         corpus, cache, FSDP_REFERENCE_TIMEOUT_S)
+    yield pending
+    pending.result()  # never left running
 
 
 @pytest.fixture

@@ -19,6 +19,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DDP_CONFIG = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+FSDP_CONFIG = REPO / "accelerate_configs" / "cpu_fsdp.yaml"
+
+# The FSDP2 train job that tests/test_train_job.py checks and tests/test_fsdp_faults.py breaks: the tiny preset,
+# 2 x 3 micro-batches of 2 packed 64-token blocks per step, 8 steps on 200 blocks (the epoch never ends), and
+# the policy that changes FSDP2's defaults most. Its uninterrupted run is conftest.py's ``fsdp_reference``.
+FSDP_JOB_STEPS, FSDP_JOB_K, FSDP_JOB_B, FSDP_JOB_POLICY = 8, 3, 2, "no_sync_no_reshard"
+FSDP_REFERENCE_EVERY = 4  # the reference's --checkpointing_steps (test_train_job.py resumes from step_4)
 
 # Variables a launcher sets; a test run started from inside a launched process
 # (or a developer's shell) must not leak them into the jobs under test.
@@ -104,6 +111,32 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def fsdp_job_argv(corpus: Path, output_dir: Path, *extra) -> list[str]:
+    """``-m accum_kit train`` with the flags of the shared FSDP2 job (put the launcher in front), then ``extra``."""
+    return ["-m", "accum_kit", "train", "--train_file", str(corpus), "--model_preset", "tiny", "--block_size", "64",
+            "--output_dir", str(output_dir), "--learning_rate", "3e-3", "--num_warmup_steps", "0",
+            "--logging_steps", "4", "--max_train_steps", str(FSDP_JOB_STEPS), "--per_device_train_batch_size",
+            str(FSDP_JOB_B), "--gradient_accumulation_steps", str(FSDP_JOB_K), "--max_train_samples", "200",
+            "--max_eval_samples", "32", "--accumulation_policy", FSDP_JOB_POLICY, *[str(x) for x in extra]]
+
+
+class Pending:
+    """A launch from :func:`start` that runs while other work goes on; :meth:`result` waits for it (once).
+
+    Attributes: ``output_dir``, ``corpus``, ``datasets_cache``: what the launch was given, for runs that
+    compare with it or reuse its tokenised data.
+    """
+
+    def __init__(self, started: tuple, output_dir: Path, corpus: Path, datasets_cache: Path, timeout: float):
+        self.output_dir, self.corpus, self.datasets_cache = output_dir, corpus, datasets_cache
+        self._started, self._timeout, self._done = started, timeout, None
+
+    def result(self) -> Finished:
+        if self._done is None:
+            self._done = finish(self._started, self._timeout)
+        return self._done
 
 
 def finish(started: tuple, timeout: float) -> Finished:

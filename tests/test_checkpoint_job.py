@@ -3,13 +3,14 @@
 Launches (2 gloo processes each, ``accelerate launch -m accum_kit train``), the
 independent ones at the same time:
 
-- ``uninterrupted``: 2 epochs, ``--checkpointing_steps epoch``: the reference;
+- ``uninterrupted``: 3 epochs, ``--checkpointing_steps epoch``: the reference;
 - ``crash``: exits while saving ``step_10`` (test hook, after ``save_state``,
   before the rename);
-- ``sigterm``: ``--max_train_steps`` (as many steps as the two epochs),
+- ``sigterm``: ``--max_train_steps`` (as many steps as the three epochs),
   ``--checkpointing_steps 5 --checkpoints_total_limit 2``, SIGTERM to the
-  ``accelerate launch`` process after step 12; then ``final`` resumes it from
-  ``latest`` (mid-epoch) and must end where ``uninterrupted`` ended.
+  ``accelerate launch`` process after step 37; then ``final`` resumes it from
+  ``latest`` (part-way into the 3rd epoch: its own shuffle, the data position in
+  it and the RNG must all come back) and must end where ``uninterrupted`` ended.
 
 Plus one plain process that gets SIGUSR1 (the worker's own exit code; its
 checkpoint serves the 1-process cases), and in-process runs for every bad input. Data: 200 packed blocks of a
@@ -33,8 +34,9 @@ import job_helpers as jh
 from accum_kit.checkpoint import CRASH_HOOK, PREEMPTED_EXIT_CODE, complete_checkpoints, latest_checkpoint
 from accum_kit.loop_history import read_history
 
-K, B, SAMPLES, STEPS_PER_EPOCH = 3, 2, 200, 17
-STEPS = 2 * STEPS_PER_EPOCH
+K, B, SAMPLES, STEPS_PER_EPOCH, EPOCHS = 3, 2, 200, 17, 3
+STEPS = EPOCHS * STEPS_PER_EPOCH
+SIGNAL_AFTER = 2 * STEPS_PER_EPOCH + 3  # the 3rd epoch's 3rd step
 TIMEOUT_S = 300
 
 
@@ -67,7 +69,7 @@ def jobs(work):
     """Every launch once; the independent ones at the same time (the machine may have 2 cores)."""
     chain, crashed = work / "chain", work / "crashed"
     res = {}
-    ref = _launch(work, "uninterrupted", *flags(work / "ref", "--max_train_steps", 0, "--num_train_epochs", 2,
+    ref = _launch(work, "uninterrupted", *flags(work / "ref", "--max_train_steps", 0, "--num_train_epochs", EPOCHS,
                                                  "--checkpointing_steps", "epoch"))
     lone = _lone(work, "lone", *flags(work / "lone", "--max_train_steps", 400))
     chain_flags = flags(chain, "--max_train_steps", STEPS, "--checkpointing_steps", 5, "--checkpoints_total_limit", 2)
@@ -77,7 +79,7 @@ def jobs(work):
 
     jh.wait_for_text(work / "logs" / "lone.stderr", "step 3:", lone[1])
     os.kill(lone[1].pid, signal.SIGUSR1)  # SLURM's warning signal, to a plain process: its exit code is visible
-    jh.wait_for_text(work / "logs" / "sigterm.stderr", "step 12:", term[1])
+    jh.wait_for_text(work / "logs" / "sigterm.stderr", f"step {SIGNAL_AFTER}:", term[1])
     t0 = time.monotonic()
     os.kill(term[1].pid, signal.SIGTERM)  # the accelerate launch process only: torchrun forwards it
     res["sigterm"] = jh.finish(term, TIMEOUT_S)
@@ -125,7 +127,8 @@ def params(path: Path) -> dict:
 def test_uninterrupted_reference_saved_each_epoch(jobs, work):
     assert jobs["uninterrupted"].returncode == 0, jobs["uninterrupted"].describe()
     s = summary(work / "ref")
-    assert s["optimizer_steps"] == STEPS and s["checkpoints"] == ["epoch_0", "epoch_1"]
+    assert s["optimizer_steps"] == STEPS and s["checkpoints"] == [f"epoch_{e}" for e in range(EPOCHS)]
+    assert s["epochs"] == EPOCHS
     state = json.loads((work / "ref" / "epoch_0" / "loop_state.json").read_text())
     # the epoch ended with a partial window of 2: the checkpoint points at the start of epoch 1
     assert (state["optimizer_steps"], state["epoch"], state["batches_done_in_epoch"]) == (STEPS_PER_EPOCH, 1, 0)
@@ -150,7 +153,8 @@ def test_sigterm_to_accelerate_launch_saves_at_a_boundary_and_exits(jobs, work):
     assert len(saved) == 2, saved  # --checkpoints_total_limit 2
     state = jobs["after_sigterm"]["state"]
     n = state["optimizer_steps"]
-    assert 12 <= n < STEPS and saved == [f"step_{5 * ((n - 1) // 5)}", f"step_{n}"]  # limit 2: older ones gone
+    assert SIGNAL_AFTER <= n < STEPS and saved == [f"step_{5 * ((n - 1) // 5)}", f"step_{n}"]  # limit 2
+    assert state["epoch"] == 2 and state["batches_done_in_epoch"] > 0  # part-way into the 3rd epoch
     assert state["micro_batches"] == (n // STEPS_PER_EPOCH) * 50 + (n % STEPS_PER_EPOCH) * K  # a window boundary
     assert f"step_{n}" in lines[0] and "train_summary.json" not in jobs["after_sigterm"]["listing"]
     assert not [p for p in jobs["after_sigterm"]["listing"] if p.endswith(".incomplete")]
@@ -174,6 +178,7 @@ def test_resumed_chain_equals_uninterrupted_run(jobs, work):
     assert all((a[k] - b[k]).abs().max().item() <= 1e-6 for k in a)
     assert all(a[k].equal(b[k]) for k in a)  # and in fact bitwise
     assert got["eval_loss_after"] == ref["eval_loss_after"]
+    assert got["epochs"] == ref["epochs"] == EPOCHS
     older, newer = complete_checkpoints(work / "chain")
     # the history: the newer checkpoint links the older one's chunks (one inode), adds only its own stretch,
     # and its loop_state.json holds no per-step list (its size does not grow with the step count)

@@ -37,10 +37,11 @@ def _sc(name, *, K=3, epochs=2, max_train_steps=None, resume_from=(), **kw):
 # 22 on one (windows of 3 x 7 and 1 -> 8 steps per epoch). Shuffling on, dropout 0.1, AdamW, cosine schedule.
 SCENARIOS = {
     2: [
-        # mid-epoch (2), epoch boundary (4: the partial window closed epoch 0), mid-epoch of the 2nd epoch (6)
-        _sc("epochs_dropout", resume_from=(2, 4, 6)),
-        # --max_train_steps that stops inside epoch 1; the DataLoader has its own generator
-        _sc("max_steps_generator", max_train_steps=6, generator=True, resume_from=(5,)),
+        # 3 epochs: mid-epoch (2), epoch boundary (4: the partial window closed epoch 0), mid-epoch of the 2nd
+        # epoch (6) and of the 3rd (10), and the last step (12: nothing left to run)
+        _sc("epochs_dropout", epochs=3, resume_from=(2, 4, 6, 10, 12)),
+        # --max_train_steps that stops inside epoch 2 (the 3rd); the DataLoader has its own generator
+        _sc("max_steps_generator", max_train_steps=10, generator=True, resume_from=(5, 9)),
         # the oracle scenario: test_exactness's data and model, SGD, no shuffling, no clipping
         _sc("oracle_sgd", model_config=ex.MODEL_CONFIG, examples=ex.EXAMPLES, optimizer="sgd", lr=ex.LR,
             scheduler="constant", max_grad_norm=None, shuffle=False, resume_from=(1, 2)),
@@ -49,7 +50,7 @@ SCENARIOS = {
         _sc("schedule_lr", K=1, schedule=SCHEDULE, lr_scaling="linear", resume_from=(2, 5, 6)),
     ],
     # one process: the RandomSampler has no generator and seeds each epoch from the global torch RNG
-    1: [_sc("one_process", resume_from=(4, 8))],
+    1: [_sc("one_process", epochs=3, resume_from=(4, 8, 20))],
 }
 
 
@@ -84,6 +85,7 @@ def test_resumed_run_equals_uninterrupted_bitwise(runs, world, name, step):
     assert resumed["train_loss"] == full["train_loss"], "per-step losses (restored + new) differ"
     assert resumed["step_tokens"] == full["step_tokens"]
     assert resumed["micro_batches"] == full["micro_batches"]
+    assert resumed["epochs"] == full["epochs"]
     assert len(resumed["steps"]) == len(full["steps"]) - step
     for k, want in enumerate(full["steps"][step:]):  # parameters after every step run after the resume
         for key in want:
@@ -92,14 +94,27 @@ def test_resumed_run_equals_uninterrupted_bitwise(runs, world, name, step):
 
 def test_scenarios_cover_partial_windows_and_both_resume_points(runs):
     full = runs[2]["epochs_dropout"]["full"]
-    assert len(full["train_loss"]) == 8 and full["micro_batches"] == 22  # 2 epochs x (3 + 3 + 3 + 2)
-    assert len(runs[2]["max_steps_generator"]["full"]["train_loss"]) == 6  # stops inside epoch 1
+    assert len(full["train_loss"]) == 12 and full["micro_batches"] == 33  # 3 epochs x (3 + 3 + 3 + 2)
+    assert full["epochs"] == 3
+    generator = runs[2]["max_steps_generator"]["full"]
+    assert len(generator["train_loss"]) == 10 and generator["epochs"] == 3  # stops inside epoch 2
+    one = runs[1]["one_process"]["full"]
+    assert len(one["train_loss"]) == 24 and one["micro_batches"] == 66 and one["epochs"] == 3
+    # where each checkpoint resumes the data, [epoch, micro-batches done in it], by arithmetic: 11 (2 processes,
+    # windows 3 3 3 2) or 22 (1 process, windows of 3 x 7 and 1) micro-batches per epoch; each scenario resumes
+    # part-way into the 3rd epoch (index 2) at least once, and epochs_dropout also after its very last step
+    at = {(w, sc["name"]): [runs[w][sc["name"]][f"resumed_{s}"]["resumed_at"] for s in sc["resume_from"]]
+          for w, scs in SCENARIOS.items() for sc in scs if sc["epochs"] == 3 or sc["max_train_steps"] == 10}
+    assert at == {(2, "epochs_dropout"): [[0, 6], [1, 0], [1, 6], [2, 6], [3, 0]],
+                  (2, "max_steps_generator"): [[1, 3], [2, 3]], (1, "one_process"): [[0, 12], [1, 0], [2, 12]]}
 
 
 def test_resume_without_restoring_the_shuffle_would_differ(runs):
-    """Sensitivity: the two epochs draw different orders, so replaying epoch 0's order in epoch 1 would be wrong."""
-    full = runs[2]["epochs_dropout"]["full"]
-    assert full["step_tokens"][:4] != full["step_tokens"][4:], "both epochs saw the same order"
+    """Sensitivity: the epochs draw different orders, so replaying an earlier epoch's order would be wrong."""
+    for world, name, per_epoch in ((2, "epochs_dropout", 4), (1, "one_process", 8)):
+        tokens = runs[world][name]["full"]["step_tokens"]
+        epochs = [tuple(tokens[e * per_epoch:(e + 1) * per_epoch]) for e in range(3)]
+        assert len(set(epochs)) == 3, f"{name}: two epochs saw the same order"
 
 
 @pytest.mark.parametrize("step", [1, 2])

@@ -221,44 +221,37 @@ def test_ddp_job_leaves_no_staging(ddp_run):
 # --------------------------------------------------------------------------- 2 processes, FSDP2
 
 
-FSDP_POLICY = "no_sync_no_reshard"  # the policy that changes FSDP2's defaults most
-FSDP_CKPT_STEP = 4
+FSDP_POLICY = jh.FSDP_JOB_POLICY  # the policy that changes FSDP2's defaults most
+FSDP_CKPT_STEP = jh.FSDP_REFERENCE_EVERY
+assert (jh.FSDP_JOB_STEPS, jh.FSDP_JOB_K, jh.FSDP_JOB_B) == (STEPS, K, B), "the FSDP2 job has the DDP job's flags"
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(work, corpus):
-    """The DDP job's flags under accelerate_configs/cpu_fsdp.yaml, saving every 4 steps; then the same job
-    resumed from step_4 into a second output directory; and the same job preempted by SIGTERM to accelerate
-    launch after step 2, then resumed from ``latest``. Returns ``(uninterrupted, resumed, preempted)``
-    (result, dir) and, last, the resumed-from-latest result."""
-    flags = dict(max_train_steps=STEPS, per_device_train_batch_size=B, gradient_accumulation_steps=K,
-                 max_train_samples=MAX_TRAIN, max_eval_samples=MAX_EVAL, accumulation_policy=FSDP_POLICY)
-    extra = [x for k, v in flags.items() for x in (f"--{k}", v)]
-    env = jh.clean_env(HF_DATASETS_CACHE=str(work / "hf_datasets_cache"))
-    config = jh.REPO / "accelerate_configs" / "cpu_fsdp.yaml"
-    out = work / "fsdp_out"
+def fsdp_runs(work, fsdp_reference):
+    """The DDP job's flags under accelerate_configs/cpu_fsdp.yaml, saving every 4 steps (conftest.py's
+    ``fsdp_reference``, shared with test_fsdp_faults.py); then the same job resumed from step_4 into a second
+    output directory; and the same job preempted by SIGTERM to accelerate launch after step 2, then resumed
+    from ``latest``. Returns ``(uninterrupted, resumed, preempted)`` (result, dir) and, last, the
+    resumed-from-latest result."""
+    env = jh.clean_env(HF_DATASETS_CACHE=str(fsdp_reference.datasets_cache))
+    corpus, config = fsdp_reference.corpus, jh.FSDP_CONFIG
     # --profile_comm (FSDP2's collectives recorded) changes no number: the resumed run, without it, must agree
-    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "train", *job_flags(out, *extra, "--checkpointing_steps",
-                                   FSDP_CKPT_STEP, "--profile_comm", "--with_tracking", "--report_to", "tensorboard",
-                                   train_file=corpus), config=config)
-    full = jh.run(cmd, env, work, "fsdp", timeout=300)
+    full, out = fsdp_reference.result(), fsdp_reference.output_dir
     assert full.returncode == 0, full.describe()
     resumed_out = work / "fsdp_resumed"
-    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "train", *job_flags(
-        resumed_out, *extra, "--resume_from_checkpoint", out / f"step_{FSDP_CKPT_STEP}", train_file=corpus),
-        config=config)
+    cmd = jh.accelerate_launch_cmd(*jh.fsdp_job_argv(corpus, resumed_out, "--resume_from_checkpoint",
+                                                     out / f"step_{FSDP_CKPT_STEP}"), config=config)
     resumed = jh.run(cmd, env, work, "fsdp_resumed", timeout=300)
     assert resumed.returncode == 0, resumed.describe()
     preempted_out = work / "fsdp_preempted"
-    preempt_flags = job_flags(preempted_out, *extra, "--checkpointing_steps", FSDP_CKPT_STEP, "--logging_steps", 1,
-                              train_file=corpus)
-    started = jh.start(jh.accelerate_launch_cmd("-m", "accum_kit", "train", *preempt_flags, config=config), env,
-                       work, "fsdp_preempted")
+    preempt_argv = jh.fsdp_job_argv(corpus, preempted_out, "--checkpointing_steps", FSDP_CKPT_STEP,
+                                    "--logging_steps", 1)
+    started = jh.start(jh.accelerate_launch_cmd(*preempt_argv, config=config), env, work, "fsdp_preempted")
     jh.wait_for_text(work / "fsdp_preempted.stderr", "step 2:", started[1])
     os.kill(started[1].pid, signal.SIGTERM)  # the accelerate launch process: torchrun forwards it to the workers
     preempted = jh.finish(started, 300)
-    latest = jh.run(jh.accelerate_launch_cmd("-m", "accum_kit", "train", *preempt_flags, "--resume_from_checkpoint",
-                                             "latest", config=config), env, work, "fsdp_latest", timeout=300)
+    latest = jh.run(jh.accelerate_launch_cmd(*preempt_argv, "--resume_from_checkpoint", "latest", config=config),
+                    env, work, "fsdp_latest", timeout=300)
     assert latest.returncode == 0, latest.describe()
     return (full, out), (resumed, resumed_out), (preempted, preempted_out), latest
 
