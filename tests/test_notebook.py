@@ -132,12 +132,17 @@ def test_a_hung_launch_ends_at_its_timeout():
 
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "notebooks" / "accumulation.ipynb"
+INJECTED = 'TRAIN_PRESET, TRAIN_BLOCK_SIZE, AB_PRESET = "tiny", 64, "tiny"'
 
 
 @pytest.fixture(scope="module")
 def user_notebook():
     """examples/notebooks/accumulation.ipynb executed afresh in a real kernel (outputs as text per cell)."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    # papermill's convention: values injected in a cell right after the one tagged "parameters"; the smallest
+    # preset keeps this affordable on 2 cores (what is checked below is the machinery, not the model's quality)
+    at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(INJECTED))
     env_keep = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT") if k in os.environ}
     try:
         nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
