@@ -64,4 +64,6 @@ class PeakMemory:
             peak = proc_status_kb("VmHWM") / 1024
         else:
             return None, None
-        return peak, peak - self.start_mb
+        # Linux counts RSS in per-CPU batches (approximate to a few hundred KB), so a later VmHWM read can come out
+        # below the one taken at the reset; a high-water mark cannot fall, so that is reading noise: 0
+        return peak, max(peak - self.start_mb, 0.0)
