@@ -82,6 +82,14 @@ class AccumulationAccelerator(Accelerator):
 
     accumulation_policy: AccumulationPolicy = POLICIES[DEFAULT_POLICY]
 
+    def prepare(self, *args, **kwargs):
+        """``Accelerator.prepare``; under DeepSpeed the config's batch sizes are checked against the dataloader first."""
+        if getattr(self, "deepspeed_plugin", None) is not None:
+            from .zero import check_batch_sizes
+
+            check_batch_sizes(self, args)
+        return super().prepare(*args, **kwargs)
+
     @contextlib.contextmanager
     def no_sync(self, model):
         """``Accelerator.no_sync``, plus the policy's reshard switch under FSDP2 (see the class docstring).
