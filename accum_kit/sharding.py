@@ -203,6 +203,8 @@ def element_bytes(accelerator, model) -> tuple[int, int, int]:
 def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
     """``{policy: PolicyCosts.to_dict()}`` for the run's policy and ``sync_each_batch``, as held between micro-batches.
 
+    Under DeepSpeed one entry, the ZeRO stage (``"zero1"`` ...), from :func:`accum_kit.planning.fsdp.zero_costs`.
+
     Under FSDP2 from :func:`accum_kit.planning.fsdp.policy_costs` with the
     model's units and the run's mesh (HSDP: its replicate size); under DDP (and one process) every policy holds the full
     gradient, P b_p bytes, as ``.grad``. An empty dict if the model has no
@@ -211,6 +213,14 @@ def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
     from .hsdp import run_mesh
     from .planning.fsdp import policy_costs
 
+    plugin = getattr(accelerator, "deepspeed_plugin", None)
+    if plugin is not None:  # DeepSpeed: the stage is the policy (ZeRO-3's ds_numel: the unpartitioned size)
+        from .planning.fsdp import zero_costs
+
+        stage = f"zero{plugin.zero_stage}"
+        P = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+        return {stage: zero_costs(stage, P, world_size=accelerator.num_processes,
+                                  accumulation_steps=accumulation_steps).to_dict()}
     layout = sharded_model(model)
     b_p, b_c, b_r = element_bytes(accelerator, model)
     names = {getattr(accelerator, "accumulation_policy", POLICIES[DEFAULT_POLICY]).name, "sync_each_batch"}
