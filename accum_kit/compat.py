@@ -234,6 +234,48 @@ def skip_deepspeed_shm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def deepspeed_comm_backend():
+    """DeepSpeed's communication backend object, through which every collective of its engine passes.
+
+    ``deepspeed.comm.comm.cdb`` (a ``TorchBackend`` on CPU and CUDA), set by
+    ``deepspeed.comm.init_distributed``, which ``deepspeed.initialize`` calls
+    (DeepSpeed 0.19.8). Every ``deepspeed.comm`` function calls a method of it.
+
+    Raises:
+        RuntimeError: not initialised yet (``prepare`` has not run ``deepspeed.initialize``).
+    """
+    from deepspeed.comm import comm
+
+    if getattr(comm, "cdb", None) is None:
+        raise RuntimeError("DeepSpeed's communication backend is not initialised: prepare the model first")
+    return comm.cdb
+
+
+def deepspeed_held_gradients(engine):
+    """Yield ``(kind, tensor)`` for the gradients a DeepSpeed engine holds between micro-batches.
+
+    kinds: ``"grad"`` (a parameter's ``.grad``: ZeRO-1 accumulates the full
+    gradient there until the boundary), ``"partition_grad"`` (the reduced
+    gradient partition the ZeRO optimizer keeps: ``grads_in_partition`` (ZeRO-2's
+    partition, summed over the window's micro-batches) and ``averaged_gradients`` of
+    ZeRO-1/2's ``DeepSpeedZeroOptimizer``, ``grad_partitions_flat_buffer`` of
+    ZeRO-3's ``DeepSpeedZeroOptimizer_Stage3``). Attributes of DeepSpeed 0.19.8;
+    count storages, not tensors (partitions are views of flat buffers).
+    """
+    for p in engine.module.parameters():
+        if p.grad is not None:
+            yield "grad", p.grad
+    opt = getattr(engine, "optimizer", None)
+    for name in ("grad_partitions_flat_buffer", "grads_in_partition"):
+        flat = getattr(opt, name, None)
+        if flat is not None:
+            yield "partition_grad", flat
+    for value in (getattr(opt, "averaged_gradients", None) or {}).values():
+        for t in value if isinstance(value, (list, tuple)) else [value]:
+            if t is not None:
+                yield "partition_grad", t
+
+
 def set_end_of_dataloader(accelerator, value: bool) -> None:
     """Tell ``accumulate()`` whether the batch about to run is the last of the dataloader being iterated.
 
