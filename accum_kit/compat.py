@@ -276,6 +276,27 @@ def deepspeed_held_gradients(engine):
                 yield "partition_grad", t
 
 
+def deepspeed_checkpoint_globals() -> list:
+    """The DeepSpeed classes its checkpoint files pickle, to allow in a weights-only load; [] without DeepSpeed.
+
+    ``engine.save_checkpoint`` (which ``save_state`` calls under DeepSpeed)
+    writes ``zero_pp_rank_*_optim_states.pt`` holding a ``ZeroStageEnum``,
+    ``fragment_address`` records and the ``LossScaler`` (DeepSpeed 0.19.8,
+    found with ``torch.serialization.get_unsafe_globals_in_checkpoint``). They
+    are plain data classes; allowing exactly these keeps the weights-only
+    pre-check of :mod:`accum_kit.checkpoint_files` strict for everything else.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return []
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, fragment_address, LossScaler]
+
+
 def set_end_of_dataloader(accelerator, value: bool) -> None:
     """Tell ``accumulate()`` whether the batch about to run is the last of the dataloader being iterated.
 

@@ -118,12 +118,16 @@ class AccumulationAccelerator(Accelerator):
 def reduces_each_micro_batch(accelerator) -> bool:
     """Whether every micro-batch's backward reduces gradients now (``LoopState.sync``'s inside a window).
 
-    True under ``sync_each_batch`` (several processes) and under HSDP's
+    True under ``sync_each_batch`` (several processes), under HSDP's
     ``reduce_scatter_each_batch`` (its reduce-scatter runs every micro-batch; only the all-reduce
-    across replicas waits for the boundary).
+    across replicas waits for the boundary) and under DeepSpeed ZeRO-2 and 3 (their gradients are
+    partitioned, so every backward reduces them).
     """
     from .compat import sync_each_batch
 
+    plugin = getattr(accelerator, "deepspeed_plugin", None)
+    if plugin is not None:
+        return accelerator.num_processes > 1 and int(plugin.zero_stage) >= 2
     return sync_each_batch(accelerator) or (getattr(accelerator, "is_fsdp2", False)
                                             and getattr(accelerator, "accumulation_policy", None) is not None
                                             and accelerator.accumulation_policy.hsdp_only)
