@@ -256,8 +256,10 @@ def deepspeed_held_gradients(engine):
 
     kinds: ``"grad"`` (a parameter's ``.grad``: ZeRO-1 accumulates the full
     gradient there until the boundary), ``"partition_grad"`` (the reduced
-    gradient partition the ZeRO optimizer keeps: ``grads_in_partition`` (ZeRO-2's
-    partition, summed over the window's micro-batches) and ``averaged_gradients`` of
+    gradient partition the ZeRO optimizer keeps: ``all_grad_tensors`` (per group, the
+    reduced gradients of the parameters in this process's partition, summed over
+    the window; whole parameters, so a parameter that straddles the partition
+    boundary is held entirely), ``grads_in_partition`` and ``averaged_gradients`` of
     ZeRO-1/2's ``DeepSpeedZeroOptimizer``, ``grad_partitions_flat_buffer`` of
     ZeRO-3's ``DeepSpeedZeroOptimizer_Stage3``). Attributes of DeepSpeed 0.19.8;
     count storages, not tensors (partitions are views of flat buffers).
@@ -270,9 +272,13 @@ def deepspeed_held_gradients(engine):
         flat = getattr(opt, name, None)
         if flat is not None:
             yield "partition_grad", flat
-    for value in (getattr(opt, "averaged_gradients", None) or {}).values():
+    groups = []
+    for name in ("averaged_gradients", "all_grad_tensors"):  # dicts {group index: tensors} (lists in older versions)
+        found = getattr(opt, name, None) or {}
+        groups += list(found.values() if isinstance(found, dict) else found)
+    for value in groups:
         for t in value if isinstance(value, (list, tuple)) else [value]:
-            if t is not None:
+            if t is not None and hasattr(t, "untyped_storage"):
                 yield "partition_grad", t
 
 
