@@ -354,6 +354,11 @@ def build_accelerator(
             enable_hsdp_on_cpu(accelerator, parallelism)
     if deepspeed and cpu:
         enable_deepspeed_on_cpu(accelerator, accelerator_kwargs["deepspeed_plugin"])
+    if deepspeed:  # the stage is what the window does: "zero2" in summaries and memory records
+        stage = accelerator_kwargs["deepspeed_plugin"].zero_stage
+        accelerator.accumulation_policy = dataclasses.replace(
+            policy, name=f"zero{stage}", sync_each_batch=False,
+            help=f"DeepSpeed ZeRO-{stage}: " + ("reduces on the boundary only" if stage < 2 else "reduces every micro-batch"))
     if accelerator.num_processes > 1:
         install_collective_failure_hook()
     return accelerator

@@ -287,6 +287,54 @@ def window_normalizer(accelerator, mode: str, loss_fn) -> WindowNormalizer:
     return WindowNormalizer(accelerator, mode)
 
 
+def deepspeed_summary(accelerator) -> dict | None:
+    """What ``train_summary.json`` records of DeepSpeed: None without it.
+
+    Returns:
+        ``{"zero_stage", "gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu"}``
+        from the config the engine was built with.
+    """
+    plugin = getattr(accelerator, "deepspeed_plugin", None)
+    if plugin is None:
+        return None
+    config = plugin.deepspeed_config
+    return {"zero_stage": int(plugin.zero_stage), **{k: config.get(k) for k in (
+        "gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu")}}
+
+
+def check_model_saving(accelerator) -> None:
+    """Refuse, before training, a ZeRO-3 run whose config cannot save the trained model.
+
+    Under ZeRO-3 each process holds 1/W of every parameter; Accelerate's
+    ``get_state_dict`` (the train job's ``save_pretrained``) gathers them only with
+    ``stage3_gather_16bit_weights_on_model_save: true`` and raises after the whole
+    run otherwise (accelerate 1.15).
+
+    Raises:
+        UsageError (``--zero3_save_16bit_model``).
+    """
+    plugin = getattr(accelerator, "deepspeed_plugin", None)
+    if plugin is None or int(plugin.zero_stage) != 3:
+        return
+    if not plugin.deepspeed_config.get("zero_optimization", {}).get("stage3_gather_16bit_weights_on_model_save"):
+        raise UsageError("--zero3_save_16bit_model", "under ZeRO-3 the trained model can be saved only if its "
+                         "partitions are gathered on save, and the config turns that off", "set "
+                         "zero3_save_16bit_model: true in the accelerate config's deepspeed_config (or "
+                         "stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed JSON)")
+
+
+def check_profile_flags(accelerator, ab_steps: int) -> None:
+    """Refuse ``--profile_ab_steps`` under DeepSpeed: the A/B switch flips ``no_sync``, which the ZeRO stage fixes.
+
+    Raises:
+        UsageError (``--profile_ab_steps``).
+    """
+    if ab_steps and getattr(accelerator, "deepspeed_plugin", None) is not None:
+        raise UsageError("--profile_ab_steps", "alternates no_sync with syncing every micro-batch, but under "
+                         "DeepSpeed the ZeRO stage decides when gradients are reduced", "drop it; compare "
+                         "stages with --profile_comm under accelerate launch --zero_stage 1, then --zero_stage 2")
+
+
 def deepspeed_engine(model):
     """The ``DeepSpeedEngine`` of a prepared model, or None (``prepare`` returns the engine itself)."""
     return model if type(model).__name__ == "DeepSpeedEngine" else None
