@@ -223,8 +223,9 @@ def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
 
         stage = f"zero{plugin.zero_stage}"
         P = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
-        return {stage: zero_costs(stage, P, world_size=accelerator.num_processes,
-                                  accumulation_steps=accumulation_steps).to_dict()}
+        groups = len(getattr(getattr(model, "optimizer", None), "param_groups", None) or [None])
+        return {stage: zero_costs(stage, P, world_size=accelerator.num_processes, accumulation_steps=accumulation_steps,
+                                  param_groups=groups).to_dict()}
     layout = sharded_model(model)
     b_p, b_c, b_r = element_bytes(accelerator, model)
     names = {getattr(accelerator, "accumulation_policy", POLICIES[DEFAULT_POLICY]).name, "sync_each_batch"}

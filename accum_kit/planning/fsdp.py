@@ -211,10 +211,13 @@ ZERO_SCALAR_BYTES = {"zero1": 4, "zero2": 4, "zero3": 8}
 
 
 def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_steps: int, param_bytes: int = 4,
-               optimizer_bytes: int = ADAMW_STATE_BYTES, bucket_elements: int = ZERO_BUCKET_ELEMENTS) -> PolicyCosts:
+               optimizer_bytes: int = ADAMW_STATE_BYTES, bucket_elements: int = ZERO_BUCKET_ELEMENTS,
+               param_groups: int = 1) -> PolicyCosts:
     """A DeepSpeed ZeRO stage's costs per window and per process, in :class:`PolicyCosts`' terms (fp32).
 
-    With G = ceil(P / bucket) gradient buckets and A = ceil(P / bucket) all-gather buckets:
+    With G = max(groups, ceil(P / bucket)) gradient buckets (each optimizer parameter group is
+    reduced and gathered on its own: the train job's decay / no-decay groups make G = 2) and as
+    many all-gathers:
     ZeRO-1 all-reduces the full gradient on the boundary only (G calls, P b_p bytes) and holds it
     unsharded in ``.grad`` through the window; ZeRO-2 all-reduces it after every micro-batch (K G
     calls, K P b_p bytes: DeepSpeed's partitioned reduction sends the whole bucket) and keeps only
@@ -235,7 +238,7 @@ def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_ste
         raise UsageError("--num_processes" if world_size < 1 else "--gradient_accumulation_steps",
                          "must be at least 1", "pass a positive integer")
     P, W, K, b = parameters, world_size, accumulation_steps, param_bytes
-    G = -(-P // bucket_elements)
+    G = max(param_groups, -(-P // bucket_elements))
     scalar = ZERO_SCALAR_BYTES[stage]
     every = stage != "zero1"  # ZeRO-2 and 3 reduce on every micro-batch
     reduced_calls, reduced_bytes = (K * G, K * P * b) if every else (G, P * b)
