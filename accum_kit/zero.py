@@ -101,7 +101,7 @@ def deepspeed_plugin_for(deepspeed_plugin=None, *, gradient_accumulation_steps: 
 
     Raises:
         UsageError: deepspeed not installed (``--use_deepspeed``, naming the
-            extra); a config number contradicting ``--gradient_accumulation_steps``
+            extra); settings Accelerate refuses (``--deepspeed_config_file``); a config number contradicting ``--gradient_accumulation_steps``
             or ``--max_grad_norm``; a policy other than ``no_sync``.
     """
     check_deepspeed_installed()
@@ -112,7 +112,12 @@ def deepspeed_plugin_for(deepspeed_plugin=None, *, gradient_accumulation_steps: 
                          "--zero_stage N (or zero_stage in the accelerate config)")
     from accelerate.utils import DeepSpeedPlugin
 
-    plugin = deepspeed_plugin if deepspeed_plugin is not None else DeepSpeedPlugin()
+    try:  # reads the launcher's variables and the DeepSpeed JSON; Accelerate's own checks raise ValueError
+        plugin = deepspeed_plugin if deepspeed_plugin is not None else DeepSpeedPlugin()
+    except ValueError as exc:
+        raise UsageError("--deepspeed_config_file", f"Accelerate refuses the DeepSpeed settings: {exc}",
+                         "keep the settings in one place: the DeepSpeed JSON, or the accelerate config's "
+                         "deepspeed_config keys (see accelerate_configs/cpu_deepspeed.yaml)") from None
     config = plugin.deepspeed_config
     written = _raw_config_keys() or None
     _agree(config, "gradient_accumulation_steps", int(gradient_accumulation_steps), "--gradient_accumulation_steps",
