@@ -306,3 +306,17 @@ def test_what_a_built_deepspeed_run_cannot_do_is_refused():
     check_constant_k(fake, {0: 3})  # one K: fine
     check_engine_clipping(fake, None)
     check_engine_clipping(SimpleNamespace(deepspeed_plugin=None), 1.0)  # not DeepSpeed: the loop clips
+
+
+@needs_deepspeed
+def test_settings_accelerate_refuses_become_a_usage_error(ds_env, tmp_path):
+    """A DeepSpeed JSON together with accelerate-config DeepSpeed keys: Accelerate's ValueError, as exit 2."""
+    from accum_kit import UsageError, build_accelerator
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    ds_env.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    ds_env.setenv("ACCELERATE_CONFIG_DS_FIELDS", "zero_stage,mixed_precision")
+    with pytest.raises(UsageError) as err:
+        build_accelerator(2, cpu=True)
+    assert err.value.flag == "--deepspeed_config_file" and "ignored" in err.value.problem
