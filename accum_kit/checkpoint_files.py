@@ -46,8 +46,12 @@ def _check_one(path: Path) -> str | None:
             from accelerate.utils.other import load  # torch.load, weights only, with the numpy types of RNG states
 
             mmap = zipfile.is_zipfile(path)  # torch.save's format: map the storages, read only the pickle
-            with warnings.catch_warnings():  # a foreign pickle's protocol warning: the error below says it all
-                warnings.simplefilter("ignore")
+            import torch
+
+            from .compat import deepspeed_checkpoint_globals
+
+            with warnings.catch_warnings(), torch.serialization.safe_globals(deepspeed_checkpoint_globals()):
+                warnings.simplefilter("ignore")  # a foreign pickle's protocol warning: the error below says it all
                 load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:
         return "not a torch state: torch's weights-only unpickler refused it, and nothing in it was run"

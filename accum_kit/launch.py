@@ -28,7 +28,7 @@ from accelerate.utils import (DistributedDataParallelKwargs, GradientAccumulatio
                                get_int_from_env)
 
 from . import checks
-from .compat import enable_fsdp_on_cpu, enable_hsdp_on_cpu, parallelism_config_from_env_off
+from .compat import enable_deepspeed_on_cpu, enable_fsdp_on_cpu, enable_hsdp_on_cpu, parallelism_config_from_env_off
 from .errors import ProcessCountError, UsageError
 from .hsdp import resolve_parallelism_config
 # The default-K rule lives in the torch-free settings module (``accum-kit plan`` uses it too);
@@ -178,6 +178,20 @@ def _check_policy_fits(policy, fsdp: bool, parallelism) -> None:
                          "cpu_hsdp.yaml (or gpu_hsdp.yaml) with dp_replicate_size > 1, or use no_sync")
 
 
+def _check_deepspeed_fits(fsdp: bool, ddp_kwargs, compile_requested) -> None:
+    """Refuse what a DeepSpeed run cannot combine with (each would be ignored, or train something else)."""
+    if fsdp:
+        raise UsageError("--use_deepspeed", "DeepSpeed and FSDP were both requested", "launch with one config: "
+                         "accelerate_configs/cpu_deepspeed.yaml or cpu_fsdp.yaml")
+    if ddp_kwargs:
+        from .ddp_options import flag_of
+        raise UsageError(flag_of(next(iter(ddp_kwargs))), "is a DDP setting and has no effect under DeepSpeed",
+                         "drop it, or launch with a DDP config (accelerate_configs/cpu_ddp.yaml)")
+    if compile_requested:
+        raise UsageError("--torch_compile", "is not supported with DeepSpeed by accum-kit (not checked for "
+                         "exactness or no_sync)", "drop --torch_compile, or launch with a DDP or FSDP2 config")
+
+
 def build_accelerator(
     gradient_accumulation_steps: int | None = None,
     *,
@@ -190,6 +204,7 @@ def build_accelerator(
     torch_compile_backend: str | None = None,
     torch_compile_mode: str | None = None,
     torch_compile_dynamic: bool | None = None,
+    max_grad_norm: float | None = None,
     **accelerator_kwargs,
 ) -> Accelerator:
     """Build an Accelerator for gradient accumulation that is safe on CPU-only machines, with DDP or FSDP2.
@@ -227,8 +242,21 @@ def build_accelerator(
             :func:`accum_kit.compiling.dynamo_plugin_for`).
         torch_compile_dynamic: ``torch.compile``'s ``dynamic`` (True: shapes
             are symbolic from the first call; None: torch's default).
+        max_grad_norm: the run's gradient clipping (None: none). Used only under
+            DeepSpeed, whose engine clips inside its step: it becomes the config's
+            ``gradient_clipping``; pass the same value to ``train_loop``.
         **accelerator_kwargs: passed to ``accelerate.Accelerator`` (e.g.
-            ``mixed_precision``, ``log_with``, ``kwargs_handlers``, ``fsdp_plugin``).
+            ``mixed_precision``, ``log_with``, ``kwargs_handlers``, ``fsdp_plugin``,
+            ``deepspeed_plugin``).
+
+    DeepSpeed: when ``accelerate launch`` ran with a DeepSpeed config
+    (``ACCELERATE_USE_DEEPSPEED=true``, e.g. accelerate_configs/cpu_deepspeed.yaml)
+    or a ``deepspeed_plugin`` is passed, the plugin's K and clipping come from
+    ``gradient_accumulation_steps`` and ``max_grad_norm``
+    (:func:`accum_kit.zero.deepspeed_plugin_for`) and, on a machine without a
+    GPU, DeepSpeed is switched on for the gloo group
+    (:func:`accum_kit.compat.enable_deepspeed_on_cpu`; Accelerate alone would
+    see one process, or train DDP with ``cpu=True``).
 
     HSDP: an accelerate config with ``parallelism_config`` (accelerate_configs/cpu_hsdp.yaml,
     or the launch flags ``--parallelism_config_dp_replicate_size R
@@ -260,18 +288,27 @@ def build_accelerator(
             without a replicate group, FSDP1, FSDP on CPU with one process,
             ``ddp_kwargs`` under FSDP, a parallelism config that cannot work
             (see :func:`accum_kit.hsdp.resolve_parallelism_config`), an unknown
-            compile backend or mode, a backend whose compiler is missing, or DDP
-            buckets below 1 MB with compilation.
+            compile backend or mode, a backend whose compiler is missing, DDP
+            buckets below 1 MB with compilation; under DeepSpeed: the package
+            missing (naming the extra), a config contradicting K or ``max_grad_norm``,
+            a policy other than ``no_sync``, DDP settings, FSDP, compilation, or one process on CPU.
         ProcessCountError: launched and visible process counts differ.
         TypeError: a ``ddp_kwargs`` key that ``DistributedDataParallelKwargs`` does not have.
     """
     from .faults import install_collective_failure_hook
     from .policies import resolve_policy
     from .sharding import AccumulationAccelerator, fsdp_plugin_for, fsdp_requested
+    from .zero import deepspeed_plugin_for, deepspeed_requested
 
     steps = resolve_accumulation_steps(gradient_accumulation_steps)
     policy = resolve_policy(accumulation_policy, sync_each_batch)
     fsdp = fsdp_requested(accelerator_kwargs.get("fsdp_plugin"))
+    deepspeed = deepspeed_requested(accelerator_kwargs.get("deepspeed_plugin"))
+    if deepspeed:
+        _check_deepspeed_fits(fsdp, ddp_kwargs, torch_compile or torch_compile_backend or torch_compile_mode)
+        accelerator_kwargs["deepspeed_plugin"] = deepspeed_plugin_for(
+            accelerator_kwargs.get("deepspeed_plugin"), gradient_accumulation_steps=steps,
+            max_grad_norm=max_grad_norm, policy_name=policy.name)
     parallelism = resolve_parallelism_config(accelerator_kwargs.pop("parallelism_config", None),
                                              world_size=launcher_world_size(), fsdp=fsdp)
     _check_policy_fits(policy, fsdp, parallelism)
@@ -295,14 +332,15 @@ def build_accelerator(
         from .ddp_options import flag_of
         raise UsageError(flag_of(next(iter(ddp_kwargs))), "is a DDP setting and has no effect under FSDP2",
                          "drop it, or launch with a DDP config (accelerate_configs/cpu_ddp.yaml)")
-    if fsdp and launcher_world_size() < 2 and (cpu or not _has_gpu()):
-        raise UsageError("--num_processes", "FSDP on CPU needs at least 2 processes (one process has nothing to "
-                         "shard with, and Accelerate would run it unsharded)",
+    if (fsdp or deepspeed) and launcher_world_size() < 2 and (cpu or not _has_gpu()):
+        raise UsageError("--num_processes", f"{'DeepSpeed' if deepspeed else 'FSDP'} on CPU needs at least 2 "
+                         "processes (one process has nothing to shard with, and Accelerate would run it "
+                         "unsharded)",
                          "launch 2 or more processes, or use accelerate_configs/cpu_single.yaml")
     if cpu and launcher_world_size() > 1:
         init_restartable_process_group(timeout)
     plugin = GradientAccumulationPlugin(num_steps=steps, sync_each_batch=policy.sync_each_batch)
-    on_cpu_fsdp = fsdp and cpu  # on GPUs Accelerate switches FSDP2 (and its mesh) on itself
+    on_cpu_fsdp = fsdp and cpu  # on GPUs Accelerate switches FSDP2 (and its mesh) on itself (and DeepSpeed)
     with parallelism_config_from_env_off() if on_cpu_fsdp else contextlib.nullcontext():
         accelerator = AccumulationAccelerator(cpu=cpu, gradient_accumulation_plugin=plugin,
                                               kwargs_handlers=handlers or None,
@@ -314,6 +352,13 @@ def build_accelerator(
         enable_fsdp_on_cpu(accelerator, accelerator_kwargs["fsdp_plugin"])
         if parallelism is not None:
             enable_hsdp_on_cpu(accelerator, parallelism)
+    if deepspeed and cpu:
+        enable_deepspeed_on_cpu(accelerator, accelerator_kwargs["deepspeed_plugin"])
+    if deepspeed:  # the stage is what the window does: "zero2" in summaries and memory records
+        stage = accelerator_kwargs["deepspeed_plugin"].zero_stage
+        accelerator.accumulation_policy = dataclasses.replace(
+            policy, name=f"zero{stage}", sync_each_batch=False,
+            help=f"DeepSpeed ZeRO-{stage}: " + ("reduces on the boundary only" if stage < 2 else "reduces every micro-batch"))
     if accelerator.num_processes > 1:
         install_collective_failure_hook()
     return accelerator

@@ -26,9 +26,10 @@ from .compat import release_dataloader, restart_window_counter
 from .sharding import reduces_each_micro_batch
 from .ddp_options import static_graph_first_sync
 from .errors import UsageError
-from .loss import NORMALIZATIONS, LossFn, WindowNormalizer, causal_lm_loss
+from .loss import NORMALIZATIONS, LossFn, causal_lm_loss
 from .planning.schedule import schedule_pairs
 from .schedule import WindowSchedule
+from .zero import check_engine_clipping, window_normalizer
 
 
 @dataclass
@@ -100,8 +101,9 @@ def _examples_per_micro_batch(accelerator, dataloader) -> int | None:
     return total or (batch * accelerator.num_processes if batch else None)
 
 
-def _validate(train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization):
+def _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization):
     checks.one_of("--loss_normalization", loss_normalization, NORMALIZATIONS)
+    check_engine_clipping(accelerator, max_grad_norm)  # DeepSpeed clips inside its step, with its config's value
     if max_train_steps is not None:
         checks.at_least("--max_train_steps", max_train_steps, fix="pass a positive integer or omit it")
     else:
@@ -189,12 +191,12 @@ def train_loop(
         RuntimeError: the dataloader ended inside a window, which happens when
             it was not passed through ``accelerator.prepare``.
     """
-    _validate(train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization)
+    _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization)
     loss_fn = loss_fn or causal_lm_loss
     # profiler first: it must see a step before others react to it; the checkpointer after the user's callbacks: it
     # saves what they did; a static-graph DDP model that never synchronised syncs its first backward (hook of its own)
     hooks = CallbackList([profiler, *callbacks, checkpointer, static_graph_first_sync(accelerator, model)])
-    norm = WindowNormalizer(accelerator, loss_normalization)
+    norm = window_normalizer(accelerator, loss_normalization, loss_fn)  # DeepSpeed: counts each window ahead
     windows = WindowSchedule(accelerator, accumulation_schedule, optimizer, lr_scheduler, lr_scaling,
                              _examples_per_micro_batch(accelerator, train_dataloader))
     total = max_train_steps or windows.total_steps(len(train_dataloader), num_train_epochs)
@@ -218,7 +220,7 @@ def train_loop(
     last = time.perf_counter()
     try:
         for state.epoch in epochs:
-            for batch in cursor.batches(state.epoch):  # set_epoch (reshuffle), and skipping on resume
+            for batch in norm.batches(cursor.batches(state.epoch)):  # set_epoch (reshuffle), skipping on resume
                 with accelerator.accumulate(model):
                     state.boundary = accelerator.sync_gradients
                     state.sync = state.boundary or reduces_each_micro_batch(accelerator)

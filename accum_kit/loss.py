@@ -103,23 +103,29 @@ def causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
 
 
 def check_supported(accelerator, mode: str) -> None:
-    """Refuse a normalisation the Accelerator's distributed type cannot run exactly.
+    """Refuse a normalisation the Accelerator's distributed type cannot run exactly; today every type can.
 
-    ``tokens`` rescales the synchronised gradients once per window (``K W c / N``);
-    under DeepSpeed the engine scales by K itself and owns the gradients, so
-    that rescale would be wrong. DDP and FSDP2 (whose sharded gradients are
-    rescaled the same way) are supported. Call it before any work; the train
-    job does, right after building the Accelerator.
+    ``tokens`` rescales the synchronised gradients once per window (``K W c / N``)
+    under DDP and FSDP2; under DeepSpeed, whose engine scales and owns the
+    gradients, it counts the window first and scales each loss instead
+    (:class:`accum_kit.zero.LookaheadNormalizer`). Kept as the train job's
+    early check so that a future engine without an exact path fails before any work.
 
     Raises:
-        UsageError: ``tokens`` under DeepSpeed.
+        UsageError: ``mode`` is not one of :data:`NORMALIZATIONS`.
     """
-    if mode == "tokens" and accelerator.distributed_type == DistributedType.DEEPSPEED:
+    if mode not in NORMALIZATIONS:
         from .errors import UsageError
 
-        raise UsageError("--loss_normalization", "tokens is not supported under DeepSpeed (its engine scales "
-                         "and owns the gradients, so the window rescale would be wrong)",
-                         "use --loss_normalization mean, or launch with DDP or FSDP2")
+        raise UsageError("--loss_normalization", f"unknown value {mode!r}", f"use one of {NORMALIZATIONS}")
+
+
+def _causal_lm_items(batch) -> torch.Tensor:
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+
+def _labelled_items(batch) -> torch.Tensor:
+    return (batch["labels"] != IGNORE_INDEX).sum()
 
 
 def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
@@ -175,6 +181,12 @@ def seq2seq_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> t
     return summed, (labels != IGNORE_INDEX).sum()
 
 
+# What each loss counts, readable before the forward (DeepSpeed counts a window ahead: accum_kit.zero).
+causal_lm_loss.count_items = _causal_lm_items
+classification_loss.count_items = _labelled_items
+seq2seq_loss.count_items = _labelled_items
+
+
 class WindowNormalizer:
     """Turns per-micro-batch summed losses into the window's exact gradient.
 
@@ -192,7 +204,6 @@ class WindowNormalizer:
 
     Raises:
         ValueError: unknown ``mode``.
-        UsageError: ``tokens`` under DeepSpeed (not supported; see :func:`check_supported`).
 
     Note: ``tokens`` back-propagates ``S / c`` with ``c`` (:attr:`loss_divisor`)
     a power of two near the mean target tokens per micro-batch and per
@@ -217,6 +228,10 @@ class WindowNormalizer:
         # Local running sums kept as tensors: converting per micro-batch would
         # force a device sync on GPU. [summed loss or sum of means, target tokens, micro-batches]
         self._stats = None
+
+    def batches(self, iterable, loss_fn=None):
+        """The batches to run, as they come (DeepSpeed's :class:`accum_kit.zero.LookaheadNormalizer` reads ahead)."""
+        return iterable
 
     @property
     def pending(self) -> bool:

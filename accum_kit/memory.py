@@ -12,6 +12,8 @@ activations:
   (``unsharded_accumulated_grad``), the reduce-scattered shards summed
   until HSDP's deferred all-reduce (``partial_reduce_output``) and gathered
   parameters (:func:`accum_kit.compat.fsdp_held_tensors`);
+- DeepSpeed: parameters' ``.grad`` and the ZeRO optimizer's reduced
+  gradient partitions (:func:`accum_kit.compat.deepspeed_held_gradients`);
 - DDP and one process: every parameter's ``.grad`` (DDP's communication
   buckets, another copy of the same size unless ``gradient_as_bucket_view``,
   are DDP's own and not counted).
@@ -27,13 +29,17 @@ from __future__ import annotations
 from .callbacks import LoopCallback
 from .stats import spread
 
-GRADIENT_KINDS = ("grad", "sharded_grad", "unsharded_grad", "accumulated_grad", "partial_reduce_output")
+GRADIENT_KINDS = ("grad", "sharded_grad", "unsharded_grad", "accumulated_grad", "partial_reduce_output",
+                  "partition_grad")
 
 
 def held_tensors(model):
     """Yield ``(kind, tensor)`` for the gradients (and FSDP2's gathered parameters) ``model`` holds now."""
-    from .compat import fsdp_held_tensors, fsdp_units
+    from .compat import deepspeed_held_gradients, fsdp_held_tensors, fsdp_units
 
+    if type(model).__name__ == "DeepSpeedEngine":
+        yield from deepspeed_held_gradients(model)
+        return
     units = fsdp_units(model)
     if units:
         for _, group in units:

@@ -51,6 +51,8 @@ class WindowSchedule:
         self.lr_scaling, self.examples_per_micro_batch = lr_scaling, examples_per_micro_batch
         self.first_k = self.schedule[0] if self.schedule else accelerator.gradient_accumulation_steps
         self._multiplier = 1.0
+        from .zero import check_constant_k
+        check_constant_k(accelerator, self.schedule)
 
     def k_at(self, step: int) -> int:
         """K of the window that follows ``step`` optimizer steps done."""

@@ -82,6 +82,14 @@ class AccumulationAccelerator(Accelerator):
 
     accumulation_policy: AccumulationPolicy = POLICIES[DEFAULT_POLICY]
 
+    def prepare(self, *args, **kwargs):
+        """``Accelerator.prepare``; under DeepSpeed the config's batch sizes are checked against the dataloader first."""
+        if getattr(self, "deepspeed_plugin", None) is not None:
+            from .zero import check_batch_sizes
+
+            check_batch_sizes(self, args)
+        return super().prepare(*args, **kwargs)
+
     @contextlib.contextmanager
     def no_sync(self, model):
         """``Accelerator.no_sync``, plus the policy's reshard switch under FSDP2 (see the class docstring).
@@ -110,12 +118,16 @@ class AccumulationAccelerator(Accelerator):
 def reduces_each_micro_batch(accelerator) -> bool:
     """Whether every micro-batch's backward reduces gradients now (``LoopState.sync``'s inside a window).
 
-    True under ``sync_each_batch`` (several processes) and under HSDP's
+    True under ``sync_each_batch`` (several processes), under HSDP's
     ``reduce_scatter_each_batch`` (its reduce-scatter runs every micro-batch; only the all-reduce
-    across replicas waits for the boundary).
+    across replicas waits for the boundary) and under DeepSpeed ZeRO-2 and 3 (their gradients are
+    partitioned, so every backward reduces them).
     """
     from .compat import sync_each_batch
 
+    plugin = getattr(accelerator, "deepspeed_plugin", None)
+    if plugin is not None:
+        return accelerator.num_processes > 1 and int(plugin.zero_stage) >= 2
     return sync_each_batch(accelerator) or (getattr(accelerator, "is_fsdp2", False)
                                             and getattr(accelerator, "accumulation_policy", None) is not None
                                             and accelerator.accumulation_policy.hsdp_only)
@@ -195,6 +207,8 @@ def element_bytes(accelerator, model) -> tuple[int, int, int]:
 def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
     """``{policy: PolicyCosts.to_dict()}`` for the run's policy and ``sync_each_batch``, as held between micro-batches.
 
+    Under DeepSpeed one entry, the ZeRO stage (``"zero1"`` ...), from :func:`accum_kit.planning.fsdp.zero_costs`.
+
     Under FSDP2 from :func:`accum_kit.planning.fsdp.policy_costs` with the
     model's units and the run's mesh (HSDP: its replicate size); under DDP (and one process) every policy holds the full
     gradient, P b_p bytes, as ``.grad``. An empty dict if the model has no
@@ -203,6 +217,15 @@ def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
     from .hsdp import run_mesh
     from .planning.fsdp import policy_costs
 
+    plugin = getattr(accelerator, "deepspeed_plugin", None)
+    if plugin is not None:  # DeepSpeed: the stage is the policy (ZeRO-3's ds_numel: the unpartitioned size)
+        from .planning.fsdp import zero_costs
+
+        stage = f"zero{plugin.zero_stage}"
+        P = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+        groups = len(getattr(getattr(model, "optimizer", None), "param_groups", None) or [None])
+        return {stage: zero_costs(stage, P, world_size=accelerator.num_processes, accumulation_steps=accumulation_steps,
+                                  param_groups=groups).to_dict()}
     layout = sharded_model(model)
     b_p, b_c, b_r = element_bytes(accelerator, model)
     names = {getattr(accelerator, "accumulation_policy", POLICIES[DEFAULT_POLICY]).name, "sync_each_batch"}

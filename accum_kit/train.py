@@ -28,6 +28,7 @@ from .evaluation import evaluate_loss
 from .launch import build_accelerator, resolve_accumulation_steps
 from .loop import train_loop
 from .loss import check_supported
+from .zero import check_constant_k, check_model_saving, check_profile_flags, deepspeed_summary
 from .models import build_from_config, build_model, count_parameters, fit_embeddings, load_model, resolve_config
 from .planning import optimizer_steps_per_epoch
 from .planning.schedule import schedule_pairs, scheduled_steps
@@ -157,9 +158,13 @@ def run(cfg: TrainConfig) -> dict:
                                     torch_compile_backend=cfg.torch_compile_backend,
                                     torch_compile_mode=cfg.torch_compile_mode,
                                     # unpacked examples vary in length: symbolic shapes from the first call
-                                    torch_compile_dynamic=None if cfg.packing else True, **tracking)
+                                    torch_compile_dynamic=None if cfg.packing else True,
+                                    max_grad_norm=cfg.max_grad_norm, **tracking)
     quiet_other_processes(accelerator)
     check_supported(accelerator, cfg.loss_normalization)  # before any data or model work
+    check_constant_k(accelerator, cfg.accumulation_schedule)
+    check_profile_flags(accelerator, cfg.profile_ab_steps)
+    check_model_saving(accelerator)
     resume = _resume_path(cfg)
     if resume is not None:  # before any work: the data position must mean the same examples
         check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
@@ -276,6 +281,7 @@ def run(cfg: TrainConfig) -> dict:
         "sync_each_batch": cfg.accumulation_policy == "sync_each_batch",
         "accumulation_policy": cfg.accumulation_policy,
         "fsdp": fsdp_summary(accelerator),
+        "deepspeed": deepspeed_summary(accelerator),
         "learning_rate": cfg.learning_rate,
         "seed": cfg.seed,
         "versions": library_versions(),

@@ -417,19 +417,3 @@ def test_bf16_gets_an_fp32_reduction_and_the_gathered_policy_its_reshard_setting
     kept = fsdp_plugin_for(P["no_sync"], FullyShardedDataParallelPlugin(fsdp_version=2), "no")
     assert kept.reshard_after_forward is True and kept.mixed_precision_policy is None
 
-
-def test_tokens_under_deepspeed_is_refused_before_any_work():
-    """DeepSpeed is not installed here: the check reads only the Accelerator's distributed type."""
-    from types import SimpleNamespace
-
-    from accelerate.utils import DistributedType
-
-    from accum_kit import UsageError
-    from accum_kit.loss import check_supported
-
-    with pytest.raises(UsageError) as err:
-        check_supported(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), "tokens")
-    assert err.value.flag == "--loss_normalization" and "mean" in err.value.fix
-    for kind in (DistributedType.FSDP, DistributedType.MULTI_CPU):
-        check_supported(SimpleNamespace(distributed_type=kind), "tokens")
-    check_supported(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), "mean")

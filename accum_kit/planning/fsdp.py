@@ -202,13 +202,76 @@ class PolicyCosts:
         return {**asdict(self), "accumulation_bytes": self.accumulation_bytes, "total_bytes": self.total_bytes}
 
 
+#: DeepSpeed ZeRO stages, rows of the same table as the FSDP2 policies (``policy_costs("zero2", ...)``).
+ZERO_STAGES = ("zero1", "zero2", "zero3")
+#: DeepSpeed's default ``reduce_bucket_size`` and ``allgather_bucket_size`` (elements, DeepSpeed 0.19.8).
+ZERO_BUCKET_ELEMENTS = 500_000_000
+#: The boundary's scalar all-reduce (gradient norm / overflow flag): its bytes per stage, as counted on gloo.
+ZERO_SCALAR_BYTES = {"zero1": 4, "zero2": 4, "zero3": 8}
+
+
+def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_steps: int, param_bytes: int = 4,
+               optimizer_bytes: int = ADAMW_STATE_BYTES, bucket_elements: int = ZERO_BUCKET_ELEMENTS,
+               param_groups: int = 1) -> PolicyCosts:
+    """A DeepSpeed ZeRO stage's costs per window and per process, in :class:`PolicyCosts`' terms (fp32).
+
+    With G = max(groups, ceil(P / bucket)) gradient buckets (each optimizer parameter group is
+    reduced and gathered on its own: the train job's decay / no-decay groups make G = 2) and as
+    many all-gathers:
+    ZeRO-1 all-reduces the full gradient on the boundary only (G calls, P b_p bytes) and holds it
+    unsharded in ``.grad`` through the window; ZeRO-2 all-reduces it after every micro-batch (K G
+    calls, K P b_p bytes: DeepSpeed's partitioned reduction sends the whole bucket) and keeps only
+    its partition (P b_p / W); both all-gather the updated parameter partitions after the step
+    (A calls, P b_p bytes) and keep full parameters. ZeRO-3 reduce-scatters after every
+    micro-batch (K G calls, K P b_p bytes) and holds P b_p / W; its parameter all-gathers depend
+    on which parameters stay resident (``stage3_param_persistence_threshold``) and prefetching, so
+    they are not predicted (0, said so in ``formulas``). Every stage adds one scalar all-reduce on
+    the boundary (:data:`ZERO_SCALAR_BYTES`). Source: DeepSpeed 0.19.8's ``stage_1_and_2.py`` and
+    ``stage3.py``, checked by counting ``torch.distributed`` calls (tests/test_deepspeed.py).
+
+    Raises:
+        UsageError: unknown stage, W or K below 1.
+    """
+    if stage not in ZERO_STAGES:
+        raise UsageError("--zero_stage", f"unknown stage {stage!r}", f"use one of {list(ZERO_STAGES)}")
+    if world_size < 1 or accumulation_steps < 1:
+        raise UsageError("--num_processes" if world_size < 1 else "--gradient_accumulation_steps",
+                         "must be at least 1", "pass a positive integer")
+    P, W, K, b = parameters, world_size, accumulation_steps, param_bytes
+    G = max(param_groups, -(-P // bucket_elements))
+    scalar = ZERO_SCALAR_BYTES[stage]
+    every = stage != "zero1"  # ZeRO-2 and 3 reduce on every micro-batch
+    reduced_calls, reduced_bytes = (K * G, K * P * b) if every else (G, P * b)
+    reduced_f = (f"K G = {K} x {G}; K P b_p = {K} x {P} x {b}" if every else f"G = {G}; P b_p = {P} x {b}")
+    ar_calls, ar_bytes = (1, scalar) if stage == "zero3" else (reduced_calls + 1, reduced_bytes + scalar)
+    ar_f = "1 scalar" if stage == "zero3" else f"{reduced_f}; + 1 scalar ({scalar} B)"
+    rs_calls, rs_bytes = (reduced_calls, reduced_bytes) if stage == "zero3" else (0, 0)
+    ag_calls, ag_bytes = (0, 0) if stage == "zero3" else (G, P * b)
+    grads = 0.0 if K < 2 else (float(P * b) if stage == "zero1" else P * b / W)
+    return PolicyCosts(
+        policy=stage, world_size=W, accumulation_steps=K, reduce_scatter_calls=rs_calls, reduce_scatter_bytes=rs_bytes,
+        all_gather_calls=ag_calls, all_gather_bytes=ag_bytes,
+        parameter_shard_bytes=P * b / W if stage == "zero3" else float(P * b),
+        optimizer_state_bytes=P * optimizer_bytes / W, gradient_bytes=grads, gathered_parameter_bytes=0.0,
+        all_reduce_calls=ar_calls, all_reduce_bytes=ar_bytes,
+        formulas={"all_reduce": ar_f, "reduce_scatter": reduced_f if stage == "zero3" else "0",
+                  "all_gather": "not predicted (persistence threshold, prefetch)" if stage == "zero3"
+                  else f"A = {G}; P b_p = {P} x {b}",
+                  "gradients": "K = 1: nothing between micro-batches" if K < 2 else
+                  (f"P b_p = {P} x {b} (full .grad until the boundary)" if stage == "zero1"
+                   else f"P b_p / W = {P} x {b} / {W} (the reduced partition)"),
+                  "parameters": f"P b_p{' / W' if stage == 'zero3' else ''} = {P} x {b}"})
+
+
 def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulation_steps: int, param_bytes: int = 4,
                  compute_bytes: int | None = None, reduce_bytes: int | None = None,
                  optimizer_bytes: int = ADAMW_STATE_BYTES, replicate_size: int = 1) -> PolicyCosts:
     """The costs of ``policy`` per window (communication) and per process (memory), see the module docstring.
 
     Args:
-        policy: a name of :data:`accum_kit.policies.POLICIES`.
+        policy: a name of :data:`accum_kit.policies.POLICIES`, or a DeepSpeed stage of
+            :data:`ZERO_STAGES` (then :func:`zero_costs` with the model's P; only
+            ``param_bytes`` and ``optimizer_bytes`` apply).
         model: the units (:class:`ShardedModel`).
         world_size: W, processes sharding the model.
         accumulation_steps: K, micro-batches per window (per process).
@@ -222,6 +285,9 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
     Raises:
         UsageError: unknown policy, W or K below 1, R not dividing W, or an HSDP-only policy with R = 1.
     """
+    if policy in ZERO_STAGES:
+        return zero_costs(policy, model.parameters, world_size=world_size, accumulation_steps=accumulation_steps,
+                          param_bytes=param_bytes, optimizer_bytes=optimizer_bytes)
     if policy not in POLICIES:
         raise UsageError("--accumulation_policy", f"unknown policy {policy!r}", f"use one of {list(POLICIES)}")
     if world_size < 1 or accumulation_steps < 1:

@@ -37,6 +37,7 @@ from .phases import PhaseTimer
 from .records import COLLECTIVES, KEEP_RECORDS, MODES, BucketCall, CollectiveCall, Labels, MicroBatchTimes, ProfileRecords, StepTimes
 from .report import format_table, local_summary, summarize_processes
 from .sharded import sharded_summary
+from .zero import ZeroRecorder, zero_summary
 from .switches import ABSwitch, AlternatingWindows, OverheadSwitch
 from .trace import StepTrace
 
@@ -125,7 +126,9 @@ class CommProfiler(LoopCallback):
         self.shard_size = self.world_size // self.replicate_size
         # torch.compile(DDP(model)) (Accelerate's dynamo plugin) forwards attributes to the DDP model it wraps
         self.is_ddp = isinstance(getattr(model, "_orig_mod", model), torch.nn.parallel.DistributedDataParallel)
-        self.distributed = (self.sharded or self.is_ddp) if distributed is None else bool(distributed)
+        #: DeepSpeed's collectives are recorded through its communication backend (:mod:`.zero`)
+        self.deepspeed = getattr(accelerator, "deepspeed_plugin", None) is not None and self.world_size > 1
+        self.distributed = (self.sharded or self.is_ddp or self.deepspeed) if distributed is None else bool(distributed)
         if self.sharded and hook is not None:
             raise ValueError("hook= wraps a DDP comm hook, and FSDP2 has none; the profiler records FSDP2's "
                              "all-gathers and reduce-scatters through FSDPModule.set_custom_all_gather / "
@@ -139,6 +142,7 @@ class CommProfiler(LoopCallback):
             synchronize = accelerator.device.type == "cuda"
         self.phases = PhaseTimer(self.labels, synchronize=synchronize, keep_records=keep_records, sink=sink)
         self.trace = StepTrace(accelerator, trace_dir, trace_steps, trace_wait) if trace_dir else None
+        self.zero = ZeroRecorder(self.labels, keep_records) if self.deepspeed else None
         self._attached = False
         self._paused = False  # recording paused for a static-graph DDP model's priming sync
 
@@ -177,9 +181,13 @@ class CommProfiler(LoopCallback):
         """Register the comm hook (DDP) or the collective recorders (FSDP2) and start the trace if asked; idempotent."""
         if self._attached:
             self.collectives.hook_all_reduce()  # given back by detach
+            if self.zero is not None:
+                self.zero.register()
             return self
         if self.sharded:
             self.collectives.register(self.model)
+        elif self.zero is not None:
+            self.zero.register()
         elif self.is_ddp:
             self.buckets.register(self.model)
         if self.trace is not None:
@@ -192,6 +200,8 @@ class CommProfiler(LoopCallback):
         HSDP's wrapped ``torch.distributed.all_reduce`` is given back)."""
         self.enabled = False
         self.collectives.unregister()
+        if self.zero is not None:
+            self.zero.unregister()
         if self.trace is not None:
             self.trace.stop()
 
@@ -248,8 +258,8 @@ class CommProfiler(LoopCallback):
 
     @property
     def collective_calls(self) -> list[CollectiveCall]:
-        """FSDP2's recorded all-gathers and reduce-scatters (empty under DDP)."""
-        return self.collectives.calls
+        """FSDP2's recorded all-gathers and reduce-scatters, or DeepSpeed's collectives (empty under DDP)."""
+        return self.collectives.calls + (self.zero.calls if self.zero is not None else [])
 
     @property
     def micro_batches(self) -> list[MicroBatchTimes]:
@@ -279,6 +289,13 @@ class CommProfiler(LoopCallback):
         records = (self.records(mode=self.mode, tag=tag) if from_records
                    else self.aggregates.figures(mode=self.mode, tag=tag))
         out = local_summary(records, mode=self.mode, world_size=self.world_size, distributed=self.distributed)
+        if self.deepspeed:  # DeepSpeed: per kind, from the raw records kept (see accum_kit.profiler.zero)
+            for key in ALLREDUCE_KEYS:
+                out.pop(key, None)
+            kept = self.records(mode=self.mode, tag=tag)
+            mine = [c for c in self.zero.calls if c.mode == self.mode and (tag is None or c.tag == tag)]
+            out.update(zero_summary(mine, steps=len(kept.steps), world_size=self.world_size,
+                                    stage=self.accelerator.deepspeed_plugin.zero_stage))
         if self.sharded:
             for key in ALLREDUCE_KEYS:  # DDP's all-reduce: FSDP2 has none
                 out.pop(key, None)

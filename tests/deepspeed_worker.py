@@ -1,0 +1,178 @@
+"""Worker script for tests/test_deepspeed.py (not a test module: pytest does not collect it).
+
+One launch runs every scenario (each with its own ZeRO stage), so the import cost is paid once::
+
+    accelerate launch --config_file accelerate_configs/cpu_deepspeed.yaml \
+        tests/deepspeed_worker.py SPEC.json OUT_DIR
+
+SPEC.json: as tests/dist_worker.py's, each scenario with ``"zero_stage": 1|2|3`` (and ``K``, ``B``,
+``mode``, ``max_grad_norm``, ``resume_from``). The worker wraps ``torch.distributed``'s collectives
+(before DeepSpeed binds any of them) and counts, per micro-batch, the calls and bytes of each kind
+that run while the micro-batch's forward and backward run (on the boundary that includes the
+engine's step). It also runs accum_kit's CommProfiler and HeldMemory, whose records go into
+``rank<r>.json`` beside the count. Files per scenario, as dist_worker's: ``init.pt``,
+``steps.pt`` (full parameters after each step, gathered under ZeRO-3), ``rank<r>.json``.
+
+The worker only runs accum_kit; all expected values are computed by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import accum_kit
+import accum_kit.memory
+import accum_kit.profiler
+from job_helpers import pad_collate  # the worker runs as a script from tests/
+from accum_kit.checkpoint import Checkpointer
+
+# torch.distributed function -> (kind, how to find the tensor whose size is counted: position, keyword)
+WRAPPED = {
+    "all_reduce": ("all_reduce", 0, "tensor"),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
+    "reduce_scatter": ("reduce_scatter", 1, "input_list"),
+    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
+    "all_gather": ("all_gather", 0, "tensor_list"),
+    "broadcast": ("broadcast", 0, "tensor"),
+    "reduce": ("reduce", 0, "tensor"),
+    "all_to_all_single": ("all_to_all", 0, "output"),
+}
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size() if hasattr(t, "numel") else 0
+
+
+class Counter:
+    """Counts torch.distributed calls per micro-batch (loop callback; wraps at construction)."""
+
+    def __init__(self):
+        self.current, self.micro, self.outside = None, [], {}
+        for name, (kind, pos, key) in WRAPPED.items():
+            if hasattr(dist, name):
+                setattr(dist, name, self._wrap(getattr(dist, name), kind, pos, key))
+
+    def _wrap(self, fn, kind, pos, key):
+        def call(*args, **kwargs):
+            t = kwargs[key] if key in kwargs else (args[pos] if len(args) > pos else None)
+            if self.current is not None:
+                m = self.micro[self.current]
+                m[f"{kind}_calls"] = m.get(f"{kind}_calls", 0) + 1
+                m[f"{kind}_bytes"] = m.get(f"{kind}_bytes", 0) + _nbytes(t)
+            else:
+                self.outside[kind] = self.outside.get(kind, 0) + 1
+            return fn(*args, **kwargs)
+        return call
+
+    def start(self):
+        self.current, self.micro, self.outside, self.offset = None, [], {}, None
+
+    def on_micro_batch_begin(self, state):
+        if self.offset is None:
+            self.offset = state.micro_step
+        self.current = state.micro_step - self.offset
+        self.micro.append({"boundary": bool(state.boundary), "sync": bool(state.sync), "epoch": state.epoch})
+
+    def on_backward_end(self, state):
+        self.current = None
+
+
+def full_parameters(model) -> dict:
+    """The model's state_dict as plain tensors; ZeRO-3's partitioned parameters gathered first (collective)."""
+    import deepspeed
+
+    module = getattr(model, "module", model)
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+class StepSaver:
+    def __init__(self, model, keep: bool):
+        self.model, self.keep, self.steps = model, keep, []
+
+    def on_step_end(self, state):
+        full = full_parameters(self.model)
+        if self.keep:
+            self.steps.append(full)
+
+
+def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) -> None:
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+
+    # a new DeepSpeed plugin needs a fresh state (Accelerate refuses a second one); the process group stays
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = accum_kit.build_accelerator(sc["K"], deepspeed_plugin=DeepSpeedPlugin(zero_stage=sc["zero_stage"]),
+                                              max_grad_norm=sc.get("max_grad_norm"))
+    rank = accelerator.process_index
+    torch.manual_seed(spec["seed"])
+    model = GPT2LMHeadModel(GPT2Config(**spec["model_config"]))
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    loader = DataLoader(spec["examples"], batch_size=sc["B"], shuffle=False, collate_fn=pad_collate(spec["pad_id"]))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    counter.start()
+    saver = StepSaver(model, keep=accelerator.is_main_process)
+    profiler = accum_kit.profiler.CommProfiler(accelerator, model) if spec.get("profile") else None
+    held = accum_kit.memory.HeldMemory(accelerator, model) if spec.get("profile") else None
+    d = out_dir / sc["name"] / (f"resumed_{resume_from}" if resume_from is not None else "")
+    ckpts = out_dir / sc["name"] / "ckpts"
+    checkpointer = None
+    if sc.get("resume_from") and resume_from is None:  # the uninterrupted run saves after every step
+        checkpointer = Checkpointer(accelerator, ckpts, checkpointing_steps=1, signals=())
+    result = accum_kit.train_loop(
+        accelerator, model, optimizer, loader, num_train_epochs=sc.get("epochs", 1),
+        max_grad_norm=sc.get("max_grad_norm"), loss_normalization=sc["mode"], progress=False,
+        callbacks=[c for c in (counter, held, saver) if c is not None], profiler=profiler, checkpointer=checkpointer,
+        resume_from=ckpts / f"step_{resume_from}" if resume_from is not None else None)
+    d.mkdir(parents=True, exist_ok=True)
+    if accelerator.is_main_process:
+        torch.save(init, d / "init.pt")
+        torch.save(saver.steps, d / "steps.pt")
+    from accum_kit.sharding import predicted_memory
+
+    info = {
+        "rank": rank, "num_processes": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type), "model_class": type(model).__name__,
+        "zero_stage": accelerator.deepspeed_plugin.zero_stage,
+        "engine_gradient_accumulation_steps": model.gradient_accumulation_steps(),
+        "engine_gradient_clipping": model.gradient_clipping(),
+        "train_loss": result.train_loss, "step_tokens": result.step_tokens,
+        "optimizer_steps": result.optimizer_steps, "micro_batches": result.micro_batches,
+        "resumed_from_step": result.resumed_from_step,
+        "micro": counter.micro, "outside_micro_batches": counter.outside,
+        "parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.module.parameters()),
+    }
+    if profiler is not None:
+        info.update(profiler_calls=[{"kind": c.kind, "micro_batch": c.micro_batch - counter.offset, "bytes": c.bytes,
+                                     "seconds": c.seconds} for c in profiler.collective_calls],
+                    profiler_summary=profiler.local_summary(), memory=held.local(),
+                    predicted_memory=predicted_memory(accelerator, model, sc["K"]))
+    (d / f"rank{rank}.json").write_text(json.dumps(info, indent=1, default=str))
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
+
+
+def main(argv) -> int:
+    spec = json.loads(Path(argv[1]).read_text())
+    out_dir = Path(argv[2])
+    torch.set_num_threads(1)
+    counter = Counter()  # before DeepSpeed's communication backend binds torch.distributed's functions
+    for sc in spec["scenarios"]:
+        run_scenario(spec, sc, out_dir, counter)
+        for step in sc.get("resume_from", []):
+            run_scenario(spec, sc, out_dir, counter, resume_from=step)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

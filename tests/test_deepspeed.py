@@ -1,0 +1,322 @@
+"""Exact accumulation under DeepSpeed ZeRO 1, 2 and 3 (2 gloo processes), and what each stage sends and holds.
+
+One ``accelerate launch --config_file accelerate_configs/cpu_deepspeed.yaml`` of
+tests/deepspeed_worker.py runs every scenario, each with its own stage. The
+worker counts, per micro-batch, the calls and bytes of every ``torch.distributed``
+collective (wrapped before DeepSpeed starts, not accum_kit code). Everything
+expected comes from the plain single-process oracle of tests/test_exactness.py
+(one big batch per window, SGD) on its variable-length examples with masked
+prompts: 2 examples per micro-batch and process, 5 micro-batches per process,
+so K=3 gives a window of 3 and a partial one of 2.
+
+The refusals (missing package, contradicting config, policies, schedules) are
+checked in-process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+import job_helpers as jh
+import test_exactness as ex
+
+CONFIG = jh.REPO / "accelerate_configs" / "cpu_deepspeed.yaml"
+TIMEOUT_S = 420
+W, K = 2, 3
+STAGES = (1, 2, 3)
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason='needs the deepspeed extra: pip install -e ".[deepspeed]"')
+
+
+def _sc(name, stage, **kw):
+    return {**ex._sc(name, K, **kw), "zero_stage": stage}
+
+
+SCENARIOS = [
+    *[_sc(f"zero{s}", s) for s in STAGES],
+    _sc("zero3_clip", 3, max_grad_norm=ex.MAX_GRAD_NORM),
+    _sc("zero1_clip", 1, max_grad_norm=ex.MAX_GRAD_NORM),
+    _sc("zero2_mean", 2, mode="mean"),
+    # the uninterrupted run saves a checkpoint after every step; fresh runs resume from one of them
+    *[{**_sc(f"zero{s}_resume", s, epochs=2), "resume_from": [1]} for s in STAGES],
+]
+BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{name: {"scenario", "init", "steps", "ranks", "resumed": {step: {"steps", "ranks"}}}}``."""
+    import torch
+
+    root = tmp_path_factory.mktemp("deepspeed")
+    spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
+            "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "profile": True}
+    (root / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "--main_process_port",
+           str(jh.free_port()), str(jh.REPO / "tests" / "deepspeed_worker.py"), str(root / "spec.json"), str(root / "out")]
+    res = jh.run(cmd, jh.clean_env(), root / "logs", "deepspeed", timeout=TIMEOUT_S)
+    if res.returncode != 0:
+        pytest.fail(f"deepspeed worker failed\n{res.describe()}", pytrace=False)
+
+    def load(d):
+        return {"steps": torch.load(d / "steps.pt", weights_only=True),
+                "ranks": [json.loads((d / f"rank{r}.json").read_text()) for r in range(W)]}
+
+    out = {}
+    for sc in SCENARIOS:
+        d = root / "out" / sc["name"]
+        out[sc["name"]] = {"scenario": sc, "init": torch.load(d / "init.pt", weights_only=True), **load(d),
+                           "resumed": {s: load(d / f"resumed_{s}") for s in sc.get("resume_from", [])}}
+    return out
+
+
+# --------------------------------------------------------------------------- the engine really runs
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_every_scenario_trains_one_deepspeed_engine_on_both_processes(runs, name):
+    for info in runs[name]["ranks"]:
+        assert info["num_processes"] == W and info["distributed_type"] == "DistributedType.DEEPSPEED"
+        assert info["model_class"] == "DeepSpeedEngine" and info["zero_stage"] == BY_NAME[name]["zero_stage"]
+        assert info["engine_gradient_accumulation_steps"] == K  # from the run's K, not the config's default
+        assert info["engine_gradient_clipping"] == (BY_NAME[name]["max_grad_norm"] or 0.0)
+
+
+# --------------------------------------------------------------------------- the update equals one big batch
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_stage_matches_the_big_batch_each_step(runs, stage):
+    run = runs[f"zero{stage}"]
+    assert len(ex.windows_for(W, K)[-1]) < K * W, "scenario lacks a partial window"
+    ex._check_run_against_oracle(run, W)
+    for wrong in ("mean_of_means", "accelerate_mean"):  # the engine's own arithmetic: per-micro-batch mean / K
+        diff, excess = ex.max_excess(run["steps"][-1], ex._wrong_oracle(run, W, wrong))
+        assert excess > 0 and diff > ex.SENSITIVITY_FACTOR * ex.ATOL, f"the {wrong} oracle is within {diff:.2e}"
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("name", ["zero1_clip", "zero3_clip"])
+def test_the_engine_clips_the_exact_gradient(runs, name):
+    run = runs[name]
+    losses = ex._check_run_against_oracle(run, W, max_grad_norm=ex.MAX_GRAD_NORM)
+    assert max(l["grad_norm"] for l in losses) > ex.MAX_GRAD_NORM, "never clipped"
+    for wrong in ("no_clip", "clip_before_rescale"):
+        assert ex.max_excess(run["steps"][-1], ex._wrong_oracle(run, W, wrong))[1] > 0, wrong
+
+
+@needs_deepspeed
+def test_mean_mode_is_the_engines_per_micro_batch_mean(runs):
+    """``--loss_normalization mean`` keeps Accelerate's arithmetic (each micro-batch's mean / K, K also in
+    the partial window), which the engine's own division gives."""
+    ex._check_run_against_oracle(runs["zero2_mean"], W)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", STAGES)
+def test_resume_from_a_deepspeed_checkpoint_is_bitwise(runs, stage):
+    run = runs[f"zero{stage}_resume"]
+    ex.assert_resumed_equals_uninterrupted(run, 1)
+    ex._check_run_against_oracle(run, W)
+
+
+# --------------------------------------------------------------------------- what each stage sends and holds
+
+
+def _parameters(run) -> int:
+    return run["ranks"][0]["parameters"]
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", STAGES)
+def test_collectives_per_window_follow_the_stage_formulas(runs, stage):
+    """zero_costs (torch-free) per window, full and partial, against the independent count. ZeRO-1
+    sends nothing inside the window; ZeRO-2 all-reduces and ZeRO-3 reduce-scatters on every micro-batch.
+    ZeRO-3's all-gathers are not predicted (they depend on which parameters stay resident)."""
+    from accum_kit.planning.fsdp import zero_costs
+
+    run = runs[f"zero{stage}"]
+    for info in run["ranks"]:
+        micro = info["micro"]
+        quiet = [not any(k.endswith("_calls") for k in m) for m in micro]
+        if stage == 1:
+            assert quiet == [not m["boundary"] for m in micro], "ZeRO-1 sent inside a window"
+        else:
+            key = "all_reduce_calls" if stage == 2 else "reduce_scatter_calls"
+            assert all(m.get(key, 0) >= 1 for m in micro), f"ZeRO-{stage} skipped a micro-batch's reduction"
+        assert [m["sync"] for m in micro] == [stage > 1 or m["boundary"] for m in micro], "LoopState.sync"
+        for w in jh.windows_of(micro)[1:]:  # the first window also holds the engine's start-up broadcasts
+            c = zero_costs(f"zero{stage}", _parameters(run), world_size=W, accumulation_steps=len(w))
+            counted = {k: sum(m.get(k, 0) for m in w) for k in ("all_reduce_calls", "all_reduce_bytes",
+                                                                "reduce_scatter_calls", "reduce_scatter_bytes")}
+            assert counted == {"all_reduce_calls": c.all_reduce_calls, "all_reduce_bytes": c.all_reduce_bytes,
+                               "reduce_scatter_calls": c.reduce_scatter_calls,
+                               "reduce_scatter_bytes": c.reduce_scatter_bytes}, (stage, len(w))
+            if stage < 3:
+                assert (sum(m.get("all_gather_calls", 0) for m in w),
+                        sum(m.get("all_gather_bytes", 0) for m in w)) == (c.all_gather_calls, c.all_gather_bytes)
+    windows = jh.windows_of(run["ranks"][0]["micro"])
+    print(f"\nZeRO-{stage} per window (rank 0): " + "; ".join(
+        ", ".join(f"{k[:-6]} {sum(m.get(k, 0) for m in w)}" for k in ("all_reduce_calls", "reduce_scatter_calls",
+                                                                      "all_gather_calls")) + f" (K={len(w)})"
+        for w in windows))
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", STAGES)
+def test_profiler_records_what_the_independent_count_saw(runs, stage):
+    """accum_kit's recorder on DeepSpeed's communication backend against the torch.distributed wrap: per
+    micro-batch the same calls and bytes of each kind; the summary's per-step figures add them up."""
+    for info in runs[f"zero{stage}"]["ranks"]:
+        mine = info["profiler_calls"]
+        for index, m in enumerate(info["micro"]):
+            kinds = {k[:-6] for k in m if k.endswith("_calls")} | {c["kind"] for c in mine if c["micro_batch"] == index}
+            for kind in kinds:
+                got = [c for c in mine if c["micro_batch"] == index and c["kind"] == kind]
+                assert (len(got), sum(c["bytes"] for c in got)) == (m.get(f"{kind}_calls", 0), m.get(f"{kind}_bytes", 0)), \
+                    (stage, info["rank"], index, kind)
+        by_kind = info["profiler_summary"]["by_kind"]
+        steps = info["optimizer_steps"]
+        for kind, block in by_kind.items():
+            assert block["calls_per_step"] * steps == pytest.approx(sum(m.get(f"{kind}_calls", 0) for m in info["micro"]))
+            assert block["bytes_per_step"] * steps == pytest.approx(sum(m.get(f"{kind}_bytes", 0) for m in info["micro"]))
+            assert block["seconds_per_step"] > 0
+        assert info["profiler_summary"]["zero_stage"] == stage
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", STAGES)
+def test_gradient_memory_held_is_what_the_stage_predicts(runs, stage):
+    """Between micro-batches: ZeRO-1 the full fp32 gradient (4 P bytes), ZeRO-2 and 3 their 1/W partition;
+    measured (HeldMemory) against zero_costs. ZeRO-2 keeps whole parameters' gradients, so the process
+    whose partition a parameter straddles holds up to one parameter more than 1/W (on this tiny model that
+    is 18 %, beyond the 10 % target; on a model of many layers it is a small fraction)."""
+    run = runs[f"zero{stage}"]
+    full = 4 * _parameters(run)
+    largest = max(4 * t.numel() for t in run["init"].values())
+    for info in run["ranks"]:
+        held = info["memory"]["gradient_bytes"]
+        predicted = info["predicted_memory"][f"zero{stage}"]["gradient_bytes"]
+        if stage == 1:
+            assert held == full == predicted, info["memory"]
+        else:
+            assert predicted == full / W <= held <= full / W + (largest if stage == 2 else 0), info["memory"]
+        print(f"\nZeRO-{stage} rank {info['rank']}: gradient bytes held {held}, predicted {predicted:.0f} "
+              f"({held / predicted:.3f})")
+
+
+# --------------------------------------------------------------------------- refusals (in-process)
+
+
+@pytest.fixture
+def ds_env(monkeypatch):
+    """What ``accelerate launch`` with cpu_deepspeed.yaml exports for 2 processes, without a launch."""
+    for var in ("RANK", "LOCAL_RANK", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_GRADIENT_CLIPPING",
+                "ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    jh.reset_accelerate_state()
+    yield monkeypatch
+    jh.reset_accelerate_state()
+
+
+def test_a_deepspeed_launch_without_the_package_names_the_extra(ds_env):
+    import torch.distributed as dist
+
+    from accum_kit import UsageError, build_accelerator
+
+    real = importlib.util.find_spec
+    ds_env.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(UsageError) as err:
+        build_accelerator(2, cpu=True)
+    assert err.value.flag == "--use_deepspeed" and '".[deepspeed]"' in err.value.fix
+    assert not dist.is_initialized()
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("config,kwargs,flag,fix", [
+    ({"gradient_accumulation_steps": 8}, {}, "--gradient_accumulation_steps", '"auto"'),
+    ({"gradient_clipping": 1.0}, {}, "--max_grad_norm", "--max_grad_norm 1.0"),
+    ({}, {"accumulation_policy": "sync_each_batch"}, "--accumulation_policy", "--zero_stage"),
+    ({}, {"ddp_kwargs": {"bucket_cap_mb": 25}}, "--ddp_bucket_cap_mb", "cpu_ddp.yaml"),
+    ({}, {"torch_compile": True}, "--torch_compile", "DDP or FSDP2"),
+])
+def test_what_contradicts_the_run_is_refused_before_anything_is_built(ds_env, tmp_path, config, kwargs, flag, fix):
+    """A DeepSpeed JSON that contradicts the run's flags, and settings that cannot apply: the flag and the fix,
+    before a process group exists."""
+    import torch.distributed as dist
+
+    from accum_kit import UsageError, build_accelerator
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **config}))
+    ds_env.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    with pytest.raises(UsageError) as err:
+        build_accelerator(2, cpu=True, **kwargs)
+    assert err.value.flag == flag and fix in err.value.fix, str(err.value)
+    assert not dist.is_initialized()
+
+
+@needs_deepspeed
+def test_config_values_that_agree_or_say_auto_are_filled_from_the_flags(ds_env, tmp_path):
+    from accum_kit.zero import deepspeed_plugin_for
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 4,
+                                "gradient_clipping": "auto"}))
+    ds_env.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    plugin = deepspeed_plugin_for(None, gradient_accumulation_steps=4, max_grad_norm=None)
+    assert (plugin.deepspeed_config["gradient_accumulation_steps"], plugin.deepspeed_config["gradient_clipping"]) == (4, 0.0)
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))  # absent: Accelerate inserts 1, not a contradiction
+    plugin = deepspeed_plugin_for(None, gradient_accumulation_steps=3, max_grad_norm=0.5)
+    assert (plugin.deepspeed_config["gradient_accumulation_steps"], plugin.deepspeed_config["gradient_clipping"]) == (3, 0.5)
+
+
+def test_what_a_built_deepspeed_run_cannot_do_is_refused():
+    """A schedule that changes K, a batch size the config contradicts, a loop clipping value the engine was
+    not built with, a loss function that cannot count ahead: each names its flag."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from accum_kit import UsageError
+    from accum_kit.zero import check_batch_sizes, check_constant_k, check_engine_clipping, count_items
+
+    fake = SimpleNamespace(num_processes=2, deepspeed_plugin=SimpleNamespace(deepspeed_config={
+        "gradient_accumulation_steps": 3, "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 4,
+        "train_batch_size": "auto"}))
+    cases = [
+        (lambda: check_constant_k(fake, {0: 1, 10: 2}), "--accumulation_schedule"),
+        (lambda: check_batch_sizes(fake, [torch.utils.data.DataLoader(list(range(8)), batch_size=2)]),
+         "--per_device_train_batch_size"),
+        (lambda: check_engine_clipping(fake, 1.0), "--max_grad_norm"),
+        (lambda: count_items(lambda model, batch: (0, 0), {}), "loss_fn"),
+    ]
+    for call, flag in cases:
+        with pytest.raises(UsageError) as err:
+            call()
+        assert err.value.flag == flag, str(err.value)
+    check_constant_k(fake, {0: 3})  # one K: fine
+    check_engine_clipping(fake, None)
+    check_engine_clipping(SimpleNamespace(deepspeed_plugin=None), 1.0)  # not DeepSpeed: the loop clips
+
+
+@needs_deepspeed
+def test_settings_accelerate_refuses_become_a_usage_error(ds_env, tmp_path):
+    """A DeepSpeed JSON together with accelerate-config DeepSpeed keys: Accelerate's ValueError, as exit 2."""
+    from accum_kit import UsageError, build_accelerator
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    ds_env.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    ds_env.setenv("ACCELERATE_CONFIG_DS_FIELDS", "zero_stage,mixed_precision")
+    with pytest.raises(UsageError) as err:
+        build_accelerator(2, cpu=True)
+    assert err.value.flag == "--deepspeed_config_file" and "ignored" in err.value.problem
