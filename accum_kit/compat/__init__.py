@@ -1,4 +1,4 @@
-"""Every place accum-kit reaches into Accelerate's internals, in one file.
+"""Every place accum-kit reaches into Accelerate's, torch's and DeepSpeed's internals, in one package.
 
 Accelerate has no public API for these few things, so the toolkit touches
 its attributes directly. Keeping them here means an Accelerate upgrade can
@@ -174,135 +174,6 @@ def enable_fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
                            "see accum_kit.compat.enable_fsdp_on_cpu")
 
 
-def enable_deepspeed_on_cpu(accelerator, deepspeed_plugin) -> None:
-    """Make a CPU (gloo) Accelerator prepare with DeepSpeed, as it would on GPUs.
-
-    Accelerate switches to DeepSpeed only without ``cpu=True``
-    (``PartialState.__init__`` and ``AcceleratorState.__init__`` test
-    ``ACCELERATE_USE_DEEPSPEED == "true" and not cpu``, accelerate 1.15). On a
-    machine without a GPU that branch leaves no process group of Accelerate's
-    own (its backend is None), so the state says ``DEEPSPEED`` with
-    ``num_processes`` 1 and DeepSpeed then fails its batch check
-    (``train_batch_size != micro x K x world``); with ``cpu=True`` the config is
-    ignored and ``prepare`` wraps the model in DDP, silently. DeepSpeed itself
-    runs on CPU: without oneCCL its CPU accelerator uses gloo (DeepSpeed
-    0.19.8). So the Accelerator is built with ``cpu=True`` (one gloo group),
-    and then the state gets what the GPU branch of ``AcceleratorState.__init__``
-    sets: ``distributed_type = DEEPSPEED`` in the shared state of
-    ``AcceleratorState`` and ``PartialState``, the plugin in
-    ``deepspeed_plugins`` after ``set_mixed_precision`` and ``select``, and
-    ``_mixed_precision = "no"`` (DeepSpeed casts itself, from its config). The
-    constructor's autocast and GradScaler, which it set up for MULTI_CPU, are
-    switched off as its DEEPSPEED branch would have left them. After it,
-    ``prepare`` calls ``deepspeed.initialize`` and ``backward`` goes through
-    ``DeepSpeedEngineWrapper`` (checked on 2 gloo processes, ZeRO 1/2/3,
-    accelerate 1.15, DeepSpeed 0.19.8, torch 2.13).
-
-    Call right after building the Accelerator, before ``prepare``.
-    """
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
-
-    precision = accelerator.state.mixed_precision
-    deepspeed_plugin.set_mixed_precision(precision)
-    deepspeed_plugin.select(_from_accelerator_state=True)
-    AcceleratorState._shared_state["deepspeed_plugins"] = deepspeed_plugin
-    AcceleratorState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
-    AcceleratorState._shared_state["_mixed_precision"] = "no"
-    PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
-    accelerator.native_amp, accelerator.scaler = False, None
-    skip_deepspeed_shm_op()
-    if accelerator.deepspeed_plugin is not deepspeed_plugin:  # a later Accelerate keeps the plugin elsewhere
-        raise RuntimeError("accelerate no longer reads its DeepSpeed plugin from the shared state; "
-                           "see accum_kit.compat.enable_deepspeed_on_cpu")
-
-
-def skip_deepspeed_shm_op() -> None:
-    """Keep DeepSpeed from compiling its CPU shared-memory op, which training does not use.
-
-    DeepSpeed 0.19.8's ``TorchBackend.__init__`` (the first ``deepspeed.initialize``
-    of a process) JIT-compiles the C++ op ``deepspeed_shm_comm`` with ninja when
-    it is marked compatible in ``deepspeed.ops.__compatible_ops__``; it serves
-    only ``inference_all_reduce``, and training's collectives go to
-    ``torch.distributed`` (gloo) either way. On a loaded 2-core machine the
-    compile ran for more than 8 minutes (and two processes wait on one lock
-    file; a killed compile leaves the lock and every later start hangs).
-    Marking it incompatible makes ``build_shm_op`` return None.
-    """
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-def deepspeed_comm_backend():
-    """DeepSpeed's communication backend object, through which every collective of its engine passes.
-
-    ``deepspeed.comm.comm.cdb`` (a ``TorchBackend`` on CPU and CUDA), set by
-    ``deepspeed.comm.init_distributed``, which ``deepspeed.initialize`` calls
-    (DeepSpeed 0.19.8). Every ``deepspeed.comm`` function calls a method of it.
-
-    Raises:
-        RuntimeError: not initialised yet (``prepare`` has not run ``deepspeed.initialize``).
-    """
-    from deepspeed.comm import comm
-
-    if getattr(comm, "cdb", None) is None:
-        raise RuntimeError("DeepSpeed's communication backend is not initialised: prepare the model first")
-    return comm.cdb
-
-
-def deepspeed_held_gradients(engine):
-    """Yield ``(kind, tensor)`` for the gradients a DeepSpeed engine holds between micro-batches.
-
-    kinds: ``"grad"`` (a parameter's ``.grad``: ZeRO-1 accumulates the full
-    gradient there until the boundary), ``"partition_grad"`` (the reduced
-    gradient partition the ZeRO optimizer keeps: ``all_grad_tensors`` (per group, the
-    reduced gradients of the parameters in this process's partition, summed over
-    the window; whole parameters, so a parameter that straddles the partition
-    boundary is held entirely), ``grads_in_partition`` and ``averaged_gradients`` of
-    ZeRO-1/2's ``DeepSpeedZeroOptimizer``, ``grad_partitions_flat_buffer`` of
-    ZeRO-3's ``DeepSpeedZeroOptimizer_Stage3``). Attributes of DeepSpeed 0.19.8;
-    count storages, not tensors (partitions are views of flat buffers).
-    """
-    for p in engine.module.parameters():
-        if p.grad is not None:
-            yield "grad", p.grad
-    opt = getattr(engine, "optimizer", None)
-    for name in ("grad_partitions_flat_buffer", "grads_in_partition"):
-        flat = getattr(opt, name, None)
-        if flat is not None:
-            yield "partition_grad", flat
-    groups = []
-    for name in ("averaged_gradients", "all_grad_tensors"):  # dicts {group index: tensors} (lists in older versions)
-        found = getattr(opt, name, None) or {}
-        groups += list(found.values() if isinstance(found, dict) else found)
-    for value in groups:
-        for t in value if isinstance(value, (list, tuple)) else [value]:
-            if t is not None and hasattr(t, "untyped_storage"):
-                yield "partition_grad", t
-
-
-def deepspeed_checkpoint_globals() -> list:
-    """The DeepSpeed classes its checkpoint files pickle, to allow in a weights-only load; [] without DeepSpeed.
-
-    ``engine.save_checkpoint`` (which ``save_state`` calls under DeepSpeed)
-    writes ``zero_pp_rank_*_optim_states.pt`` holding a ``ZeroStageEnum``,
-    ``fragment_address`` records and the ``LossScaler`` (DeepSpeed 0.19.8,
-    found with ``torch.serialization.get_unsafe_globals_in_checkpoint``). They
-    are plain data classes; allowing exactly these keeps the weights-only
-    pre-check of :mod:`accum_kit.checkpoint_files` strict for everything else.
-    """
-    import importlib.util
-
-    if importlib.util.find_spec("deepspeed") is None:
-        return []
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, fragment_address, LossScaler]
-
-
 def set_end_of_dataloader(accelerator, value: bool) -> None:
     """Tell ``accumulate()`` whether the batch about to run is the last of the dataloader being iterated.
 
@@ -406,157 +277,6 @@ def keep_gradient_plugin(accelerator):
         state._set_sync_gradients(sync)
 
 
-# ---------------------------------------------------------------------------------------------------
-# torch FSDP2 internals (torch 2.13): what a unit holds, its reshard setting, the collectives it calls.
-# FSDP2's public API sets these (``set_custom_all_gather``, ``set_reshard_after_forward``) but does not
-# read them back; the profiler, the memory measurement and the bench need to.
-
-
-def fsdp_units(model) -> list:
-    """FSDP2's parameter groups ("units") of ``model``, one per ``fully_shard`` call, in module order.
-
-    Each entry is ``(module, group)``: the first ``FSDPModule`` that owns the
-    group (a ``fully_shard([a, b])`` call makes one state shared by several
-    modules; it is listed once) and its ``FSDPParamGroup``. Touches
-    ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` (torch 2.13). Empty
-    for a model that is not FSDP2.
-    """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return []
-    seen, units = set(), []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        if id(state) in seen:
-            continue
-        seen.add(id(state))
-        units += [(module, group) for group in state._fsdp_param_groups]
-    return units
-
-
-def fsdp_unit_name(group) -> str:
-    """The unit's module path (``""`` for the root), ``FSDPParamGroup._module_fqn`` (torch 2.13)."""
-    return getattr(group, "_module_fqn", "") or ""
-
-
-def fsdp_unit_parameters(group) -> int:
-    """Elements of the unit's parameters, unsharded (each ``FSDPParam.sharded_param`` is a DTensor of the full shape)."""
-    return sum(p.sharded_param.numel() for p in group.fsdp_params)
-
-
-def fsdp_reshards_after_forward(group) -> bool:
-    """Whether the unit frees its gathered parameters after its forward right now.
-
-    ``FSDPParamGroup.post_forward_mesh_info`` is None when it does not
-    (torch 2.13). FSDP2 turns it off for the root at the first forward, and
-    Accelerate's tied embedding/head unit is built with it off, so read it
-    after a forward.
-    """
-    return group.post_forward_mesh_info is not None
-
-
-def fsdp_reshard_after_forward_state(model) -> list:
-    """Every unit's reshard-after-forward setting, to give back to :func:`restore_fsdp_reshard_after_forward`.
-
-    ``FSDPModule.set_reshard_after_forward(flag)`` sets one value for every
-    unit, the root and the tied-embedding unit included, whose own settings
-    differ; saving ``post_forward_mesh_info`` per group (torch 2.13) restores
-    them exactly.
-    """
-    return [(group, group.post_forward_mesh_info) for _, group in fsdp_units(model)]
-
-
-def restore_fsdp_reshard_after_forward(saved: list) -> None:
-    """Put back the settings :func:`fsdp_reshard_after_forward_state` returned."""
-    for group, info in saved:
-        group.post_forward_mesh_info = info
-
-
-def keep_fsdp_parameters_after_forward(model) -> None:
-    """Make every unit keep its gathered parameters after forward (``reshard_after_forward=False`` at run time).
-
-    ``FSDPModule.set_reshard_after_forward(False)`` also marks each state so
-    that the root's lazy initialisation no longer overrides it; setting the
-    group's ``post_forward_mesh_info`` to None, which is what that call does
-    for ``False`` (torch 2.13), leaves the root's own rule alone so that
-    :func:`restore_fsdp_reshard_after_forward` gives exactly the state built by
-    ``prepare``.
-    """
-    for _, group in fsdp_units(model):
-        group.post_forward_mesh_info = None
-
-
-def fsdp_unit_comms(group) -> tuple:
-    """The (all-gather, reduce-scatter) objects the unit calls now: ``_all_gather_comm``, ``_reduce_scatter_comm``.
-
-    FSDP2 starts with ``DefaultAllGather`` / ``DefaultReduceScatter``, which call
-    ``torch.distributed.all_gather_single`` / ``reduce_scatter_single``;
-    ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` replace
-    them (torch 2.13). The profiler wraps what it finds, so a user's custom
-    collective keeps working.
-    """
-    return group._all_gather_comm, group._reduce_scatter_comm
-
-
-def fsdp_held_tensors(group):
-    """Yield ``(kind, tensor)`` for what the unit holds between two micro-batches.
-
-    kinds: ``"sharded_grad"`` (the local shard of ``sharded_param.grad``, after a
-    reduce-scatter), ``"unsharded_grad"`` (``FSDPParam._unsharded_param.grad``:
-    the full gradient kept under ``no_sync`` when it is accumulated in the
-    parameter's dtype), ``"accumulated_grad"`` (``FSDPParam.unsharded_accumulated_grad``:
-    the full gradient in the reduce dtype, when that differs from the compute
-    dtype), ``"gathered_parameter"`` (the unsharded parameter, when its
-    storage is allocated, i.e. not resharded) and, under HSDP with the
-    all-reduce deferred (``set_requires_all_reduce(False)``),
-    ``"partial_reduce_output"`` (``FSDPParamGroup._partial_reduce_output``: the
-    unit's reduce-scattered shard, summed over the window's micro-batches
-    until the boundary all-reduces it). Attributes of torch 2.13's
-    ``FSDPParam`` and ``FSDPParamGroup``; several tensors may share one storage
-    (a unit's shards are views of one reduce-scatter output), so count
-    storages, not tensors.
-    """
-    partial = getattr(group, "_partial_reduce_output", None)
-    if partial is not None:
-        yield "partial_reduce_output", partial
-    for p in group.fsdp_params:
-        grad = p.sharded_param.grad
-        if grad is not None:
-            yield "sharded_grad", grad.to_local() if hasattr(grad, "to_local") else grad
-        unsharded = getattr(p, "_unsharded_param", None)
-        if unsharded is not None:
-            if unsharded.grad is not None:
-                yield "unsharded_grad", unsharded.grad
-            if unsharded.untyped_storage().nbytes() > 0:
-                yield "gathered_parameter", unsharded
-        if p.unsharded_accumulated_grad is not None:
-            yield "accumulated_grad", p.unsharded_accumulated_grad
-
-
-def fsdp_replicate_process_group(group):
-    """The process group a unit all-reduces its reduce-scattered gradients over under HSDP; None without one.
-
-    ``FSDPParamGroup.mesh_info`` is an ``HSDPMeshInfo`` on a 2-D mesh, whose
-    ``replicate_process_group`` FSDP2's ``foreach_reduce`` passes to
-    ``torch.distributed.all_reduce`` (torch 2.13); plain FSDP2's ``FSDPMeshInfo`` has none.
-    """
-    return getattr(getattr(group, "mesh_info", None), "replicate_process_group", None)
-
-
-def fsdp_comm_interfaces() -> tuple:
-    """FSDP2's abstract ``AllGather`` and ``ReduceScatter`` classes, which ``set_custom_*`` objects subclass.
-
-    Defined in ``torch.distributed.fsdp._fully_shard._fsdp_api`` and not
-    re-exported by ``torch.distributed.fsdp`` (torch 2.13).
-    """
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-
-    return AllGather, ReduceScatter
-
-
 def ddp_static_graph_unprimed(model) -> bool:
     """True for a DDP model built with ``static_graph=True`` that has not run a synchronising backward yet.
 
@@ -570,3 +290,15 @@ def ddp_static_graph_unprimed(model) -> bool:
     sets when that first synchronising backward is enqueued (torch 2.13).
     """
     return bool(getattr(model, "static_graph", False)) and not getattr(model, "_static_graph_delay_allreduce_enqueued", True)
+
+
+# The engine-specific internals live in their own modules; every name stays importable from accum_kit.compat.
+from .deepspeed_internals import (  # noqa: E402
+    deepspeed_checkpoint_globals, deepspeed_comm_backend, deepspeed_held_gradients, enable_deepspeed_on_cpu,
+    skip_deepspeed_shm_op,
+)
+from .fsdp_internals import (  # noqa: E402
+    fsdp_comm_interfaces, fsdp_held_tensors, fsdp_replicate_process_group, fsdp_reshard_after_forward_state,
+    fsdp_reshards_after_forward, fsdp_unit_comms, fsdp_unit_name, fsdp_unit_parameters, fsdp_units,
+    keep_fsdp_parameters_after_forward, restore_fsdp_reshard_after_forward,
+)
