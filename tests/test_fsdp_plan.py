@@ -298,5 +298,26 @@ def test_plan_under_hsdp_lists_five_policies_and_a_single_machine_plan_does_not_
     assert by["reduce_scatter_each_batch"].all_reduce_seconds == pytest.approx(by["no_sync"].all_reduce_seconds)
     assert by["sync_each_batch"].all_reduce_seconds == pytest.approx(8 * by["no_sync"].all_reduce_seconds)
     flat = make_fsdp_plan(num_processes=2, gradient_accumulation_steps=8, model_preset="small")
-    assert [r.policy for r in flat.rows] == policies_for(False) and flat.engines is None
+    assert [r.policy for r in flat.rows] == policies_for(False)
+    assert {r["engine"] for r in flat.engines["rows"]} == {"DDP", "FSDP2", "DeepSpeed"}  # no HSDP on one machine
     assert all(r.all_reduce_seconds == 0 for r in flat.rows)
+
+
+def test_zero_stages_are_priced_beside_the_fsdp2_policies_from_first_principles():
+    """The engines table's DeepSpeed rows, W=8 on one machine, K=8, fp32, AdamW: ZeRO-1 all-reduces the whole
+    gradient once per window and all-gathers the updated parameters; ZeRO-2 all-reduces it every micro-batch;
+    memory = parameters (1/W under ZeRO-3) + AdamW state / W + gradients held (full under ZeRO-1, 1/W else)."""
+    from accum_kit.planning.topology import compare_engines
+
+    W, K, bw, P, GB = 8, 8, 100.0, LAYOUT.parameters, 1e9
+    cmp = compare_engines(LAYOUT, world=W, machines=1, K=K, element_bytes=(4, 4, 4), intra_GBps=bw, inter_GBps=bw)
+    rows = {r["policy"]: r for r in cmp["rows"] if r["engine"] == "DeepSpeed"}
+    ring = (W - 1) / W / (bw * GB)
+    assert rows["zero1"]["comm"]["all_reduce"] == pytest.approx(2 * (4 * P + 4) * ring)
+    assert rows["zero1"]["comm"]["all_gather"] == pytest.approx(4 * P * ring)
+    assert rows["zero2"]["comm"]["all_reduce"] == pytest.approx(2 * (K * 4 * P + 4) * ring)
+    assert rows["zero3"]["comm"]["reduce_scatter"] == pytest.approx(K * 4 * P * ring)
+    assert rows["zero1"]["memory_bytes"] == pytest.approx(4 * P + 8 * P / W + 4 * P)
+    assert rows["zero2"]["memory_bytes"] == pytest.approx(4 * P + 8 * P / W + 4 * P / W)
+    assert rows["zero3"]["memory_bytes"] == pytest.approx(4 * P / W + 8 * P / W + 4 * P / W)
+    assert cmp["recommended"]["policy"] != "zero3"  # its all-gathers are not predicted: a floor, not a pick

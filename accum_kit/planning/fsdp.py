@@ -189,6 +189,11 @@ class PolicyCosts:
         return self.world_size // self.replicate_size
 
     @property
+    def all_reduce_group_size(self) -> int:
+        """Processes an all-reduce spans: the replicate group (R) under HSDP and DDP, all W under ZeRO (R = 1)."""
+        return self.replicate_size if self.replicate_size > 1 else self.world_size
+
+    @property
     def accumulation_bytes(self) -> float:
         """What the window holds beyond shards and optimizer state: gradients + gathered parameters."""
         return self.gradient_bytes + self.gathered_parameter_bytes
@@ -383,15 +388,16 @@ def comm_seconds(costs: PolicyCosts, *, shard_GBps: float, all_gather_GBps: floa
         costs: :func:`policy_costs` of one policy on one mesh (R x S).
         shard_GBps: bus bandwidth of the shard group's reduce-scatters (and all-gathers unless
             ``all_gather_GBps`` is given), GB/s.
-        replicate_GBps: bus bandwidth of the all-reduces across replicas (needed when R > 1), GB/s.
+        replicate_GBps: bus bandwidth of the all-reduces (across replicas under HSDP and DDP, over all W
+            processes under ZeRO), GB/s; None: ``shard_GBps``.
 
     Returns:
         ``{"reduce_scatter": s, "all_gather": s, "all_reduce": s, "total": s}``.
     """
-    S, R = costs.shard_size, costs.replicate_size
+    S, n_ar = costs.shard_size, costs.all_reduce_group_size
     rs = collective_seconds(costs.reduce_scatter_bytes, S, shard_GBps)
     ag = collective_seconds(costs.all_gather_bytes, S, all_gather_GBps or shard_GBps)
-    ar = all_reduce_seconds(costs.all_reduce_bytes, R, replicate_GBps) if R > 1 and costs.all_reduce_bytes else 0.0
+    ar = all_reduce_seconds(costs.all_reduce_bytes, n_ar, replicate_GBps or shard_GBps) if costs.all_reduce_bytes else 0.0
     return {"reduce_scatter": rs, "all_gather": ag, "all_reduce": ar, "total": rs + ag + ar}
 
 

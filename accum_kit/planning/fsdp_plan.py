@@ -343,13 +343,16 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
     from .fsdp_format import arithmetic_lines
     from .topology import compare_engines
 
-    engines = None
-    if machines > 1:  # intra: the plan's shard link when it is HSDP's (inside a machine), else NVLink's peak
+    # every engine priced from the same table; intra: the plan's shard link when it is HSDP's (inside a
+    # machine), else NVLink's peak on several machines; on one machine every link is the plan's own
+    if machines > 1:
         intra = rs_bw if R > 1 else INTERCONNECTS["nvlink"][0]
         inter, inter_source = (ar_bw, ar_source) if R > 1 else (rs_bw, bw_source)
-        engines = compare_engines(model, world=W, machines=machines, K=K, element_bytes=(b_p, b_c, b_r),
-                                  intra_GBps=intra, inter_GBps=inter, inter_source=inter_source,
-                                  gpu_memory_GB=gpu_memory_GB, profile=profile)
+    else:
+        intra, inter, inter_source = rs_bw, rs_bw, bw_source
+    engines = compare_engines(model, world=W, machines=machines, K=K, element_bytes=(b_p, b_c, b_r),
+                              intra_GBps=intra, inter_GBps=inter, inter_source=inter_source,
+                              gpu_memory_GB=gpu_memory_GB, profile=profile)
 
     arithmetic = arithmetic_lines(model, W, K, (b_p, b_c, b_r), ag_bw, rs_bw, costs, rows, best, free, profile, ar_bw)
     return FSDPPlan(model={**asdict(model), "P": model.parameters, "P_f": model.layer_parameters,
@@ -383,5 +386,6 @@ def predicted_step(profile: FSDPProfile, policy: str, K: int, comm_seconds: floa
     gradient, so its ``(K - 1) a`` term is 0 (see the module docstring).
     """
     c, a = profile.compute_seconds, profile.accumulation_seconds
-    held = 0 if POLICIES[policy].sync_each_batch else K - 1
+    # ZeRO-2 and 3 reduce every micro-batch (as sync_each_batch); ZeRO-1 sums into a held .grad (as no_sync)
+    held = 0 if policy in ("zero2", "zero3") or (policy in POLICIES and POLICIES[policy].sync_each_batch) else K - 1
     return K * (c - a) + held * a + comm_seconds + profile.other_seconds

@@ -1,4 +1,4 @@
-"""DDP, FSDP2 or HSDP on several machines: every engine and policy from the one cost table (torch-free).
+"""DDP, FSDP2, HSDP or DeepSpeed ZeRO: every engine and policy from the one cost table (torch-free).
 
 The three engines are three meshes of the same W processes on M machines,
 ``R`` replicas x ``S`` shards, so :func:`accum_kit.planning.fsdp.policy_costs`
@@ -10,7 +10,10 @@ prices all of them:
   all-gathers span the machines, so they run at the inter-node bandwidth,
   the slowest link of the ring);
 - HSDP: ``R = M, S = W / M`` (sharded inside a machine, at the intra-node
-  bandwidth; the all-reduce across replicas at the inter-node bandwidth).
+  bandwidth; the all-reduce across replicas at the inter-node bandwidth);
+- DeepSpeed ZeRO-1/2/3: partitioned over all W (``R = 1, S = W``), every
+  collective over all W processes (:func:`accum_kit.planning.fsdp.zero_costs`;
+  ZeRO-3's parameter all-gathers are not predicted, so its time is a floor).
 
 Memory per process is the table's total: parameter shards + optimizer state
 + gradients held + gathered parameters kept (activations left out), compared
@@ -23,22 +26,28 @@ The recommendation is the fastest (engine, policy) that fits.
 from __future__ import annotations
 
 from ..policies import POLICIES, policies_for
-from .fsdp import comm_seconds, policy_costs
+from .fsdp import ZERO_STAGES, comm_seconds, policy_costs
 from .whatif import INTERCONNECTS
 
 GB = 1e9
 
 
 def engine_meshes(world: int, machines: int) -> dict[str, tuple[int, int]]:
-    """``{engine: (R, S)}`` for W processes on M machines (HSDP only when M > 1 and S > 1)."""
+    """``{engine: (R, S)}`` for W processes on M machines (HSDP only when M > 1 and S > 1).
+
+    DeepSpeed's ZeRO partitions over all W processes (``R = 1, S = W``); its all-reduces span all W too.
+    """
     meshes = {"DDP": (world, 1), "FSDP2": (1, world)}
     if machines > 1 and world // machines > 1:
         meshes["HSDP"] = (machines, world // machines)
+    meshes["DeepSpeed"] = (1, world)
     return meshes
 
 
 def engine_policies(engine: str) -> list[str]:
-    """The policies an engine runs: DDP has no FSDP2-only policy, HSDP all five."""
+    """The policies an engine runs: DDP has no FSDP2-only policy, HSDP all five, DeepSpeed its ZeRO stages."""
+    if engine == "DeepSpeed":
+        return list(ZERO_STAGES)
     if engine == "DDP":
         return [p for p in POLICIES if not POLICIES[p].fsdp_only]
     return policies_for(engine == "HSDP")
@@ -73,7 +82,8 @@ def compare_engines(model, *, world: int, machines: int, K: int, element_bytes: 
     for engine, (R, S) in engine_meshes(world, machines).items():
         shard_link = "intra" if machines == 1 or S <= per_machine else "inter"
         shard_bw = intra_GBps if shard_link == "intra" else inter_GBps
-        replicate_bw = inter_GBps if machines > 1 else intra_GBps
+        # HSDP's and DDP's all-reduces cross machines; ZeRO's span all W on the shard group's link
+        replicate_bw = shard_bw if engine == "DeepSpeed" else (inter_GBps if machines > 1 else intra_GBps)
         for policy in engine_policies(engine):
             c = policy_costs(policy, model, world_size=world, accumulation_steps=K, param_bytes=b_p,
                              compute_bytes=b_c, reduce_bytes=b_r, replicate_size=R)
@@ -81,13 +91,15 @@ def compare_engines(model, *, world: int, machines: int, K: int, element_bytes: 
             memory = c.total_bytes
             rows.append({"engine": engine, "mesh": [R, S], "policy": policy,
                          "shard_link": shard_link if S > 1 else None,
-                         "replicate_link": ("inter" if machines > 1 else "intra") if R > 1 else None,
+                         "replicate_link": (("inter" if machines > 1 else "intra") if R > 1 else
+                                            shard_link if engine == "DeepSpeed" else None),
                          "memory_bytes": memory,
                          "fits": None if gpu_memory_GB is None else memory <= gpu_memory_GB * GB,
                          "comm": t, "step_seconds": predicted_step(profile, policy, K, t["total"]) if profile else None,
                          "reduce_scatter_calls": c.reduce_scatter_calls, "all_reduce_calls": c.all_reduce_calls,
                          "all_gather_calls": c.all_gather_calls})
-    fitting = [r for r in rows if r["fits"] is not False]
+    # ZeRO-3's time leaves out its parameter all-gathers (a floor): never recommended on a floor
+    fitting = [r for r in rows if r["fits"] is not False and r["policy"] != "zero3"]
     best = min(fitting, key=lambda r: (round(r["step_seconds"] or r["comm"]["total"], 12), r["memory_bytes"])) \
         if fitting else None
     return {"rows": rows, "recommended": {"engine": best["engine"], "policy": best["policy"]} if best else None,
@@ -118,9 +130,9 @@ def format_engines(cmp: dict, world: int, machines: int, K: int) -> list[str]:
         tablefmt="simple", disable_numparse=True).splitlines()]
     lines.append("  recommended (fastest that fits): " + (f"{best['engine']} --accumulation_policy {best['policy']}"
                                                           if best else "none fits"))
-    lines.append("  links: DDP's all-reduce and FSDP2's reduce-scatters and all-gathers span the machines (inter-node "
+    lines.append("  links: DDP's all-reduce, FSDP2's and ZeRO's collectives span the machines (inter-node "
                  "busbw, the ring's slowest link); HSDP shards inside a machine (intra-node) and all-reduces across "
-                 "machines (inter-node). Memory: parameter shards + AdamW state + gradients held + gathered "
+                 "machines (inter-node). ZeRO-3's parameter all-gathers are not predicted (a floor). Memory: parameter shards + AdamW state + gradients held + gathered "
                  "parameters, activations left out" + ("" if cmp["gpu_memory_GB"] is not None else
                                                        "; no --gpu_memory_GB: everything listed as fitting"))
     return lines
