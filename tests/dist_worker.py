@@ -264,6 +264,8 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         "comm_hook_registered": hooked,
         "is_fsdp2": bool(accelerator.is_fsdp2),
         "model_class": type(model).__name__,
+        # modules compiled in place (torch's nn.Module.compile, what regional compilation calls per block)
+        "modules_compiled_in_place": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
         "accumulation_policy": accelerator.accumulation_policy.name,
         "resumed_from_step": result.resumed_from_step,
         "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
