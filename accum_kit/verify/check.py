@@ -167,7 +167,7 @@ def verify_accumulation(
     with torch.random.fork_rng(devices=[]):
         compiled = CompileRecord(accelerator)  # before the first compiled forward
         captured = _capture(accelerator, base, settings)
-        compile_info = compiled.finish()  # the rows only: the Trainer row builds its own (uncompiled) model
+        compile_info = compiled.finish()  # the rows' compiles only, not the informational Trainer row's
         if trainer_model is not None:
             captured.trainer = _capture_trainer(accelerator, trainer_model, settings)
         elif trainer_skip is not None:
