@@ -15,7 +15,8 @@ SPEC.json (written by the test)::
                     "max_grad_norm": float|null, "mixed_precision": "no"|"bf16",
                     "schedule": [[step, K], ...]|null, "policy": str|null,
                     "resume_from": [step, ...], "torch_compile_backend": str|null,
-                    "bucket_cap_mb": float}, ...]}
+                    "torch_compile_dynamic": bool|null, "bucket_cap_mb": float}, ...],
+     "pad_to": int|null, "cli_runs": [{"name": str, "command": str, "argv": [...], "collect": str|null}, ...]}
 
 (``epochs``, ``max_train_steps``, ``max_grad_norm`` and ``schedule`` are passed to train_loop as
 ``num_train_epochs``, ``max_train_steps``, ``max_grad_norm`` and ``accumulation_schedule``;
@@ -23,8 +24,10 @@ missing keys mean 1, None, None, None. With a schedule, ``K`` is the Accelerator
 ``mixed_precision`` goes to the Accelerator, missing means "no"; ``policy`` is
 ``build_accelerator(accumulation_policy=...)``; ``torch_compile_backend`` compiles the model through
 ``build_accelerator(torch_compile_backend=...)`` (``bucket_cap_mb``, default 0.01, must then be
-at least 1: see :func:`accum_kit.compiling.check_ddp_buckets`), and ``rank<r>.json`` then holds the
-:class:`accum_kit.compiling.CompileWatch` summary as ``compile``.)
+at least 1: see :func:`accum_kit.compiling.check_ddp_buckets`), with ``torch_compile_dynamic`` as
+``torch.compile``'s ``dynamic`` (missing: True), and ``rank<r>.json`` then holds the
+:class:`accum_kit.compiling.CompileWatch` summary as ``compile``. ``pad_to`` pads every
+micro-batch to at least that many tokens, so that all have one shape.)
 
 Launched with accelerate_configs/cpu_fsdp.yaml the model is sharded with FSDP2:
 the worker then counts, per micro-batch, the calls and bytes of ``torch.distributed``'s
@@ -45,6 +48,15 @@ For every scenario it writes under OUT_DIR/<name>/:
   loop's ``epoch`` / ``boundary`` / ``sync`` values and the number of DDP comm-hook calls
   (gradient bucket all-reduces) that happened while that micro-batch ran, or under
   FSDP2 the reduce-scatter and all-gather calls.
+
+``cli_runs`` run accum-kit commands (``accum_kit.cli.run(command, argv)``, what
+``accelerate launch -m accum_kit <command>`` runs) after the scenarios, in order, each
+as if in a fresh process: Accelerate's shared state and dynamo's caches are reset
+(``torch._dynamo.reset()``, documented as "as if you had started a fresh process") and,
+where the previous command ended the process group (the train job does), a new one is
+formed. Each run's exit code goes into ``cli_runs.rank<r>.json``; rank 0 copies its
+``collect`` file (e.g. the train job's train_summary.json) to ``OUT_DIR/<name>.json``.
+A failing command stops the list.
 
 With ``bench_argv`` in the spec, ``accum-kit bench <bench_argv> --output_dir OUT_DIR/bench``
 runs last in the same launch (under cpu_fsdp.yaml: the FSDP2 policy sweep).
@@ -191,7 +203,8 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         # Small buckets: several all-reduces per synchronised backward (the test must not assume one).
         kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=sc.get("bucket_cap_mb", 0.01))],
         torch_compile_backend=sc.get("torch_compile_backend"),
-        torch_compile_dynamic=True if sc.get("torch_compile_backend") else None,  # variable lengths: symbolic at once
+        # variable lengths: symbolic at once, unless the spec pads every micro-batch to one shape
+        torch_compile_dynamic=sc.get("torch_compile_dynamic", True) if sc.get("torch_compile_backend") else None,
     )
     rank, world = accelerator.process_index, accelerator.num_processes
     torch.manual_seed(spec["seed"])
@@ -200,7 +213,8 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
     raw_model = model
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
-    loader = DataLoader(spec["examples"], batch_size=sc["B"], shuffle=False, collate_fn=pad_collate(spec["pad_id"]))
+    loader = DataLoader(spec["examples"], batch_size=sc["B"], shuffle=False,
+                        collate_fn=pad_collate(spec["pad_id"], spec.get("pad_to")))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     rec = Recorder(raw_model, save_steps=accelerator.is_main_process)
@@ -250,6 +264,8 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         "comm_hook_registered": hooked,
         "is_fsdp2": bool(accelerator.is_fsdp2),
         "model_class": type(model).__name__,
+        # modules compiled in place (torch's nn.Module.compile, what regional compilation calls per block)
+        "modules_compiled_in_place": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
         "accumulation_policy": accelerator.accumulation_policy.name,
         "resumed_from_step": result.resumed_from_step,
         "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
@@ -284,6 +300,48 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
     accelerator.free_memory()
 
 
+def fresh_process_group(run: int) -> None:
+    """Form the default process group again if a previous command destroyed it (the train job's end_training).
+
+    The launcher's TCPStore outlives the group; a second rendezvous under the
+    first one's key prefix could read a peer's stale address, so every run
+    gets a prefix of its own (the reason accum_kit.launch.init_restartable_process_group
+    prefixes restart attempts).
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    assert os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True", "needs torchrun's shared store"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"dist_worker/cli_run{run}/", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def run_cli_commands(runs: list, out_dir: Path) -> int:
+    """Run ``spec["cli_runs"]`` in order, each as if in a fresh process; the first non-zero exit code stops it."""
+    import shutil
+
+    from accum_kit.cli import run as cli_run
+    from accum_kit.compat import reset_accelerate_state
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    codes = []
+    code = 0
+    for i, entry in enumerate(runs):
+        fresh_process_group(i)
+        reset_accelerate_state()
+        torch._dynamo.reset()
+        code = cli_run(entry["command"], [str(a) for a in entry["argv"]])
+        codes.append({"name": entry["name"], "exit_code": code})
+        if code == 0 and entry.get("collect") and os.environ.get("RANK", "0") == "0":
+            shutil.copyfile(entry["collect"], out_dir / f"{entry['name']}.json")
+        if code != 0:
+            break
+    (out_dir / f"cli_runs.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(codes))
+    return code
+
+
 def main(argv) -> int:
     spec_path, out_dir = Path(argv[1]), Path(argv[2])
     spec = json.loads(spec_path.read_text())
@@ -293,7 +351,9 @@ def main(argv) -> int:
         for step in sc.get("resume_from", []):
             run_scenario(spec, sc, out_dir, resume_from=step)
     code = 0
-    if spec.get("example_scripts"):  # example scripts in the same launch (tests/examples_worker.py's format)
+    if spec.get("cli_runs"):
+        code = run_cli_commands(spec["cli_runs"], out_dir)
+    if spec.get("example_scripts") and code == 0:  # example scripts in the same launch (tests/examples_worker.py's format)
         import examples_worker
 
         scripts = out_dir / f"example_scripts.rank{os.environ.get('RANK', '0')}.json"

@@ -230,19 +230,24 @@ def staging_leftovers(output_dir: Path) -> list[Path]:
     return found
 
 
-def pad_collate(pad_id: int):
-    """Right-pad to the longest example of the micro-batch: pad id, attention_mask 0, labels -100."""
+def pad_collate(pad_id: int, width: int | None = None):
+    """Right-pad to the longest example of the micro-batch (at least ``width`` tokens): pad id, attention_mask 0, labels -100.
+
+    A fixed ``width`` (at least the longest example) gives every micro-batch the
+    same shape, which a statically compiled model then runs without recompiling.
+    """
 
     import torch
 
     def collate(examples):
-        width = max(len(e["input_ids"]) for e in examples)
+        longest = max(len(e["input_ids"]) for e in examples)
+        width_ = max(longest, width or 0)
         ids, mask, labels = [], [], []
         for e in examples:
             n = len(e["input_ids"])
-            ids.append(e["input_ids"] + [pad_id] * (width - n))
-            mask.append([1] * n + [0] * (width - n))
-            labels.append(e["labels"] + [-100] * (width - n))
+            ids.append(e["input_ids"] + [pad_id] * (width_ - n))
+            mask.append([1] * n + [0] * (width_ - n))
+            labels.append(e["labels"] + [-100] * (width_ - n))
         return {
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "attention_mask": torch.tensor(mask, dtype=torch.long),

@@ -338,12 +338,12 @@ def example_loss(model, example):
     return nll, int(keep.sum())
 
 
-def oracle_run(init, windows, rule, K, world, lr=LR, max_grad_norm=None, clip_before_rescale=False):
+def oracle_run(init, windows, rule, K, world, lr=LR, max_grad_norm=None, clip_before_rescale=False, model_config=None):
     """See :func:`_oracle_run`; runs single-threaded (much faster for this tiny model on 2 cores)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _oracle_run(init, windows, rule, K, world, lr, max_grad_norm, clip_before_rescale)
+        return _oracle_run(init, windows, rule, K, world, lr, max_grad_norm, clip_before_rescale, model_config)
     finally:
         torch.set_num_threads(threads)
 
@@ -358,7 +358,7 @@ def _clip_(params, max_norm):
     return total_norm
 
 
-def _oracle_run(init, windows, rule, K, world, lr, max_grad_norm=None, clip_before_rescale=False):
+def _oracle_run(init, windows, rule, K, world, lr, max_grad_norm=None, clip_before_rescale=False, model_config=None):
     """Plain single-process SGD over the windows; returns params after each step and pre-step losses.
 
     rule:
@@ -370,8 +370,9 @@ def _oracle_run(init, windows, rule, K, world, lr, max_grad_norm=None, clip_befo
       before the step; each step's unclipped norm is returned as ``losses[s]["grad_norm"]``.
     clip_before_rescale: WRONG on purpose ("tokens" only): clip sum(NLL) / (K W), the gradient before
       the window rescale, and rescale by K W / N afterwards.
+    model_config: GPT2Config keyword arguments of the model ``init`` belongs to (None: MODEL_CONFIG).
     """
-    model = GPT2LMHeadModel(GPT2Config(**MODEL_CONFIG))
+    model = GPT2LMHeadModel(GPT2Config(**(model_config or MODEL_CONFIG)))
     model.load_state_dict(init)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=lr)

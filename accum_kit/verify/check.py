@@ -23,14 +23,12 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 from ..batchnorm import BatchNormAccumulationWarning
 from ..compat import forget_prepared
-from ..errors import UsageError
-from ..launch import build_accelerator, resolve_accumulation_steps
 from ..loop import train_loop
 from ..loss import causal_lm_loss
 from ..sharding import policy_name
 from . import batchnorm
+from .accelerator import CompileRecord, resolve_accelerator, resolve_tolerances
 from .capture import EvalMode, GradientCapture
-from .compare import DEFAULT_ATOL, DEFAULT_RTOL, mixed_precision_rtol
 from .data import partial_micro_batches
 from .report import VerifyReport
 from .rows import BATCHNORM_ROW, evaluate
@@ -61,6 +59,9 @@ def verify_accumulation(
     dataset=None,
     collate_fn=None,
     accumulation_policy: str | None = None,
+    torch_compile: bool = False,
+    torch_compile_backend: str | None = None,
+    torch_compile_mode: str | None = None,
 ) -> VerifyReport:
     """Compare the toolkit's accumulated gradient with a single-process big batch.
 
@@ -123,6 +124,14 @@ def verify_accumulation(
             (:mod:`accum_kit.policies`; None: ``no_sync``); with ``accelerator``
             given, its own (a different value is an error). Launched with an
             FSDP2 config, the rows run on sharded copies of the model.
+        torch_compile, torch_compile_backend, torch_compile_mode: compile the
+            rows' model copy in ``prepare`` (transformers' names, as the train
+            job's ``--torch_compile*``; a backend or a mode implies
+            ``torch_compile``; docs/compile.md): the whole model under DDP,
+            per block under FSDP2, shapes symbolic from the first call. The
+            oracle stays eager (float64). With ``accelerator`` given, its own
+            dynamo plugin decides and these must agree with it. The report's
+            ``compile`` holds the settings and this process's compile counts.
 
     With a ``dataset`` or ``loss_fn`` the ``trainer`` row is skipped (it runs
     transformers' causal-LM Trainer on verify's token data). When ``model``
@@ -142,29 +151,46 @@ def verify_accumulation(
     t0 = time.perf_counter()
     validate(gradient_accumulation_steps, per_device_train_batch_size, rtol, atol, loss_normalization,
              mixed_precision, model_preset, model_name_or_path)
-    if accelerator is None:
-        K = resolve_accumulation_steps(gradient_accumulation_steps)
-        accelerator = build_accelerator(K, mixed_precision=mixed_precision or "no",
-                                        accumulation_policy=accumulation_policy)
-    else:
-        if mixed_precision is not None and mixed_precision != accelerator.mixed_precision:
-            raise UsageError("mixed_precision", f"{mixed_precision} differs from the accelerator's "
-                             f"{accelerator.mixed_precision}", "omit it or build the accelerator with it")
-        own = getattr(getattr(accelerator, "accumulation_policy", None), "name", "no_sync")
-        if accumulation_policy is not None and accumulation_policy != own:
-            raise UsageError("accumulation_policy", f"{accumulation_policy} differs from the accelerator's {own}",
-                             "omit it or build the accelerator with it")
-        K = accelerator.gradient_accumulation_steps
-        if gradient_accumulation_steps is not None and gradient_accumulation_steps != K:
-            raise UsageError("gradient_accumulation_steps", f"{gradient_accumulation_steps} differs from the "
-                             f"accelerator's {K}", "omit it or build the accelerator with the same K")
-    precision = accelerator.mixed_precision
-    normwise = precision != "no"  # autocast: normwise criterion, sqrt(m) u
-    rtol = rtol if rtol is not None else (mixed_precision_rtol(precision) if normwise else DEFAULT_RTOL)
-    atol = atol if atol is not None else (0.0 if normwise else DEFAULT_ATOL)
-    main = accelerator.is_main_process
+    accelerator, K = resolve_accelerator(accelerator, gradient_accumulation_steps, mixed_precision,
+                                         accumulation_policy, torch_compile, torch_compile_backend,
+                                         torch_compile_mode)
+    settings, base, trainer_skip = _plan(
+        accelerator, K, model=model, model_name_or_path=model_name_or_path, model_preset=model_preset, seed=seed,
+        dataset=dataset, collate_fn=collate_fn, loss_fn=loss_fn, per_device_train_batch_size=per_device_train_batch_size,
+        partial_window=partial_window, trainer_row=trainer_row, loss_normalization=loss_normalization,
+        rtol=rtol, atol=atol, dataparallel=dataparallel)
+    oracle_model = copy.deepcopy(base) if accelerator.is_main_process else None  # initial parameters, before prepare
+    trainer_model = copy.deepcopy(base) if settings.trainer_row else None  # Trainer wraps its own copy
+    # Leave the caller's random state as it was: every DataLoader iteration draws a seed from torch's global
+    # generator (torch.utils.data.DataLoader), which would shift e.g. the shuffling of a training DataLoader
+    # the caller prepares afterwards. Nothing verify computes depends on it (no dropout, seeded examples).
+    with torch.random.fork_rng(devices=[]):
+        compiled = CompileRecord(accelerator)  # before the first compiled forward
+        captured = _capture(accelerator, base, settings)
+        compile_info = compiled.finish()  # the rows' compiles only, not the informational Trainer row's
+        if trainer_model is not None:
+            captured.trainer = _capture_trainer(accelerator, trainer_model, settings)
+        elif trainer_skip is not None:
+            captured.trainer = {"skipped": trainer_skip}
+    report = _main_process_report(accelerator, settings, captured, oracle_model)
+    report.compile = compile_info
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _plan(accelerator, K: int, *, model, model_name_or_path, model_preset, seed, dataset, collate_fn, loss_fn,
+          per_device_train_batch_size, partial_window, trainer_row, loss_normalization, rtol, atol,
+          dataparallel) -> tuple[RunSettings, torch.nn.Module, str | None]:
+    """``(settings, float32 model copy, why the Trainer row is skipped or None)`` for one verification.
+
+    The arguments are :func:`verify_accumulation`'s; the copy is taken with
+    torch's random state restored (a preset seeds torch to initialise it).
+
+    Raises:
+        UsageError: a model verify cannot make token data for, or too few examples in ``dataset``.
+    """
     token_data = dataset is None
-    with torch.random.fork_rng(devices=[]):  # a preset seeds torch before initialising its weights
+    with torch.random.fork_rng(devices=[]):
         base, spec, bn_layers = model_copy(model, model_name_or_path, seed, model_preset, token_data)
     spec["parameters"] = sum(p.numel() for p in base.parameters())
     r = partial_micro_batches(K, partial_window)
@@ -175,29 +201,27 @@ def verify_accumulation(
     if trainer_row and (loss_fn is not None or not token_data):
         trainer_row, trainer_skip = False, ("it runs transformers' causal-LM Trainer on verify's own token data; "
                                             "a loss_fn or dataset was given")
-    oracle_model = copy.deepcopy(base) if main else None  # initial parameters, before prepare
-    trainer_model = copy.deepcopy(base) if trainer_row else None  # Trainer wraps its own copy
+    rtol, atol, normwise = resolve_tolerances(accelerator.mixed_precision, rtol, atol)
     settings = RunSettings(
         gradient_accumulation_steps=K, per_device_train_batch_size=per_device_train_batch_size,
         world_size=accelerator.num_processes, partial_micro_batches=r,
         seed=seed, model=spec, partial_window=partial_window, trainer_row=trainer_row,
         loss_normalization=loss_normalization,
         rtol=rtol, atol=atol, dataparallel=dataparallel, device=str(accelerator.device),
-        distributed_type=str(accelerator.distributed_type).split(".")[-1], mixed_precision=precision,
+        distributed_type=str(accelerator.distributed_type).split(".")[-1], mixed_precision=accelerator.mixed_precision,
         normwise=normwise, autocast=bool(getattr(accelerator, "native_amp", False)), workload=workload,
         batchnorm_layers=bn_layers, accumulation_policy=policy_name(accelerator))
-    # Leave the caller's random state as it was: every DataLoader iteration draws a seed from torch's global
-    # generator (torch.utils.data.DataLoader), which would shift e.g. the shuffling of a training DataLoader
-    # the caller prepares afterwards. Nothing verify computes depends on it (no dropout, seeded examples).
-    with torch.random.fork_rng(devices=[]):
-        captured = _capture(accelerator, base, settings)
-        if trainer_model is not None:
-            captured.trainer = _capture_trainer(accelerator, trainer_model, settings)
-        elif trainer_skip is not None:
-            captured.trainer = {"skipped": trainer_skip}
+    return settings, base, trainer_skip
 
+
+def _main_process_report(accelerator, settings: RunSettings, captured: Captured, oracle_model) -> VerifyReport:
+    """The main process computes the oracle and the report and broadcasts it; every process returns it.
+
+    Raises:
+        RuntimeError: on the other processes, when the main process failed (it re-raises its own error).
+    """
     payload = None
-    if main:
+    if accelerator.is_main_process:
         try:
             payload = ("ok", evaluate(settings, captured, oracle_model))
         except Exception as exc:  # tell the other processes (they wait in the broadcast), then re-raise
@@ -206,7 +230,6 @@ def verify_accumulation(
     status, report = broadcast_object_list([payload])[0]
     if status != "ok":
         raise RuntimeError(f"the main process failed while computing the oracle: {report}")
-    report.seconds = time.perf_counter() - t0
     return report
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from accelerate import PartialState
 
+from ..compiling import MODES, resolve_flags
 from ..errors import UsageError
 from ..outputs import atomic_write_json, check_output_dir
 from ..policies import resolve_policy
@@ -38,6 +39,9 @@ class VerifyArguments:
     atol: float | None = field(default=None, metadata={"help": f"Absolute tolerance of the elementwise float32 criterion ({DEFAULT_ATOL:g}), gradient units of the token-mean gradient (x N target tokens for the sum rows); unused under bf16/fp16."})
     mixed_precision: str = field(default="no", metadata={"help": f"Build the Accelerator with this mixed_precision, one of {list(MIXED_PRECISIONS)}; the tolerance switches to the precision's (see --rtol)."})
     accumulation_policy: str | None = field(default=None, metadata={"help": "Build the Accelerator with this accumulation policy (accum_kit.policies; the FSDP2-only ones need an FSDP2 launch config); default no_sync."})
+    torch_compile: bool = field(default=False, metadata={"help": "Compile the rows' model with torch.compile through Accelerate's dynamo plugin (whole model under DDP, each block under FSDP2; the oracle stays eager; docs/compile.md)."})
+    torch_compile_backend: str | None = field(default=None, metadata={"help": "torch.compile backend (implies --torch_compile), e.g. inductor (the default), aot_eager, eager."})
+    torch_compile_mode: str | None = field(default=None, metadata={"help": f"inductor mode (implies --torch_compile), one of {list(MODES)}."})
     json: str | None = field(default=None, metadata={"help": "Also write the report as JSON to this file (main process, atomically)."})
 
     def __post_init__(self):
@@ -49,6 +53,8 @@ class VerifyArguments:
                 raise UsageError("--json", f"{self.json} is a directory", "pass a file path, e.g. verify.json")
             check_output_dir(os.path.dirname(os.path.abspath(self.json)), flag="--json")
         resolve_policy(self.accumulation_policy)  # an unknown name exits 2 before any work
+        if resolve_flags(self.torch_compile, self.torch_compile_backend, self.torch_compile_mode) is not None:
+            self.torch_compile = True  # a backend or a mode implies it (transformers' rule)
 
 
 ARGUMENTS = VerifyArguments
@@ -69,6 +75,9 @@ def run_command(args: VerifyArguments) -> int:
         atol=args.atol,
         mixed_precision=args.mixed_precision,
         accumulation_policy=args.accumulation_policy,
+        torch_compile=args.torch_compile,
+        torch_compile_backend=args.torch_compile_backend,
+        torch_compile_mode=args.torch_compile_mode,
     )
     state = PartialState()
     if state.is_main_process:

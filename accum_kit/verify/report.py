@@ -126,6 +126,7 @@ class VerifyReport:
     accumulation_policy: str = "no_sync"  # accum_kit.policies: what the windows skipped and kept
     data: dict = field(default_factory=dict)  # description, items (what N counts), token_data
     batchnorm: dict | None = None  # the BatchNorm finding (accum_kit.verify.batchnorm.summarize), None: no such layer
+    compile: dict | None = None  # torch.compile settings and this process's counts (verify.accelerator.CompileRecord)
 
     def row(self, name: str) -> Row:
         """The row called ``name`` (StopIteration if none)."""
@@ -186,6 +187,8 @@ class VerifyReport:
             "dropout off (eval mode)",
             f"  data: {self.data.get('description', '')}",
         ]
+        if self.compile is not None:
+            lines.append(self._compile_line())
         for w in self.windows:
             kind = (f"partial, {w.micro_batches_per_process} of {K} micro-batches per process "
                     "(the epoch's last window, closed at the end of the dataloader)" if w.partial
@@ -203,6 +206,14 @@ class VerifyReport:
             self._tolerance_line(),
         ]
         return lines
+
+    def _compile_line(self) -> str:
+        c = self.compile
+        where = "per block (regional)" if c["regional"] else "whole model"
+        shapes = "symbolic shapes" if c.get("dynamic") else "static shapes"
+        return (f"  compiled: torch.compile backend {c['backend']}, mode {c['mode']}, {where}, {shapes}; "
+                f"{c['compiles']} compiles, {c['graphs']} graphs, {c['recompiles']} recompiles, "
+                f"{c['compile_seconds']:.1f} s compiling (main process); the oracle runs eagerly")
 
     @property
     def items(self) -> str:
