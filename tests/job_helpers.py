@@ -40,8 +40,13 @@ STDLIB_FILES = ("textwrap.py", "shlex.py", "string.py")
 
 
 def clean_env(**extra: str) -> dict:
-    """os.environ without launcher variables, single-threaded, offline, plus ``extra``."""
+    """os.environ without launcher variables, single-threaded, offline, this checkout first on PYTHONPATH, plus ``extra``.
+
+    PYTHONPATH: launched workers run as scripts, so without it they would import whichever ``accum_kit`` is
+    installed (an editable install may point at another checkout).
+    """
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.update(
         OMP_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
