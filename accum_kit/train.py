@@ -135,21 +135,12 @@ def _optimizer(model, cfg: TrainConfig):
     return torch.optim.AdamW(groups, lr=cfg.learning_rate)
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Run the job described by ``cfg``; return the summary (also written to ``output_dir``).
+def _accelerator(cfg: TrainConfig, k: int):
+    """The run's Accelerator (K ``k``), and every check that needs it, before any data or model work.
 
     Raises:
-        UsageError: bad input, detected before any output is written.
-        ProcessCountError: the launcher and the Accelerator disagree on the process count.
+        UsageError: a tracker, engine, schedule, profiling or saving setting the launch cannot run.
     """
-    from accelerate.utils import set_seed
-    from transformers import get_scheduler
-
-    check_output_dir(cfg.output_dir)
-    check_writable(cfg.output_dir)
-    if cfg.trace_dir:
-        check_output_dir(cfg.trace_dir, flag="--trace_dir")
-    k = resolve_accumulation_steps(cfg.gradient_accumulation_steps)
     if cfg.with_tracking:
         check_trackers(cfg.report_to, cfg.output_dir)
     tracking = dict(log_with=cfg.report_to, project_dir=cfg.output_dir) if cfg.with_tracking else {}
@@ -165,6 +156,98 @@ def run(cfg: TrainConfig) -> dict:
     check_constant_k(accelerator, cfg.accumulation_schedule)
     check_profile_flags(accelerator, cfg.profile_ab_steps)
     check_model_saving(accelerator)
+    return accelerator
+
+
+def _summary(cfg: TrainConfig, accelerator, result, *, k, schedule, checkpointer, resume, evals, data,
+             n_params) -> dict:
+    """train_summary.json's fields that every run has (``comm``, ``compile`` and ``memory`` are added after).
+
+    ``evals``: (eval loss before, after, perplexity before, after), nats; ``data``: (train dataset, eval
+    dataset, its source); ``n_params``: parameters of the model.
+    """
+    eval_before, eval_after, ppl_before, ppl_after = evals
+    train_ds, eval_ds, source = data
+    effective_batch = cfg.per_device_train_batch_size * k * accelerator.num_processes
+    return {
+        "world_size": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type),
+        "gradient_accumulation_steps": k,
+        "per_device_train_batch_size": cfg.per_device_train_batch_size,
+        "effective_batch_size": effective_batch,
+        "accumulation_schedule": schedule_pairs(schedule),
+        "lr_scaling": cfg.lr_scaling,
+        "gradient_accumulation_steps_per_step": result.step_accumulation_steps,
+        "effective_batch_size_per_step": [cfg.per_device_train_batch_size * s * accelerator.num_processes
+                                          for s in result.step_accumulation_steps],
+        "optimizer_steps": result.optimizer_steps,
+        "resumed_from_step": result.resumed_from_step,
+        "resumed_from": str(resume) if resume is not None else None,
+        "checkpoints": [p.name for p in checkpointer.saved],
+        "checkpoint_saves": checkpointer.timings,
+        "micro_batches_per_process": result.micro_batches,
+        "epochs": result.epochs,
+        "train_loss": result.train_loss,
+        "eval_loss_before": eval_before,
+        "eval_loss_after": eval_after,
+        "eval_perplexity_before": ppl_before,
+        "eval_perplexity_after": ppl_after,
+        "tokens_per_second": result.tokens_per_second,
+        "seconds_per_optimizer_step": result.median_step_seconds,
+        "step_seconds": result.step_seconds,
+        "train_seconds": sum(result.step_seconds),
+        "dataset": source,
+        "train_examples": len(train_ds),
+        "eval_examples": len(eval_ds),
+        "block_size": cfg.block_size,
+        "packing": cfg.packing,
+        "model": _model_name(cfg),
+        "model_parameters": n_params,
+        "loss_normalization": cfg.loss_normalization,
+        "mixed_precision": accelerator.mixed_precision,
+        "tracking": cfg.report_to if cfg.with_tracking else None,
+        "sync_each_batch": cfg.accumulation_policy == "sync_each_batch",
+        "accumulation_policy": accelerator.accumulation_policy.name,  # under DeepSpeed the stage: zero1/2/3
+        "fsdp": fsdp_summary(accelerator),
+        "deepspeed": deepspeed_summary(accelerator),
+        "learning_rate": cfg.learning_rate,
+        "seed": cfg.seed,
+        "versions": library_versions(),
+    }
+
+
+def _save_outputs(cfg: TrainConfig, accelerator, model, tokenizer, summary: dict) -> None:
+    """Model, tokenizer, train_summary.json and all_results.json into ``output_dir``, atomically (collective)."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)  # collective under FSDP: the full, unsharded parameters
+    if accelerator.is_main_process:
+        with staged_output_dir(cfg.output_dir) as staging:
+            accelerator.unwrap_model(model).save_pretrained(staging, state_dict=state_dict)
+            tokenizer.save_pretrained(staging)
+            atomic_write_json(staging / "train_summary.json", summary)
+            # run_clm_no_trainer's results file (its test reads "perplexity" from it)
+            atomic_write_json(staging / "all_results.json", {
+                "perplexity": summary["eval_perplexity_after"], "eval_loss": summary["eval_loss_after"],
+                "epoch": summary["epochs"], "eval_samples": summary["eval_examples"]})
+        logger.info("saved model, train_summary.json and all_results.json to %s", cfg.output_dir)
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Run the job described by ``cfg``; return the summary (also written to ``output_dir``).
+
+    Raises:
+        UsageError: bad input, detected before any output is written.
+        ProcessCountError: the launcher and the Accelerator disagree on the process count.
+    """
+    from accelerate.utils import set_seed
+    from transformers import get_scheduler
+
+    check_output_dir(cfg.output_dir)
+    check_writable(cfg.output_dir)
+    if cfg.trace_dir:
+        check_output_dir(cfg.trace_dir, flag="--trace_dir")
+    k = resolve_accumulation_steps(cfg.gradient_accumulation_steps)
+    accelerator = _accelerator(cfg, k)
     resume = _resume_path(cfg)
     if resume is not None:  # before any work: the data position must mean the same examples
         check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
@@ -241,68 +324,16 @@ def run(cfg: TrainConfig) -> dict:
     if comm is not None and "speedup" in comm:
         accelerator.log({"comm/ab_speedup": comm["speedup"]}, step=result.optimizer_steps)
 
-    summary = {
-        "world_size": accelerator.num_processes,
-        "distributed_type": str(accelerator.distributed_type),
-        "gradient_accumulation_steps": k,
-        "per_device_train_batch_size": cfg.per_device_train_batch_size,
-        "effective_batch_size": effective_batch,
-        "accumulation_schedule": schedule_pairs(schedule),
-        "lr_scaling": cfg.lr_scaling,
-        "gradient_accumulation_steps_per_step": result.step_accumulation_steps,
-        "effective_batch_size_per_step": [cfg.per_device_train_batch_size * s * accelerator.num_processes
-                                          for s in result.step_accumulation_steps],
-        "optimizer_steps": result.optimizer_steps,
-        "resumed_from_step": result.resumed_from_step,
-        "resumed_from": str(resume) if resume is not None else None,
-        "checkpoints": [p.name for p in checkpointer.saved],
-        "checkpoint_saves": checkpointer.timings,
-        "micro_batches_per_process": result.micro_batches,
-        "epochs": result.epochs,
-        "train_loss": result.train_loss,
-        "eval_loss_before": eval_before,
-        "eval_loss_after": eval_after,
-        "eval_perplexity_before": ppl_before,
-        "eval_perplexity_after": ppl_after,
-        "tokens_per_second": result.tokens_per_second,
-        "seconds_per_optimizer_step": result.median_step_seconds,
-        "step_seconds": result.step_seconds,
-        "train_seconds": sum(result.step_seconds),
-        "dataset": source,
-        "train_examples": len(train_ds),
-        "eval_examples": len(eval_ds),
-        "block_size": cfg.block_size,
-        "packing": cfg.packing,
-        "model": _model_name(cfg),
-        "model_parameters": n_params,
-        "loss_normalization": cfg.loss_normalization,
-        "mixed_precision": accelerator.mixed_precision,
-        "tracking": cfg.report_to if cfg.with_tracking else None,
-        "sync_each_batch": cfg.accumulation_policy == "sync_each_batch",
-        "accumulation_policy": cfg.accumulation_policy,
-        "fsdp": fsdp_summary(accelerator),
-        "deepspeed": deepspeed_summary(accelerator),
-        "learning_rate": cfg.learning_rate,
-        "seed": cfg.seed,
-        "versions": library_versions(),
-    }
+    summary = _summary(cfg, accelerator, result, k=k, schedule=schedule, checkpointer=checkpointer, resume=resume,
+                       evals=(eval_before, eval_after, ppl_before, ppl_after), data=(train_ds, eval_ds, source),
+                       n_params=n_params)
     if comm is not None:
         summary["comm"] = comm
     summary["compile"] = {**compiled, **watch.summary()} if watch is not None else None  # the last eval counted too
     if watch is not None:
         watch.close()
     summary["memory"] = held.summary()  # collective
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # collective under FSDP: the full, unsharded parameters
-    if accelerator.is_main_process:
-        with staged_output_dir(cfg.output_dir) as staging:
-            accelerator.unwrap_model(model).save_pretrained(staging, state_dict=state_dict)
-            tokenizer.save_pretrained(staging)
-            atomic_write_json(staging / "train_summary.json", summary)
-            # run_clm_no_trainer's results file (its test reads "perplexity" from it)
-            atomic_write_json(staging / "all_results.json", {
-                "perplexity": ppl_after, "eval_loss": eval_after, "epoch": result.epochs, "eval_samples": len(eval_ds)})
-        logger.info("saved model, train_summary.json and all_results.json to %s", cfg.output_dir)
+    _save_outputs(cfg, accelerator, model, tokenizer, summary)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
