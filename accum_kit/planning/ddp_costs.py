@@ -11,14 +11,15 @@ window's synchronised backwards ("syncs"): ``K`` with ``sync_each_batch``,
 per sync, and bytes per sync are the whole gradient.
 
 The what-if planner (:mod:`accum_kit.planning.whatif`) and the bench's
-ideal speedup (:mod:`accum_kit.bench.report`) take their sync counts and
-all-reduce seconds from here, so that DDP, FSDP2 and HSDP are priced from
-the same formulas.
+ideal speedup (:mod:`accum_kit.bench.report`) take their sync counts from
+here and the all-reduce seconds from the table's own
+:func:`~accum_kit.planning.fsdp.all_reduce_seconds`, so that DDP, FSDP2,
+HSDP and ZeRO are priced from the same formulas.
 """
 
 from __future__ import annotations
 
-from .fsdp import PolicyCosts, ShardedModel, all_reduce_seconds, policy_costs
+from .fsdp import PolicyCosts, ShardedModel, policy_costs
 
 #: The accumulation policies that exist under DDP (the FSDP2 ones keep or free gathered parameters, which DDP never has).
 DDP_POLICIES = ("sync_each_batch", "no_sync")
@@ -56,12 +57,3 @@ def ddp_costs(policy: str, *, world_size: int, accumulation_steps: int, gradient
 def syncs_per_window(policy: str, accumulation_steps: int) -> int:
     """Synchronised backwards per window of K micro-batches under DDP: the table's all-reduce calls (K or 1)."""
     return ddp_costs(policy, world_size=2, accumulation_steps=accumulation_steps, gradient_bytes=4).all_reduce_calls
-
-
-def sync_seconds(gradient_bytes: float, world_size: int, busbw_GBps: float) -> float:
-    """Seconds of one DDP sync: the table's ring all-reduce of the whole gradient, ``2 (W - 1) / W x bytes / busbw``.
-
-    ``busbw_GBps`` in GB/s (1e9 bytes/s), nccl-tests' bus bandwidth
-    (doc/PERFORMANCE.md). One process: 0.
-    """
-    return all_reduce_seconds(gradient_bytes, world_size, busbw_GBps)
