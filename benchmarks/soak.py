@@ -18,9 +18,10 @@ Printed and written to ``<output_dir>/soak.json`` (rank 0):
 - RSS growth after ``--warmup_steps``: least-squares slope of the samples,
   MB per 1,000 and per 10,000 steps;
 - step time of the last block of ``--block_steps`` steps over the first
-  block after step 1 (start-up): the block is cut into 10 parts, the median
-  step of each part of the last block over that of the same part of the
-  first gives 10 ratios, summarised by their geometric mean and a 95 %
+  block after step 1 (start-up), in wall seconds and in rank 0's CPU
+  seconds (the one to read when other jobs share the machine): the block
+  is cut into 10 parts, the median step of each part of the last block over
+  that of the same part of the first gives 10 ratios, summarised by their geometric mean and a 95 %
   t-interval on the logs (:func:`accum_kit.stats.ratio_interval`);
 - checkpoint save seconds and bytes (first and last save), ``loop_state.json``
   bytes over the run; the profiler's records kept and calls counted.
@@ -35,6 +36,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -97,6 +99,18 @@ class Sampler(accum_kit.LoopCallback):
                                                           ("calls", "micro_batches", "steps", "collectives")}})
 
 
+class StepCPU(accum_kit.LoopCallback):
+    """This process's CPU seconds (all threads) per optimizer step: less moved by other jobs than wall time."""
+
+    def __init__(self):
+        self.last, self.seconds = time.process_time(), []
+
+    def on_step_end(self, state):
+        now = time.process_time()
+        self.seconds.append(now - self.last)
+        self.last = now
+
+
 def slope_per_step(points) -> float | None:
     """Least-squares slope of ``[(x, y), ...]``; None with fewer than 2 points."""
     if len(points) < 2:
@@ -141,10 +155,10 @@ def main(argv=None) -> int:
     if not args.no_tracker:
         accelerator.init_trackers("soak")
         callbacks.append(TrackerLogger(accelerator, optimizer, profiler))
-    sampler = Sampler(args.sample_every, out / "checkpoints", profiler)
+    sampler, cpu = Sampler(args.sample_every, out / "checkpoints", profiler), StepCPU()
     ckpt = Checkpointer(accelerator, out / "checkpoints", args.checkpoint_every, args.checkpoints_total_limit, signals=())
     result = accum_kit.train_loop(accelerator, model, optimizer, loader, max_train_steps=args.steps,
-                                  callbacks=[sampler, *callbacks], profiler=profiler, checkpointer=ckpt, progress=False)
+                                  callbacks=[cpu, sampler, *callbacks], profiler=profiler, checkpointer=ckpt, progress=False)
     comm = profiler.summary() if profiler is not None else None  # collective
     accelerator.end_training()
     if not accelerator.is_main_process:
@@ -157,6 +171,7 @@ def main(argv=None) -> int:
         "rss_mb_per_1000_steps": None if slope is None else slope * 1000,
         "rss_mb_per_10000_steps": None if slope is None else slope * 10000,
         "step_time_last_over_first": step_time_ratio(result.step_seconds, args.block_steps),
+        "step_cpu_last_over_first": step_time_ratio(cpu.seconds, args.block_steps),
         "checkpoint_saves": ckpt.timings, "samples": sampler.samples,
         "profiler_calls_counted": None if comm is None else {
             k: comm.get(k) for k in ("allreduce_calls", "all_gather_calls", "reduce_scatter_calls", "micro_batches",
@@ -170,6 +185,9 @@ def main(argv=None) -> int:
           f"({len(after)} samples, {after[0][1]:.1f} -> {after[-1][1]:.1f} MB)")
     print(f"  step time, last {args.block_steps} over first: {r['geometric_mean']:.3f} [{r['low']:.3f}, {r['high']:.3f}] "
           f"({r['first_median_s'] * 1e3:.2f} -> {r['last_median_s'] * 1e3:.2f} ms)")
+    c = report["step_cpu_last_over_first"]
+    print(f"  step CPU time (rank 0), last over first: {c['geometric_mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}] "
+          f"({c['first_median_s'] * 1e3:.2f} -> {c['last_median_s'] * 1e3:.2f} ms)")
     if saves:
         print(f"  checkpoint save: first {saves[0]['seconds']:.3f} s {saves[0]['bytes']} B, last {saves[-1]['seconds']:.3f} s "
               f"{saves[-1]['bytes']} B; loop_state.json {sampler.samples[1]['loop_state_bytes'] if len(sampler.samples) > 1 else None}"
