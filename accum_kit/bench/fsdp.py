@@ -161,8 +161,9 @@ def pooled_summaries(prof, cfg: BenchConfig, world: int, order: list[str]) -> di
     return out
 
 
-def command(cfg: BenchConfig, world: int, hybrid: bool = False) -> str:
-    """The command line that repeats this sweep (flags that differ from the defaults)."""
+def command(cfg: BenchConfig, world: int, hybrid: bool = False, config: str | None = None) -> str:
+    """The command line that repeats this sweep (flags that differ from the defaults); ``config``: the
+    accelerate config's file name when not cpu_fsdp.yaml / cpu_hsdp.yaml (both start 2 processes)."""
     default = BenchConfig()
     flags = []
     for name, value in asdict(cfg).items():
@@ -170,7 +171,7 @@ def command(cfg: BenchConfig, world: int, hybrid: bool = False) -> str:
             continue
         flags.append(f"--{name} " + (" ".join(map(str, value)) if isinstance(value, list) else str(value).lower()
                                      if isinstance(value, bool) else str(value)))
-    config, usual = ("cpu_hsdp.yaml", 4) if hybrid else ("cpu_fsdp.yaml", 2)
+    config, usual = (config, 2) if config else ("cpu_hsdp.yaml", 4) if hybrid else ("cpu_fsdp.yaml", 2)
     procs = "" if world == usual else f" --num_processes {world}"
     return (f"accelerate launch --config_file accelerate_configs/{config}{procs} -m accum_kit bench"
             + "".join(f" {f}" for f in flags))

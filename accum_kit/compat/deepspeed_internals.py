@@ -85,6 +85,87 @@ def deepspeed_comm_backend():
     return comm.cdb
 
 
+#: The ZeRO optimizers' methods on the gradient reduction path (DeepSpeed 0.19.8, ``stage_1_and_2.py`` and
+#: ``stage3.py``): ``process_gradients`` (the per-parameter gradient hook's body: under ZeRO-2 it copies the
+#: gradient into the reduction bucket, reducing the bucket when it fills, and drops ``.grad``; under ZeRO-1
+#: it does nothing inside the window), ``reduce_ready_partitions_and_remove_grads`` (the same per parameter;
+#: ZeRO-3's hook and ZeRO-1's boundary call it), ``reduce_gradients`` (ZeRO-1's boundary reduction, called
+#: by the engine), ``overlapping_partition_gradients_reduce_epilogue`` and
+#: ``independent_gradient_partition_epilogue`` (the flush of the last bucket: the all-reduce or
+#: reduce-scatter, the copy of the reduced bucket into this process's partition, the bookkeeping).
+ZERO_REDUCTION_METHODS = ("process_gradients", "reduce_ready_partitions_and_remove_grads", "reduce_gradients",
+                          "overlapping_partition_gradients_reduce_epilogue", "independent_gradient_partition_epilogue")
+
+
+def zero_reduction_methods(optimizer) -> list[str]:
+    """The names of :data:`ZERO_REDUCTION_METHODS` that ``optimizer`` (an engine's ZeRO optimizer) has.
+
+    The engine and the gradient hooks call them as ``self.<name>(...)`` / ``self.optimizer.<name>(...)``,
+    looked up on the instance at each call, so an instance attribute of the same name intercepts
+    every call (checked for DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer`` and ``DeepSpeedZeroOptimizer_Stage3``).
+    """
+    return [name for name in ZERO_REDUCTION_METHODS if callable(getattr(optimizer, name, None))]
+
+
+def deepspeed_parameter_bytes(engine) -> int:
+    """Bytes of parameters the engine's module holds now, each storage once.
+
+    A parameter's own data (ZeRO-1/2: views of the flat buffer, the whole
+    parameter; ZeRO-3: empty once released, the whole parameter while
+    gathered or when it stays resident under ``stage3_param_persistence_threshold``)
+    plus, under ZeRO-3, this process's partition ``ds_tensor`` (DeepSpeed 0.19.8).
+    The optimizer's fp32 master partitions are not counted.
+    """
+    seen, total = set(), 0
+    for p in engine.module.parameters():
+        for t in (p.data, getattr(p, "ds_tensor", None)):
+            if t is None or t.numel() == 0:
+                continue
+            storage = t.untyped_storage()
+            key = (storage.device, storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+    return total
+
+
+def prepare_deepspeed_engine(accelerator, model, optimizer, plugin, micro_batch: int, *extra):
+    """``accelerator.prepare(model, optimizer, *extra)`` as one more DeepSpeed engine, built from ``plugin``.
+
+    Accelerate (1.15) keeps one DeepSpeed plugin in its shared state and ties
+    ``accelerator.backward`` to the first engine it prepares
+    (``deepspeed_engine_wrapped``). To hold several engines (of other ZeRO stages
+    or K) in one process, this selects ``plugin`` as :func:`enable_deepspeed_on_cpu`
+    does, fixes the micro-batch and global batch in its config (no dataloader
+    need be passed), clears the tie, prepares, and returns ``(prepared objects,
+    wrapper)``; :func:`use_deepspeed_engine` ties ``backward`` to a wrapper again.
+    """
+    plugin.set_mixed_precision(accelerator.state.mixed_precision)
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch
+    config["train_batch_size"] = micro_batch * int(config["gradient_accumulation_steps"]) * accelerator.num_processes
+    use_deepspeed_engine(accelerator, plugin, None)
+    prepared = accelerator.prepare(model, optimizer, *extra)
+    return prepared, accelerator.deepspeed_engine_wrapped
+
+
+def use_deepspeed_engine(accelerator, plugin, wrapper) -> None:
+    """Make ``accelerator.backward`` drive ``wrapper``'s engine, with its ``plugin`` the selected one.
+
+    The shared state's ``deepspeed_plugins`` (what ``accelerator.deepspeed_plugin``
+    returns) and ``deepspeed_engine_wrapped`` (what ``backward`` calls: the
+    engine's ``backward``, then ``step`` on the boundary), accelerate 1.15.
+    """
+    from accelerate.state import AcceleratorState
+
+    plugin.select(_from_accelerator_state=True)
+    AcceleratorState._shared_state["deepspeed_plugins"] = plugin
+    accelerator.deepspeed_engine_wrapped = wrapper
+    if accelerator.deepspeed_plugin is not plugin:
+        raise RuntimeError("accelerate no longer reads its DeepSpeed plugin from the shared state; "
+                           "see accum_kit.compat.use_deepspeed_engine")
+
+
 def deepspeed_held_gradients(engine):
     """Yield ``(kind, tensor)`` for the gradients a DeepSpeed engine holds between micro-batches.
 
