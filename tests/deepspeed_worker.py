@@ -162,6 +162,41 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
     accelerator.free_memory()
 
 
+# --------------------------------------------------------------------------- the bench, in this launch
+
+
+class _NoBar:
+    """What the bench's sweep calls on its progress bar."""
+
+    def set_postfix_str(self, *_):
+        pass
+
+    def update(self, *_):
+        pass
+
+
+def run_bench(spec, out_dir: Path) -> None:
+    """``accum-kit bench``'s DeepSpeed sweep in-process (tiny preset; ``spec["bench"]``: K, repeats, steps):
+    ``bench/rank<r>.json`` holds the preset's info, its rows and every run record of this process."""
+    from accelerate.state import AcceleratorState
+
+    from accum_kit.bench.config import BenchConfig
+    from accum_kit.bench.zero import bench_zero_preset
+    from accum_kit.bench.zero_report import summarize_zero_preset
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    b = spec["bench"]
+    cfg = BenchConfig(model_presets=["tiny"], accumulation_steps=b["K"], repeats=b["repeats"], steps=b["steps"],
+                      warmup_steps=0, output_dir=str(out_dir / "bench"))
+    accelerator = accum_kit.build_accelerator(max(cfg.accumulation_steps))
+    info, runs = bench_zero_preset(cfg, "tiny", accelerator, _NoBar())
+    info.update(summarize_zero_preset("tiny", info, runs, cfg, accelerator.num_processes))
+    d = out_dir / "bench"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"rank{accelerator.process_index}.json").write_text(json.dumps({"info": info, "runs": runs}, default=str))
+    accelerator.wait_for_everyone()
+
+
 def main(argv) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     out_dir = Path(argv[2])
@@ -171,6 +206,8 @@ def main(argv) -> int:
         run_scenario(spec, sc, out_dir, counter)
         for step in sc.get("resume_from", []):
             run_scenario(spec, sc, out_dir, counter, resume_from=step)
+    if spec.get("bench"):
+        run_bench(spec, out_dir)
     return 0
 
 

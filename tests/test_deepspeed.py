@@ -45,6 +45,8 @@ SCENARIOS = [
     *[{**_sc(f"zero{s}_resume", s, epochs=2), "resume_from": [1]} for s in STAGES],
 ]
 BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
+#: ``accum-kit bench``'s DeepSpeed sweep, run in-process at the end of the same launch (tiny preset)
+BENCH = {"K": [1, 3], "repeats": 2, "steps": 2}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("deepspeed")
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
-            "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "profile": True}
+            "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "profile": True, "bench": BENCH}
     (root / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "--main_process_port",
            str(jh.free_port()), str(jh.REPO / "tests" / "deepspeed_worker.py"), str(root / "spec.json"), str(root / "out")]
@@ -66,7 +68,7 @@ def runs(tmp_path_factory):
         return {"steps": torch.load(d / "steps.pt", weights_only=True),
                 "ranks": [json.loads((d / f"rank{r}.json").read_text()) for r in range(W)]}
 
-    out = {}
+    out = {"bench": [json.loads((root / "out" / "bench" / f"rank{r}.json").read_text()) for r in range(W)]}
     for sc in SCENARIOS:
         d = root / "out" / sc["name"]
         out[sc["name"]] = {"scenario": sc, "init": torch.load(d / "init.pt", weights_only=True), **load(d),
@@ -209,6 +211,135 @@ def test_gradient_memory_held_is_what_the_stage_predicts(runs, stage):
             assert predicted == full / W <= held <= full / W + (largest if stage == 2 else 0), info["memory"]
         print(f"\nZeRO-{stage} rank {info['rank']}: gradient bytes held {held}, predicted {predicted:.0f} "
               f"({held / predicted:.3f})")
+
+
+# --------------------------------------------------------------------------- accum-kit bench under DeepSpeed
+
+
+def _tiny_parameters():
+    """The tiny preset's parameters, counted on the plain model (the oracle of P and of the largest tensor)."""
+    from accum_kit.models import build_model
+
+    model = build_model("tiny", 384, 64, seed=0)
+    return sum(p.numel() for p in model.parameters()), max(p.numel() for p in model.parameters())
+
+
+@needs_deepspeed
+def test_bench_rotates_the_stages_window_by_window(runs):
+    """Per K and repeat, the measured windows (in the order they started) are cycles of one window of each
+    stage, every cycle the same order, and the order rotates from one repeat to the next; one row per
+    stage x K."""
+    recs = runs["bench"][0]["runs"]
+    for K in BENCH["K"]:
+        leads = []
+        for rep in range(BENCH["repeats"]):
+            mine = [r for r in recs if r["K"] == K and r["repeat"] == rep]
+            seq = [s for _, s in sorted((t, r["stage"]) for r in mine for t in r["window_starts"])]
+            assert len(seq) == len(STAGES) * BENCH["steps"]
+            cycles = [seq[i:i + len(STAGES)] for i in range(0, len(seq), len(STAGES))]
+            assert all(sorted(c) == list(STAGES) for c in cycles), seq
+            assert all(c == cycles[0] for c in cycles), seq
+            leads.append(cycles[0][0])
+        assert len(set(leads)) == BENCH["repeats"], (K, leads)
+    rows = runs["bench"][0]["info"]["rows"]
+    assert sorted((r["K"], r["stage"]) for r in rows) == [(K, s) for K in BENCH["K"] for s in STAGES]
+    assert all(r["n_pairs"] == BENCH["repeats"] * BENCH["steps"] for r in rows)
+
+
+@needs_deepspeed
+def test_bench_collectives_per_window_follow_the_documented_formulas(runs):
+    """The bench's per-window counts (its profiler) against docs/deepspeed.md's table, with P counted on the
+    plain model and G = 1 (one AdamW group): ZeRO-1 G + 1 all-reduces and G all-gathers, ZeRO-2 K G + 1
+    all-reduces and G all-gathers, ZeRO-3 K G reduce-scatters and 1 all-reduce; bytes K P 4 or P 4."""
+    P, _ = _tiny_parameters()
+    for bench in runs["bench"]:
+        for r in bench["runs"]:
+            K, s = r["K"], r["stage"]
+            got = {k: (v["calls_per_step"], v["bytes_per_step"]) for k, v in r["by_kind"].items()}
+            if s == 1:
+                want = {"all_reduce": (2, 4 * P + 4), "all_gather": (1, 4 * P)}
+            elif s == 2:
+                want = {"all_reduce": (K + 1, 4 * K * P + 4), "all_gather": (1, 4 * P)}
+            else:
+                want = {"all_reduce": (1, 8), "reduce_scatter": (K, 4 * K * P)}
+                got.pop("all_gather")  # ZeRO-3's parameter gathers: counted, not predicted
+            assert got == want, (K, s, got)
+
+
+@needs_deepspeed
+def test_bench_memory_held_is_the_prediction(runs):
+    """Gradient bytes held between micro-batches (K=3, the most over processes): ZeRO-1 4 P and ZeRO-3 4 P / W,
+    both within 10 % of the bench's prediction; ZeRO-2 within one parameter of 4 P / W (whole parameters'
+    gradients, see test_gradient_memory_held_is_what_the_stage_predicts). ZeRO-1/2 hold 4 P of parameters."""
+    P, largest = _tiny_parameters()
+    rows = {(r["K"], r["stage"]): r for r in runs["bench"][0]["info"]["rows"]}
+    MB = 2**20
+    full = 4 * P
+    assert rows[(3, 1)]["gradient_mb"] * MB == full
+    assert rows[(3, 3)]["gradient_mb"] * MB == pytest.approx(full / W, rel=0.01)
+    assert full / W <= rows[(3, 2)]["gradient_mb"] * MB <= full / W + 4 * largest
+    for s in (1, 3):
+        assert abs(rows[(3, s)]["gradient_measured_over_predicted"] - 1) <= 0.10, rows[(3, s)]
+    for s in (1, 2):
+        assert rows[(3, s)]["parameter_mb"] * MB == full
+    assert all(rows[(1, s)]["gradient_mb"] is None for s in STAGES)  # K=1: no two micro-batches in a window
+
+
+@needs_deepspeed
+def test_bench_times_the_whole_reduction_path(runs):
+    """The profiler's reduction-path time contains the gradient collectives made inside it: ZeRO-2's
+    all-reduces, ZeRO-3's reduce-scatters (so a wrapper that missed the path, or timed only part of it,
+    fails); and the ZeRO-2 row carries the estimate of ZeRO-1's saving beside the collectives-only one."""
+    for r in runs["bench"][0]["runs"]:
+        kind = {1: "all_reduce", 2: "all_reduce", 3: "reduce_scatter"}[r["stage"]]
+        assert r["reduction_calls_per_step"] > 0
+        if r["stage"] > 1:
+            assert r["reduction_seconds_per_step"] >= r["by_kind"][kind]["seconds_per_step"], r
+    z2 = [r for r in runs["bench"][0]["info"]["rows"] if r["stage"] == 2]
+    assert all(r["estimated_saved_s"] is not None and r["collectives_only_saved_s"] is not None for r in z2)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("kwargs,flag,fix", [
+    ({"zero_stages": [4]}, "--zero_stages", "1, 2, 3"),
+    ({"zero_stages": [2, 2]}, "--zero_stages", "once"),
+    ({"accumulation_policies": ["no_sync"]}, "--accumulation_policies", "--zero_stages"),
+    ({"modes": ["no_sync"]}, "--modes", "--zero_stages"),
+    ({"ddp_bucket_cap_mb": 25.0}, "--ddp_bucket_cap_mb", "--zero_stages"),
+])
+def test_bench_flags_that_mean_nothing_under_deepspeed_are_refused(ds_env, tmp_path, kwargs, flag, fix):
+    from accum_kit import UsageError
+    from accum_kit.bench.config import BenchConfig
+
+    with pytest.raises(UsageError) as err:
+        BenchConfig(output_dir=str(tmp_path / "b"), **kwargs)
+    assert err.value.flag == flag and fix in err.value.fix, str(err.value)
+    assert not (tmp_path / "b").exists()
+
+
+@needs_deepspeed
+def test_bench_refuses_a_launch_it_cannot_run(ds_env, tmp_path):
+    """--zero_stages outside a DeepSpeed launch; the package missing; one process: flag and fix, nothing built."""
+    import torch.distributed as dist
+
+    from accum_kit import UsageError
+    from accum_kit.bench.config import BenchConfig
+    from accum_kit.bench.zero import check_launch
+
+    ds_env.setenv("WORLD_SIZE", "1")
+    with pytest.raises(UsageError) as err:
+        check_launch()
+    assert err.value.flag == "--num_processes" and "cpu_deepspeed.yaml" in err.value.fix
+    real = importlib.util.find_spec
+    ds_env.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(UsageError) as err:
+        check_launch()
+    assert err.value.flag == "--use_deepspeed"
+    ds_env.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    with pytest.raises(UsageError) as err:
+        BenchConfig(zero_stages=[1], output_dir=str(tmp_path / "b"))
+    assert err.value.flag == "--zero_stages" and "cpu_deepspeed.yaml" in err.value.fix
+    assert not dist.is_initialized()
 
 
 # --------------------------------------------------------------------------- refusals (in-process)
