@@ -42,15 +42,12 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
-import sys
 import time
 from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from ..callbacks import LoopCallback
 from ..compat import deepspeed_parameter_bytes, prepare_deepspeed_engine, use_deepspeed_engine
@@ -64,6 +61,7 @@ from ..profiler import CommProfiler
 from ..stats import median
 from ..zero import check_deepspeed_installed, deepspeed_plugin_for
 from .config import BenchConfig
+from .driver import Clock, publish, sweep_presets
 from .data import TokenRows, data_description, synthetic_tokens, variable_target_labels
 from .fsdp import command as sweep_command
 from .memory import PeakMemory
@@ -253,37 +251,17 @@ def run(cfg: BenchConfig) -> dict:
     """
     check_launch()
     accelerator = build_accelerator(max(cfg.accumulation_steps))
-    world = accelerator.num_processes
-    started, load_start, t0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), os.getloadavg(), time.perf_counter()
-    total = len(cfg.model_presets) * cfg.repeats * len(cfg.accumulation_steps)
-    bar = tqdm(total=total, desc="bench runs (DeepSpeed)", disable=not accelerator.is_main_process, file=sys.stdout)
-    presets, rows, all_runs, tables = {}, [], [], []
-    for preset in cfg.model_presets:
-        info, runs = bench_zero_preset(cfg, preset, accelerator, bar)
-        info.update(summarize_zero_preset(preset, info, runs, cfg, world))
-        presets[preset], all_runs = info, all_runs + runs
-        rows += info.pop("rows")
-        tables.append(format_zero_table(preset, info, [r for r in rows if r["preset"] == preset]))
-        if accelerator.is_main_process:
-            bar.write(tables[-1] + "\n")
-    bar.close()
+    clock = Clock()
+    presets, rows, all_runs, tables = sweep_presets(cfg, accelerator, "bench runs (DeepSpeed)", bench_zero_preset,
+                                                    summarize_zero_preset, format_zero_table)
     targets = evaluate_zero_targets(rows, presets)
     result = {
         "schema": "accum_kit.bench.zero/1",
-        "command": sweep_command(cfg, world, config="cpu_deepspeed.yaml"),
+        "command": sweep_command(cfg, accelerator.num_processes, config="cpu_deepspeed.yaml"),
         "config": asdict(cfg), "machine": machine(accelerator), "versions": library_versions(),
         "data": data_description(cfg),
         "timings_from": "process 0 (step times); memory: max over processes",
-        "presets": presets, "rows": rows, "targets": targets, "runs": all_runs,
-        "timing": {"started": started, "total_seconds": time.perf_counter() - t0,
-                   "load_average_start": list(load_start), "load_average_end": list(os.getloadavg())},
+        "presets": presets, "rows": rows, "targets": targets, "runs": all_runs, "timing": clock.timing(),
     }
-    if accelerator.is_main_process:
-        paths = write_zero_outputs(cfg.output_dir, result)
-        print("\n".join(tables))
-        print(format_zero_targets(targets))
-        print(f"wrote {', '.join(str(p) for p in paths)} ({result['timing']['total_seconds']:.0f} s; "
-              f"load average {load_start[0]:.2f} at start, {result['timing']['load_average_end'][0]:.2f} at end)")
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    publish(accelerator, result, tables, format_zero_targets(targets), write_zero_outputs)
     return result
