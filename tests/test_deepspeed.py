@@ -281,7 +281,7 @@ def test_bench_memory_held_is_the_prediction(runs):
     for s in (1, 3):
         assert abs(rows[(3, s)]["gradient_measured_over_predicted"] - 1) <= 0.10, rows[(3, s)]
     for s in (1, 2):
-        assert rows[(3, s)]["parameter_mb"] * MB == full
+        assert rows[(3, s)]["parameter_mb"] * MB == pytest.approx(full, rel=0.01)  # the flat buffer's alignment
     assert all(rows[(1, s)]["gradient_mb"] is None for s in STAGES)  # K=1: no two micro-batches in a window
 
 
