@@ -70,7 +70,8 @@ from .zero_report import evaluate_zero_targets, format_zero_table, format_zero_t
 from .zero_files import write_zero_outputs
 
 #: Profiler summary keys a run record keeps (see :func:`accum_kit.profiler.zero.zero_summary`).
-SUMMARY_KEYS = ("by_kind", "collective_seconds_per_step", "reduction_seconds_per_step", "reduction_calls_per_step")
+SUMMARY_KEYS = ("by_kind", "collective_seconds_per_step", "reduction_seconds_per_step", "reduction_calls_per_step",
+                "reduction_path_collectives")
 
 
 def stage_name(stage: int) -> str:

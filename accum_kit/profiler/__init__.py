@@ -297,8 +297,10 @@ class CommProfiler(LoopCallback):
             kept = self.records(mode=self.mode, tag=tag)
             mine = [c for c in self.zero.calls if c.mode == self.mode and (tag is None or c.tag == tag)]
             reductions = [c for c in self.zero.reductions if c.mode == self.mode and (tag is None or c.tag == tag)]
+            inside = [c for c in self.zero.inside_reduction if c.mode == self.mode and (tag is None or c.tag == tag)]
             out.update(zero_summary(mine, steps=len(kept.steps), world_size=self.world_size,
-                                    stage=self.accelerator.deepspeed_plugin.zero_stage, reductions=reductions))
+                                    stage=self.accelerator.deepspeed_plugin.zero_stage, reductions=reductions,
+                                    inside=inside))
         if self.sharded:
             for key in ALLREDUCE_KEYS:  # DDP's all-reduce: FSDP2 has none
                 out.pop(key, None)

@@ -79,6 +79,7 @@ class ZeroRecorder:
         self.labels, self._saved = labels, {}
         self._calls = recent(keep_records)
         self._reductions = recent(keep_records)
+        self._inside = recent(keep_records)  # the collective records made inside the reduction path
         self._optimizers: list = []  # ZeRO optimizers whose reduction path is timed (see :meth:`watch`)
         self._depth = 0  # nesting of reduction-path calls: only the outermost is recorded
 
@@ -86,6 +87,11 @@ class ZeroRecorder:
     def reductions(self) -> list:
         """The most recent reduction-path records (``kind == "reduction"``, ``bytes`` 0; a copy)."""
         return list(self._reductions)
+
+    @property
+    def inside_reduction(self) -> list:
+        """The most recent collective records that ran inside a watched reduction path (a copy)."""
+        return list(self._inside)
 
     def watch(self, optimizer) -> None:
         """Time ``optimizer``'s gradient reduction path while registered (an engine's ZeRO optimizer;
@@ -160,7 +166,12 @@ class ZeroRecorder:
         self._saved = {}
 
     def _wrap(self, inner, kind, pos, key):
-        add = self._calls.append
+        calls, inside = self._calls.append, self._inside.append
+
+        def add(record):
+            calls(record)
+            if self._depth:
+                inside(record)
 
         def call(*args, **kwargs):
             lab = self.labels
@@ -179,7 +190,8 @@ class ZeroRecorder:
         return call
 
 
-def zero_summary(calls: list, *, steps: int, world_size: int, stage: int, reductions: list = ()) -> dict:
+def zero_summary(calls: list, *, steps: int, world_size: int, stage: int, reductions: list = (),
+                 inside: list = ()) -> dict:
     """Per-kind figures of one process's DeepSpeed records (see the module docstring).
 
     Args:
@@ -188,11 +200,13 @@ def zero_summary(calls: list, *, steps: int, world_size: int, stage: int, reduct
         world_size: n of the bus bandwidth.
         stage: the ZeRO stage (reported).
         reductions: the reduction-path records of the same mode (:meth:`ZeroRecorder.watch`).
+        inside: the collective records of the same mode made inside the reduction path.
 
     Returns:
         ``{"zero_stage": int, "by_kind": {kind: {"calls_per_step", "bytes_per_step",
         "seconds_per_step", "busbw_GBps"}}, "collective_seconds_per_step": float,
-        "reduction_seconds_per_step": float, "reduction_calls_per_step": float}`` (seconds:
+        "reduction_seconds_per_step": float, "reduction_calls_per_step": float,
+        "reduction_path_collectives": {kind: calls per step}}`` (seconds:
         of the calls, summed; the reduction path's include its collectives).
     """
     per = max(steps, 1)
@@ -212,4 +226,6 @@ def zero_summary(calls: list, *, steps: int, world_size: int, stage: int, reduct
     return {"zero_stage": stage, "by_kind": out,
             "collective_seconds_per_step": sum(k["seconds_per_step"] for k in out.values()),
             "reduction_seconds_per_step": sum(r.seconds for r in reductions) / per,
-            "reduction_calls_per_step": len(reductions) / per}
+            "reduction_calls_per_step": len(reductions) / per,
+            "reduction_path_collectives": {kind: sum(c.kind == kind for c in inside) / per
+                                           for kind in sorted({c.kind for c in inside})}}
