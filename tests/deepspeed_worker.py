@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -185,6 +186,7 @@ def run_bench(spec, out_dir: Path) -> None:
     from accum_kit.bench.zero_report import summarize_zero_preset
 
     AcceleratorState._reset_state(reset_partial_state=True)
+    t0 = time.perf_counter()
     b = spec["bench"]
     cfg = BenchConfig(model_presets=["tiny"], accumulation_steps=b["K"], repeats=b["repeats"], steps=b["steps"],
                       warmup_steps=0, output_dir=str(out_dir / "bench"))
@@ -193,7 +195,8 @@ def run_bench(spec, out_dir: Path) -> None:
     info.update(summarize_zero_preset("tiny", info, runs, cfg, accelerator.num_processes))
     d = out_dir / "bench"
     d.mkdir(parents=True, exist_ok=True)
-    (d / f"rank{accelerator.process_index}.json").write_text(json.dumps({"info": info, "runs": runs}, default=str))
+    (d / f"rank{accelerator.process_index}.json").write_text(json.dumps(
+        {"info": info, "runs": runs, "seconds": time.perf_counter() - t0}, default=str))
     accelerator.wait_for_everyone()
 
 

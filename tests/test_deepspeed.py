@@ -242,6 +242,7 @@ def test_bench_rotates_the_stages_window_by_window(runs):
             leads.append(cycles[0][0])
         assert len(set(leads)) == BENCH["repeats"], (K, leads)
     rows = runs["bench"][0]["info"]["rows"]
+    print(f"\nthe bench's sweep took {runs['bench'][0]['seconds']:.1f} s of the launch (rank 0)")
     assert sorted((r["K"], r["stage"]) for r in rows) == [(K, s) for K in BENCH["K"] for s in STAGES]
     assert all(r["n_pairs"] == BENCH["repeats"] * BENCH["steps"] for r in rows)
 

@@ -29,7 +29,9 @@ intervals are over those per-cycle pairs (:mod:`.zero_report`). Before the
 repeats, one unmeasured window per engine pays a fresh engine's first-step
 costs (page faults, bucket allocation).
 
-Recorded per window: step seconds (the profiler's, process 0), every
+Recorded per window: step seconds and the process's CPU seconds in the
+window (``time.process_time``: the work done, which other jobs' load
+barely lengthens; the profiler's, process 0), every
 DeepSpeed collective and the time in each engine's gradient reduction path
 (:class:`accum_kit.profiler.CommProfiler`, :mod:`accum_kit.profiler.zero`),
 the gradient and module parameter bytes held between micro-batches
@@ -133,9 +135,9 @@ class Engines:
                              "param_groups": len(engine.optimizer.param_groups)}
         del copies
 
-    def window(self, stage: int, profiler, tag: str, measured: bool) -> tuple[float, float]:
-        """One optimizer step (K micro-batches) of the stage's engine; returns (its start, ``perf_counter``
-        seconds, and its step seconds; this process)."""
+    def window(self, stage: int, profiler, tag: str, measured: bool) -> tuple[float, float, float | None]:
+        """One optimizer step (K micro-batches) of the stage's engine; returns its start (``perf_counter``
+        seconds), its step seconds and the process's CPU seconds in it (this process)."""
         b, acc = self.built[stage], self.accelerator
         use_deepspeed_engine(acc, b["plugin"], b["wrapper"])
         acc.accumulation_policy = replace(acc.accumulation_policy, name=stage_name(stage))
@@ -144,7 +146,8 @@ class Engines:
         start = time.perf_counter()
         train_loop(acc, b["engine"], b["optimizer"], self.loader, max_train_steps=1, progress=False,
                    profiler=profiler, callbacks=[b["memory"]] if measured else [])
-        return start, profiler.records(tag=tag).steps[-1].step_seconds
+        step = profiler.records(tag=tag).steps[-1]
+        return start, step.step_seconds, step.cpu_seconds
 
     def close(self) -> None:
         """Destroy every engine and forget them in the Accelerator (their memory is freed)."""
@@ -185,17 +188,19 @@ def bench_zero_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[
             seconds: dict[int, list] = {s: [] for s in order}
             cycles: dict[int, list] = {s: [] for s in order}
             starts: dict[int, list] = {s: [] for s in order}
+            cpu: dict[int, list] = {s: [] for s in order}
             dist.barrier()
             for c in range(cfg.warmup_steps + cfg.steps):
                 for s in order:
                     measured = c >= cfg.warmup_steps
                     tag = f"{stage_name(s)}/K{K}/r{rep}" if measured else f"warmup/K{K}/r{rep}"
-                    t0, t = engines.window(s, prof, tag, measured)
+                    t0, t, c_s = engines.window(s, prof, tag, measured)
                     if measured:
+                        cpu[s].append(c_s)
                         seconds[s].append(t)
                         starts[s].append(t0)
                         cycles[s].append(c - cfg.warmup_steps)
-            runs += _records(engines, prof, preset, K, rep, order, seconds, cycles, starts, device)
+            runs += _records(engines, prof, preset, K, rep, order, (seconds, cpu), cycles, starts, device)
             bar.set_postfix_str(f"{preset} K={K} " + ", ".join(f"ZeRO-{s} {median(seconds[s]):.2f}" for s in order))
             bar.update(1)
         info_k = {s: {"parameters": b["parameters"], "param_groups": b["param_groups"]}
@@ -210,8 +215,9 @@ def bench_zero_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[
     return info, runs
 
 
-def _records(engines, prof, preset, K, rep, order, seconds, cycles, starts, device) -> list[dict]:
+def _records(engines, prof, preset, K, rep, order, times, cycles, starts, device) -> list[dict]:
     """One record per stage of one repeat: step seconds per cycle, profiler figures, memory (max over processes)."""
+    seconds, cpu = times
     mem = torch.tensor([[engines.built[s]["memory"].gradient_bytes, engines.built[s]["memory"].parameter_bytes,
                          max((p for p in engines.built[s]["memory"].peaks_mb if p is not None), default=-1.0)]
                         for s in order], dtype=torch.float64, device=device)
@@ -221,7 +227,7 @@ def _records(engines, prof, preset, K, rep, order, seconds, cycles, starts, devi
         summary = prof.local_summary(f"{stage_name(s)}/K{K}/r{rep}")
         out.append({"preset": preset, "K": K, "stage": s, "repeat": rep, "position": i, "cycles": cycles[s],
                     "window_starts": starts[s],
-                    "step_seconds": seconds[s], "optimizer_steps": len(seconds[s]),
+                    "step_seconds": seconds[s], "cpu_seconds": cpu[s], "optimizer_steps": len(seconds[s]),
                     "gradient_bytes": mem[i, 0].item(), "parameter_bytes": mem[i, 1].item(),
                     "peak_rss_mb": mem[i, 2].item() if mem[i, 2] >= 0 else None,
                     **{k: summary.get(k) for k in SUMMARY_KEYS}})

@@ -11,6 +11,9 @@ Per (K, stage) row (seconds per optimizer step; MB = 2**20 bytes):
   (:func:`accum_kit.stats.ratio_interval`). Above 1: slower than ZeRO-1.
   ``seconds_over_zero1`` (this stage's step minus ZeRO-1's) is the mean of
   the paired differences with its 95 % interval (``over_ci_low`` / ``over_ci_high``);
+  ``cpu_s_median`` and ``cpu_ratio_vs_zero1`` (``cpu_ratio_ci_low`` / ``_high``):
+  the same for process 0's CPU seconds per window, which a shared machine's
+  other jobs barely change (the ratio to compare across runs);
 - per collective kind, calls and bytes per step (medians over repeats of
   the profiler's per-step figures: :func:`accum_kit.profiler.zero.zero_summary`),
   ``collective_s`` (their seconds) and ``reduction_s`` (the seconds inside
@@ -38,7 +41,8 @@ MB = 2**20
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 CSV_FIELDS = (
     "preset", "K", "stage", "n_steps", "n_pairs", "step_s_median", "step_s_q1", "step_s_q3", "ratio_vs_zero1",
-    "ratio_ci_low", "ratio_ci_high", "seconds_over_zero1", "over_ci_low", "over_ci_high",
+    "ratio_ci_low", "ratio_ci_high", "seconds_over_zero1", "over_ci_low", "over_ci_high", "cpu_s_median",
+    "cpu_ratio_vs_zero1", "cpu_ratio_ci_low", "cpu_ratio_ci_high",
     *(f"{k}_{x}_per_step" for k in KINDS for x in ("calls", "mb")), "collective_s", "reduction_s",
     "gradient_mb", "predicted_gradient_mb", "gradient_measured_over_predicted", "parameter_mb",
     "predicted_parameter_mb", "parameter_measured_over_predicted", "peak_rss_mb", "estimated_saved_s",
@@ -46,8 +50,8 @@ CSV_FIELDS = (
 )
 
 
-def _pairs(runs) -> dict[tuple, float]:
-    return {(r["repeat"], c): t for r in runs for c, t in zip(r["cycles"], r["step_seconds"])}
+def _pairs(runs, key: str = "step_seconds") -> dict[tuple, float]:
+    return {(r["repeat"], c): t for r in runs for c, t in zip(r["cycles"], r.get(key) or []) if t is not None}
 
 
 def _kind(runs, kind: str, key: str):
@@ -75,6 +79,9 @@ def summarize_zero_preset(preset: str, info: dict, runs: list[dict], cfg, world:
             keys = [k for k in mine if k in base_pairs]
             est = ratio_interval([mine[k] / base_pairs[k] for k in keys])
             over, olo, ohi = mean_interval([mine[k] - base_pairs[k] for k in keys])
+            cpu, base_cpu = _pairs(cell, "cpu_seconds"), _pairs(base, "cpu_seconds")
+            cpu_keys = [k for k in cpu if k in base_cpu and base_cpu[k] > 0]
+            cpu_est = ratio_interval([cpu[k] / base_cpu[k] for k in cpu_keys])
             pred = zero_costs(f"zero{stage}", info["engine_parameters"], world_size=world, accumulation_steps=K,
                               param_groups=info["param_groups"])
             grad, param = _m(cell, "gradient_bytes"), _m(cell, "parameter_bytes")
@@ -83,6 +90,9 @@ def summarize_zero_preset(preset: str, info: dict, runs: list[dict], cfg, world:
                    "ratio_vs_zero1": est["geometric_mean"] if keys else None,
                    "ratio_ci_low": est["low"] if keys else None, "ratio_ci_high": est["high"] if keys else None,
                    "seconds_over_zero1": over, "over_ci_low": olo, "over_ci_high": ohi,
+                   "cpu_s_median": median(cpu.values()) if cpu else None,
+                   **{f"cpu_{k}": cpu_est[v] if cpu_keys else None for k, v in (
+                       ("ratio_vs_zero1", "geometric_mean"), ("ratio_ci_low", "low"), ("ratio_ci_high", "high"))},
                    "collective_s": _m(cell, "collective_seconds_per_step"),
                    "reduction_s": _m(cell, "reduction_seconds_per_step"),
                    "gradient_mb": grad / MB if grad else None, "predicted_gradient_mb": pred.gradient_bytes / MB,
@@ -154,13 +164,15 @@ def format_zero_table(preset: str, info: dict, rows: list[dict]) -> str:
     table = [(r["K"], f"ZeRO-{r['stage']}", _f(r["step_s_median"]),
               "1 (reference)" if r["stage"] == 1 else
               fmt_ratio(r["ratio_vs_zero1"], r["ratio_ci_low"], r["ratio_ci_high"], suffix="x"),
+              "1" if r["stage"] == 1 else
+              fmt_ratio(r["cpu_ratio_vs_zero1"], r["cpu_ratio_ci_low"], r["cpu_ratio_ci_high"], suffix="x"),
               " / ".join(f"{_f(r[f'{k}_calls_per_step'], '{:g}')} ({r[f'{k}_mb_per_step']:.1f})" for k in KINDS),
               _f(r["collective_s"]), _f(r["reduction_s"]),
               f"{_f(r['gradient_mb'], '{:.1f}')} / {_f(r['predicted_gradient_mb'], '{:.1f}')}",
               f"{_f(r['parameter_mb'], '{:.1f}')} / {_f(r['predicted_parameter_mb'], '{:.1f}')}",
               _f(r["estimated_saved_s"]), _f(r["estimated_over_measured"])) for r in rows]
-    headers = ("K", "stage", "s/step", "vs ZeRO-1 [95% CI]", "AR / RS / AG per step (MB)", "coll. s", "reduction s",
-               "grad MB held / pred.", "param MB / pred.", "est. ZeRO-1 saving s", "est./measured")
+    headers = ("K", "stage", "s/step", "vs ZeRO-1 [95% CI]", "CPU s vs ZeRO-1", "AR / RS / AG per step (MiB)", "coll. s", "reduction s",
+               "grad MiB held / pred.", "param MiB / pred.", "est. ZeRO-1 saving s", "est./measured")
     head = (f"{preset} (DeepSpeed, P = {info['engine_parameters']}, {info['param_groups']} parameter group(s), "
             f"{info['micro_batch']} per micro-batch)")
     return head + "\n" + tabulate(table, headers=headers, tablefmt="simple", disable_numparse=True)
