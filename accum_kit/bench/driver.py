@@ -41,6 +41,7 @@ class Clock:
         self.started, self.load_start, self.t0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), os.getloadavg(), time.perf_counter()
 
     def timing(self) -> dict:
+        """``{"started", "total_seconds", "load_average_start", "load_average_end"}`` (seconds; 1, 5, 15-minute loads)."""
         return {"started": self.started, "total_seconds": time.perf_counter() - self.t0,
                 "load_average_start": list(self.load_start), "load_average_end": list(os.getloadavg())}
 
