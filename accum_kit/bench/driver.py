@@ -34,6 +34,20 @@ def sweep_presets(cfg, accelerator, desc: str, bench_preset, summarize, format_t
     return presets, rows, all_runs, tables
 
 
+def result_head(schema: str, command: str, cfg, accelerator) -> dict:
+    """The keys every sharded bench's result starts with: schema, command, config, machine, versions, data,
+    where the timings come from."""
+    from dataclasses import asdict
+
+    from ..outputs import library_versions
+    from .data import data_description
+    from .sweep import machine
+
+    return {"schema": schema, "command": command, "config": asdict(cfg), "machine": machine(accelerator),
+            "versions": library_versions(), "data": data_description(cfg),
+            "timings_from": "process 0 (step times); memory: max over processes"}
+
+
 class Clock:
     """When and under what load a sweep started; :meth:`timing` is the result's ``timing`` block."""
 

@@ -52,19 +52,17 @@ from ..callbacks import LoopCallback
 from ..loop import train_loop
 from ..memory import HeldMemory
 from ..models import build_model, count_parameters
-from ..outputs import library_versions
 from ..policies import POLICIES
 from ..profiler import CommProfiler, ProfileRecords, sharded_summary
 from ..sharding import element_bytes, sharded_model
 from ..stats import median
 from .config import MODES, BenchConfig
-from .driver import Clock, publish, sweep_presets
-from .data import TokenRows, data_description, synthetic_tokens, variable_target_labels
+from .driver import Clock, publish, result_head, sweep_presets
+from .data import TokenRows, synthetic_tokens, variable_target_labels
 from .fsdp_files import write_fsdp_outputs
 from .fsdp_report import evaluate_targets, format_fsdp_table, format_targets, summarize_fsdp_preset
 from .memory import PeakMemory
 from .runs import reset_training_state
-from .sweep import machine
 
 MB = 2**20
 
@@ -291,19 +289,7 @@ def run(cfg: BenchConfig) -> dict:
     presets, rows, all_runs, tables = sweep_presets(cfg, accelerator, "bench runs (FSDP2)", bench_fsdp_preset,
                                                     summarize_fsdp_preset, format_fsdp_table)
     targets = evaluate_targets(rows, presets)
-    result = {
-        "schema": "accum_kit.bench.fsdp/1",
-        "command": command(cfg, world, launched_replicas() > 1),
-        "config": asdict(cfg),
-        "machine": machine(accelerator),
-        "versions": library_versions(),
-        "data": data_description(cfg),
-        "timings_from": "process 0 (step times); memory: max over processes",
-        "presets": presets,
-        "rows": rows,
-        "targets": targets,
-        "runs": all_runs,
-        "timing": clock.timing(),
-    }
+    result = {**result_head("accum_kit.bench.fsdp/1", command(cfg, world, launched_replicas() > 1), cfg, accelerator),
+              "presets": presets, "rows": rows, "targets": targets, "runs": all_runs, "timing": clock.timing()}
     publish(accelerator, result, tables, format_targets(targets), write_fsdp_outputs)
     return result

@@ -45,7 +45,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -58,16 +58,14 @@ from ..launch import build_accelerator, launcher_world_size
 from ..loop import train_loop
 from ..memory import GRADIENT_KINDS, held_bytes
 from ..models import build_model, count_parameters
-from ..outputs import library_versions
 from ..profiler import CommProfiler
 from ..stats import median
 from ..zero import check_deepspeed_installed, deepspeed_plugin_for
 from .config import BenchConfig
-from .driver import Clock, publish, sweep_presets
-from .data import TokenRows, data_description, synthetic_tokens, variable_target_labels
+from .driver import Clock, publish, result_head, sweep_presets
+from .data import TokenRows, synthetic_tokens, variable_target_labels
 from .fsdp import command as sweep_command
 from .memory import PeakMemory
-from .sweep import machine
 from .zero_report import evaluate_zero_targets, format_zero_table, format_zero_targets, summarize_zero_preset
 from .zero_files import write_zero_outputs
 
@@ -262,13 +260,8 @@ def run(cfg: BenchConfig) -> dict:
     presets, rows, all_runs, tables = sweep_presets(cfg, accelerator, "bench runs (DeepSpeed)", bench_zero_preset,
                                                     summarize_zero_preset, format_zero_table)
     targets = evaluate_zero_targets(rows, presets)
-    result = {
-        "schema": "accum_kit.bench.zero/1",
-        "command": sweep_command(cfg, accelerator.num_processes, config="cpu_deepspeed.yaml"),
-        "config": asdict(cfg), "machine": machine(accelerator), "versions": library_versions(),
-        "data": data_description(cfg),
-        "timings_from": "process 0 (step times); memory: max over processes",
-        "presets": presets, "rows": rows, "targets": targets, "runs": all_runs, "timing": clock.timing(),
-    }
+    result = {**result_head("accum_kit.bench.zero/1", sweep_command(cfg, accelerator.num_processes,
+                                                                      config="cpu_deepspeed.yaml"), cfg, accelerator),
+              "presets": presets, "rows": rows, "targets": targets, "runs": all_runs, "timing": clock.timing()}
     publish(accelerator, result, tables, format_zero_targets(targets), write_zero_outputs)
     return result
