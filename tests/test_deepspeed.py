@@ -9,8 +9,11 @@ expected comes from the plain single-process oracle of tests/test_exactness.py
 prompts: 2 examples per micro-batch and process, 5 micro-batches per process,
 so K=3 gives a window of 3 and a partial one of 2.
 
-The refusals (missing package, contradicting config, policies, schedules) are
-checked in-process.
+The same launch ends with ``accum-kit bench``'s DeepSpeed sweep run in-process on the
+tiny preset (:data:`BENCH`); its schedule, rows, per-window collectives (against
+the documented formulas, P counted on the plain model) and memory are checked
+below. The refusals (missing package, contradicting config, policies, schedules,
+the bench's flags) are checked in-process.
 """
 
 from __future__ import annotations
