@@ -157,10 +157,14 @@ class Engines:
 
 
 def _plugin(stage: int):
-    """A fresh ``DeepSpeedPlugin`` of ``stage``, the launch's other settings (``ACCELERATE_DEEPSPEED_*``) kept."""
+    """A fresh ``DeepSpeedPlugin`` of ``stage``, the launch's other settings (``ACCELERATE_DEEPSPEED_*``, or its
+    DeepSpeed JSON) kept; the stage is written into the config too (a JSON's own stage would win otherwise)."""
     from accelerate.utils import DeepSpeedPlugin
 
-    return DeepSpeedPlugin(zero_stage=stage)
+    plugin = DeepSpeedPlugin(zero_stage=stage)
+    plugin.deepspeed_config.setdefault("zero_optimization", {})["stage"] = stage
+    plugin.zero_stage = stage
+    return plugin
 
 
 def bench_zero_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[dict, list[dict]]:
