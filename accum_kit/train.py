@@ -17,7 +17,7 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
 from .callbacks import LoopCallback
-from .checkpoint import (PREEMPTED_EXIT_CODE, Checkpointer, Preempted, check_resumable, check_writable,
+from .checkpoint import (PREEMPTED_EXIT_CODE, Checkpointer, Preempted, check_resumable, check_writable, engine_name,
                          latest_checkpoint, resolve_checkpoint)
 from .compiling import CompileWatch, compile_settings
 from .config import TrainConfig
@@ -252,7 +252,7 @@ def run(cfg: TrainConfig) -> dict:
     if resume is not None:  # before any work: the data position must mean the same examples
         check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
                         per_device_batch_size=cfg.per_device_train_batch_size,
-                        accumulation_schedule=cfg.accumulation_schedule)
+                        accumulation_schedule=cfg.accumulation_schedule, engine=engine_name(accelerator))
     set_seed(cfg.seed)
     tokenizer = build_tokenizer(cfg.tokenizer_name or cfg.model_name_or_path, use_slow_tokenizer=cfg.use_slow_tokenizer,
                                 trust_remote_code=cfg.trust_remote_code,

@@ -12,6 +12,8 @@ that run while the micro-batch's forward and backward run (on the boundary that 
 engine's step). It also runs accum_kit's CommProfiler and HeldMemory, whose records go into
 ``rank<r>.json`` beside the count. Files per scenario, as dist_worker's: ``init.pt``,
 ``steps.pt`` (full parameters after each step, gathered under ZeRO-3), ``rank<r>.json``.
+SPEC's ``verify`` entries (``name``, ``zero_stage``, ``mixed_precision``, ``K``, ``B``, ``seed``) each run
+``accum_kit.verify_accumulation`` in the same processes; the report goes to ``verify/<name>.json``.
 
 The worker only runs accum_kit; all expected values are computed by the test.
 """
@@ -162,6 +164,27 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
     accelerator.free_memory()
 
 
+def run_verify(spec, out_dir: Path) -> None:
+    """``accum_kit.verify_accumulation`` in this launch, once per ``spec["verify"]`` entry (its own stage and
+    precision); the main process writes the report to ``verify/<name>.json``."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+
+    from accum_kit.verify import verify_accumulation
+
+    for v in spec.get("verify", []):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator = accum_kit.build_accelerator(v["K"], deepspeed_plugin=DeepSpeedPlugin(zero_stage=v["zero_stage"]),
+                                                  mixed_precision=v["mixed_precision"])
+        report = verify_accumulation(accelerator, per_device_train_batch_size=v["B"], seed=v["seed"])
+        if accelerator.is_main_process:
+            (out_dir / "verify").mkdir(parents=True, exist_ok=True)
+            (out_dir / "verify" / f"{v['name']}.json").write_text(json.dumps(report.to_dict(), default=str))
+            print(report.format(), flush=True)
+        accelerator.wait_for_everyone()
+        accelerator.free_memory()
+
+
 def main(argv) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     out_dir = Path(argv[2])
@@ -171,6 +194,7 @@ def main(argv) -> int:
         run_scenario(spec, sc, out_dir, counter)
         for step in sc.get("resume_from", []):
             run_scenario(spec, sc, out_dir, counter, resume_from=step)
+    run_verify(spec, out_dir)
     return 0
 
 
