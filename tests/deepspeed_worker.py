@@ -185,6 +185,75 @@ def run_verify(spec, out_dir: Path) -> None:
         accelerator.free_memory()
 
 
+def _train_job(argv: list, env: dict | None = None) -> tuple[int, str]:
+    """``accum-kit train`` in this launch's processes (``cli.run``): ``(exit code, stderr)``; ``env``: launcher
+    variables to change for this run only (None removes one). Accelerate's state is reset before and after."""
+    import contextlib
+    import io
+    import os
+
+    from accelerate.state import AcceleratorState
+
+    from accum_kit.cli import run
+
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    for k, v in (env or {}).items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            code = run("train", [str(a) for a in argv])
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return code, err.getvalue()
+
+
+def _tree(root: Path) -> list:
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def run_train_jobs(spec, out_dir: Path) -> None:
+    """``spec["train_job"]``: the train job uninterrupted under this launch's DeepSpeed config (the reference
+    of the SIGTERM test), a one-step DDP job (a checkpoint of another engine), then each bad resume of
+    ``bad_resumes`` (``{name: {"argv": extra flags, "env": launcher variables}}``, ``{ref}`` / ``{ddp}`` in a
+    flag: those runs' output folders, ``{bad}``: copies made here, see below); ``train_jobs.json`` gets each
+    bad run's exit code, error lines and whether its checkpoint folder and output folder were left unchanged."""
+    import shutil
+
+    job = spec.get("train_job")
+    if job is None:
+        return
+    rank = dist.get_rank()
+    ref, ddp, bad = out_dir / "train_ref", out_dir / "train_ddp", out_dir / "train_bad"
+    results = {"reference": _train_job([*job["argv"], "--output_dir", ref])[0]}
+    ddp_env = {"ACCELERATE_USE_DEEPSPEED": None, "ACCELERATE_DEEPSPEED_ZERO_STAGE": None}
+    results["ddp"] = _train_job([*job["argv"], "--output_dir", ddp, "--max_train_steps", 1, "--checkpointing_steps", 1],
+                                ddp_env)[0]
+    if rank == 0:  # a checkpoint saved by 4 processes (its loop state says so) and one with a truncated ZeRO file
+        step = ref / job["bad_from"]
+        for name in ("world4", "corrupt"):
+            shutil.copytree(step, bad / name / job["bad_from"])
+        state = json.loads((bad / "world4" / job["bad_from"] / "loop_state.json").read_text())
+        (bad / "world4" / job["bad_from"] / "loop_state.json").write_text(json.dumps({**state, "world_size": 4}))
+        victim = next((bad / "corrupt" / job["bad_from"]).glob("*/zero_pp_rank_1_*optim_states.pt"))
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    dist.barrier()
+    for name, case in job["bad_resumes"].items():
+        argv = [str(a).format(ref=ref, ddp=ddp, bad=bad) for a in case["argv"]]
+        out = bad / f"out_{name}"
+        before = {d: _tree(d) for d in (ref, ddp, bad)}
+        code, err = _train_job([*job["argv"], "--output_dir", out, *argv], case.get("env"))
+        dist.barrier()
+        results[name] = {"code": code, "errors": [line for line in err.splitlines() if line.startswith("error: ")],
+                         "unchanged": all(_tree(d) == t for d, t in before.items()), "output_dir_exists": out.exists(),
+                         "traceback": "Traceback" in err}
+    if rank == 0:
+        (out_dir / "train_jobs.json").write_text(json.dumps(results, indent=1))
+
+
 def main(argv) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     out_dir = Path(argv[2])
@@ -195,6 +264,7 @@ def main(argv) -> int:
         for step in sc.get("resume_from", []):
             run_scenario(spec, sc, out_dir, counter, resume_from=step)
     run_verify(spec, out_dir)
+    run_train_jobs(spec, out_dir)
     return 0
 
 
