@@ -187,7 +187,7 @@ class VerifyReport:
             f"  processes {W} ({self.distributed_type}, accumulation policy {self.accumulation_policy}), "
             f"gradient_accumulation_steps K={K}, "
             f"per_device_train_batch_size {B}, seed {self.seed}",
-            f"  model: {m['description']}, {m['parameters']:,} parameters, float32, {self._compute()}, "
+            f"  model: {m['description']}, {m['parameters']:,} parameters, {self._weights()}{self._compute()}, "
             "dropout off (eval mode)",
             f"  data: {self.data.get('description', '')}",
         ]
@@ -223,6 +223,10 @@ class VerifyReport:
     def items(self) -> str:
         """What N counts: "target tokens" (verify's token data) or "items" (a user's loss_fn)."""
         return self.data.get("items", "target tokens")
+
+    def _weights(self) -> str:
+        """"float32, " unless DeepSpeed casts the model itself (then :meth:`_compute` says to what)."""
+        return "" if self.distributed_type == "DEEPSPEED" and self.mixed_precision != "no" else "float32, "
 
     def _compute(self) -> str:
         if self.mixed_precision == "no":
