@@ -192,17 +192,23 @@ def _train_job(argv: list, env: dict | None = None) -> tuple[int, str]:
     import io
     import os
 
-    from accelerate.state import AcceleratorState
+    from unittest import mock
+
+    from accelerate.state import AcceleratorState, PartialState
 
     from accum_kit.cli import run
 
+    # The job ends with end_training, which destroys the default process group; a new one on the launcher's
+    # store would meet the first one's keys (rank 1 would join a group rank 0 is still creating): keep it.
+    keep_group = mock.patch.object(PartialState, "destroy_process_group", lambda self, group=None: None)
+    keep_group_too = mock.patch.object(AcceleratorState, "destroy_process_group", lambda self, group=None: None)
     saved = {k: os.environ.get(k) for k in (env or {})}
     for k, v in (env or {}).items():
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     AcceleratorState._reset_state(reset_partial_state=True)
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), keep_group, keep_group_too:
             code = run("train", [str(a) for a in argv])
     finally:
         for k, v in saved.items():
@@ -221,17 +227,20 @@ def run_train_jobs(spec, out_dir: Path) -> None:
     ``bad_resumes`` (``{name: {"argv": extra flags, "env": launcher variables}}``, ``{ref}`` / ``{ddp}`` in a
     flag: those runs' output folders, ``{bad}``: copies made here, see below); ``train_jobs.json`` gets each
     bad run's exit code, error lines and whether its checkpoint folder and output folder were left unchanged."""
+    import os
     import shutil
 
     job = spec.get("train_job")
     if job is None:
         return
-    rank = dist.get_rank()
+    rank = int(os.environ["RANK"])  # the process group may not exist yet (train.run builds it)
     ref, ddp, bad = out_dir / "train_ref", out_dir / "train_ddp", out_dir / "train_bad"
-    results = {"reference": _train_job([*job["argv"], "--output_dir", ref])[0]}
+    results = {}
     ddp_env = {"ACCELERATE_USE_DEEPSPEED": None, "ACCELERATE_DEEPSPEED_ZERO_STAGE": None}
-    results["ddp"] = _train_job([*job["argv"], "--output_dir", ddp, "--max_train_steps", 1, "--checkpointing_steps", 1],
-                                ddp_env)[0]
+    for name, argv, env in (("reference", ["--output_dir", ref], None),
+                            ("ddp", ["--output_dir", ddp, "--max_train_steps", 1, "--checkpointing_steps", 1], ddp_env)):
+        results[name], err = _train_job([*job["argv"], *argv], env)
+        (out_dir / f"train_{name}_rank{rank}.stderr").write_text(err)
     if rank == 0:  # a checkpoint saved by 4 processes (its loop state says so) and one with a truncated ZeRO file
         step = ref / job["bad_from"]
         for name in ("world4", "corrupt"):

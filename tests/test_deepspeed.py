@@ -366,7 +366,7 @@ def _window_gradients(model, sequences) -> dict:
     labels = ids.masked_fill(mask == 0, -100)
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=ids, attention_mask=mask).logits
-    F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1),
+    F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
                     ignore_index=-100).backward()
     return {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -385,11 +385,12 @@ def bf16_floor(verify_reports):
 
     rep = verify_reports["zero1_no"]
     m = rep["model"]
-    model = build_model("tiny", m["vocab_size"], m["n_positions"], seed=m["init_seed"]).eval()
+    exact_model, low_model = (build_model("tiny", m["vocab_size"], m["n_positions"], seed=m["init_seed"]).to(dtype).eval()
+                              for dtype in (torch.float64, torch.bfloat16))
     out = []
     for w in rep["windows"]:
-        exact = _window_gradients(model.double(), w["input_ids"])
-        low = _window_gradients(model.to(torch.bfloat16), w["input_ids"])
+        exact = _window_gradients(exact_model, w["input_ids"])
+        low = _window_gradients(low_model, w["input_ids"])
         out.append((_norm(exact), _norm({n: low[n] - exact[n] for n in exact}) / _norm(exact)))
     return out
 
@@ -423,8 +424,8 @@ def test_bf16_under_each_stage_is_within_the_bf16_floor_of_the_fp32_oracle(verif
     """DeepSpeed's bf16 (weights, activations and gradients in bf16, float32 master weights) against the
     float64 big batch: per window the relative error is at most the bf16 floor (the same model's own
     bf16-vs-float64 difference on one process, measured here) plus one bf16 unit roundoff, which bounds what
-    the distributed run adds (each micro-batch's gradient rounded to bf16 before the reduction, the bf16
-    reduction over 2 processes). The per-micro-batch mean misses by more than 10 times that."""
+    the distributed run adds (the window's micro-batch gradients accumulated in bf16, DeepSpeed's default, and
+    reduced in bf16 over 2 processes). The per-micro-batch mean misses by more than 10 times that."""
     rep = verify_reports[f"zero{stage}_bf16"]
     assert rep["mixed_precision"] == "bf16" and rep["normwise"] is True and rep["passed"] is True
     tok, mom = rep["rows"]["tokens"], rep["rows"]["mean-of-means"]
