@@ -54,10 +54,19 @@ def check_engine(path, saved: dict, engine: str) -> None:
                              "state its own way", f"relaunch with accelerate launch --zero_stage {stage} (or "
                              "zero_stage in the accelerate config), or start afresh without --resume_from_checkpoint")
         return
-    saved_as = (f"DeepSpeed ZeRO-{have.removeprefix('deepspeed_zero')}" if have_ds and have != "deepspeed"
-                else "DeepSpeed" if have_ds else f"{have or 'Accelerate (DDP or FSDP)'} ")
-    raise UsageError("--config_file", f"{path} was saved by {saved_as.strip()} but this run is "
-                     f"{'DeepSpeed' if now_ds else engine}; DeepSpeed's checkpoints and Accelerate's other "
+    raise UsageError("--config_file", f"{path} was saved by {_label(have)} but this run is "
+                     f"{_label(engine)}; DeepSpeed's checkpoints and Accelerate's other "
                      "formats cannot be read by each other", "relaunch with the accelerate config it was saved "
                      "under (e.g. accelerate_configs/cpu_deepspeed.yaml for a DeepSpeed checkpoint), or start "
                      "afresh without --resume_from_checkpoint")
+
+
+def _label(engine: str | None) -> str:
+    """A reader's name for an engine: "DeepSpeed ZeRO-2", "DDP (multi_cpu)", "FSDP", "one process"."""
+    if engine is None:
+        return "Accelerate without DeepSpeed (DDP or FSDP)"
+    if engine.startswith("deepspeed_zero"):
+        return f"DeepSpeed ZeRO-{engine.removeprefix('deepspeed_zero')}"
+    if engine == "deepspeed":
+        return "DeepSpeed"
+    return {"fsdp": "FSDP", "no": "one process"}.get(engine, f"DDP ({engine})" if engine.startswith("multi_") else engine)

@@ -465,7 +465,7 @@ BAD_RESUMES = {
 BAD_EXPECTED = {
     "missing": ("--resume_from_checkpoint", "does not exist"),
     "other_stage": ("--zero_stage", "accelerate launch --zero_stage 2"),
-    "ddp_checkpoint": ("--config_file", "saved by multi_cpu"),
+    "ddp_checkpoint": ("--config_file", "saved by DDP (multi_cpu) but this run is DeepSpeed ZeRO-2"),
     "deepspeed_checkpoint_under_ddp": ("--config_file", "saved by DeepSpeed ZeRO-2"),
     "other_world_size": ("--num_processes", "accelerate launch --num_processes 4"),
     "corrupt": ("--resume_from_checkpoint", "cannot be loaded"),
@@ -526,3 +526,20 @@ def test_bad_resume_inputs_under_deepspeed_exit_2_naming_the_flag_and_write_noth
     assert len(got["errors"]) == 1 and got["errors"][0].startswith(f"error: {flag}: "), got
     assert ". Fix: " in got["errors"][0] and text in got["errors"][0], got["errors"]
     assert got["unchanged"] and not got["output_dir_exists"] and not got["traceback"], got
+
+
+def test_the_engine_check_leaves_ddp_and_fsdp_checkpoints_alone(tmp_path):
+    """Only DeepSpeed on either side is checked: DDP and FSDP2 resume as before; an old DeepSpeed checkpoint
+    without the loop state's ``engine`` is recognised by its ZeRO files."""
+    from accum_kit import UsageError
+    from accum_kit.checkpoint import check_engine
+
+    check_engine(tmp_path, {"engine": "multi_cpu"}, "fsdp")
+    check_engine(tmp_path, {}, "multi_cpu")
+    check_engine(tmp_path, {"engine": "deepspeed_zero3"}, "deepspeed_zero3")
+    (tmp_path / "pytorch_model").mkdir()
+    (tmp_path / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    check_engine(tmp_path, {}, "deepspeed_zero1")  # stage unknown: DeepSpeed's own loader decides
+    with pytest.raises(UsageError) as err:
+        check_engine(tmp_path, {}, "multi_cpu")
+    assert err.value.flag == "--config_file" and "saved by DeepSpeed" in err.value.problem
