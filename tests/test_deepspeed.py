@@ -9,6 +9,13 @@ expected comes from the plain single-process oracle of tests/test_exactness.py
 prompts: 2 examples per micro-batch and process, 5 micro-batches per process,
 so K=3 gives a window of 3 and a partial one of 2.
 
+The same worker launch then runs ``accum_kit.verify_accumulation`` for each
+stage in fp32 and bf16 (compared here with plain PyTorch: the float64 gradient
+norm, and bf16's own floor), the train job uninterrupted (the reference) and
+with bad ``--resume_from_checkpoint`` inputs. Beside it, the only other
+launches: the train job under ``accelerate launch``, preempted by a real
+SIGTERM, then resumed from ``latest``.
+
 The refusals (missing package, contradicting config, policies, schedules) are
 checked in-process.
 """
