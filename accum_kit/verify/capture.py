@@ -32,7 +32,9 @@ class GradientCapture(torch.optim.Optimizer):
     (same shape as the parameter; a None grad becomes zeros; FSDP2's sharded
     gradients are gathered first, so ``step`` is collective there), elsewhere None;
     ``norms`` gets the L2 norm of the whole gradient on every process (for the
-    cross-rank check).
+    cross-rank check). Under DeepSpeed ZeRO call :meth:`attach_engine` after
+    ``prepare``: the engine's optimizer hands ``step`` flat partitions, from
+    which the whole gradient is rebuilt (collective).
 
     Args:
         named_parameters: ``model.named_parameters()`` of the model to watch.

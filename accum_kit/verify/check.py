@@ -214,7 +214,9 @@ def _plan(accelerator, K: int, *, model, model_name_or_path, model_preset, seed,
         loss_normalization=loss_normalization,
         rtol=rtol, atol=atol, dataparallel=dataparallel, device=str(accelerator.device),
         distributed_type=str(accelerator.distributed_type).split(".")[-1], mixed_precision=precision,
-        normwise=normwise, autocast=bool(getattr(accelerator, "native_amp", False)) or precision != accelerator.mixed_precision, workload=workload,
+        normwise=normwise, workload=workload,
+        # under DeepSpeed the engine casts the model (not Accelerate's autocast): the compute is low precision too
+        autocast=bool(getattr(accelerator, "native_amp", False)) or precision != accelerator.mixed_precision,
         batchnorm_layers=bn_layers, accumulation_policy=policy_name(accelerator))
     return settings, base, trainer_skip
 
