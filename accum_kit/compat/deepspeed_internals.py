@@ -216,3 +216,66 @@ def deepspeed_checkpoint_globals() -> list:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     return [ZeroStageEnum, fragment_address, LossScaler]
+
+
+def zero_flat_partitions(engine) -> dict:
+    """``{id(flat fp32 tensor): (layout, parameters)}``: what the ZeRO optimizer hands its inner optimizer.
+
+    The inner (client) optimizer of a ZeRO engine never sees the model's
+    parameters: ``step`` is called once per parameter group (sub-group under
+    ZeRO-3) with ``param_groups`` holding one flat float32 tensor, this
+    process's partition of the group, whose ``.grad`` is the averaged (and
+    clipped) gradient partition (DeepSpeed 0.19.8). layout ``"fragments"``:
+    ZeRO-1/2's ``single_partition_of_fp32_groups[i]`` with ``bit16_groups[i]``,
+    or ``BF16_Optimizer``'s ``fp32_groups_flat_partition[i]`` with
+    ``bf16_groups[i]`` (each parameter's ``_hp_mapping`` says which slice of the
+    partition holds which slice of it); ``"stage3"``: ZeRO-3's
+    ``fp32_partitioned_groups_flat[i]`` with ``fp16_groups[i]`` (each
+    parameter's own partition at ``grad_position``). Empty for an engine without ZeRO.
+    """
+    opt = getattr(engine, "optimizer", None)
+    pairs = []
+    if hasattr(opt, "fp32_partitioned_groups_flat"):
+        pairs = [(f, ("stage3", list(ps))) for f, ps in zip(opt.fp32_partitioned_groups_flat, opt.fp16_groups)]
+    elif hasattr(opt, "single_partition_of_fp32_groups"):
+        pairs = [(f, ("fragments", list(ps))) for f, ps in zip(opt.single_partition_of_fp32_groups, opt.bit16_groups)]
+    elif hasattr(opt, "fp32_groups_flat_partition"):
+        pairs = [(f, ("fragments", list(ps))) for f, ps in zip(opt.fp32_groups_flat_partition, opt.bf16_groups)]
+    return {id(f): (layout, params, opt) for f, (layout, params) in pairs}
+
+
+def zero_full_gradients(flat, layout: str, params: list, zero_optimizer) -> list:
+    """``[(parameter, full float32 gradient)]`` of one group, rebuilt from every process's flat partition.
+
+    Collective over the data-parallel group: call on every process, inside the
+    inner optimizer's ``step`` (where ``flat.grad`` holds the partition, see
+    :func:`zero_flat_partitions`). "fragments": each process writes its slices
+    of each parameter into a zero buffer of the parameter's size, and one
+    all-reduce (sum) assembles them (the slices are disjoint, so the sum only
+    adds zeros: exact); "stage3": one all-gather of the equal-sized
+    partitions, cut to ``ds_numel``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    grad = flat.grad.detach().float()
+    if layout == "fragments":
+        group = next((p._dp_group for p in params if getattr(p, "_dp_group", None) is not None), None)
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=grad.device)
+        offset = 0
+        for p in params:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is not None:  # None: no slice of this parameter in this process's partition
+                lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+                buffer[offset + lp.start: offset + lp.start + lp.numel] = grad[hp.start: hp.start + hp.numel]
+            offset += p.numel()
+        dist.all_reduce(buffer, group=group)
+        return [(p, t.view(p.shape)) for p, t in zip(params, buffer.split([p.numel() for p in params]))]
+    out = []
+    for p in params:
+        _, start, numel = zero_optimizer.grad_position[zero_optimizer.get_param_id(p)]
+        group = zero_optimizer._get_param_partition_group(p)
+        parts = [torch.empty(numel, dtype=torch.float32, device=grad.device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, grad[start: start + numel].contiguous(), group=group)
+        out.append((p, torch.cat(parts)[: p.ds_numel].view(p.ds_shape)))
+    return out
