@@ -23,7 +23,6 @@ accum_kit/verify/compare.py and tests/test_exactness.py).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
@@ -34,7 +33,6 @@ from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import accum_kit
-import job_helpers as jh
 from accum_kit import cli, loss as loss_module
 from job_helpers import pad_collate
 
@@ -169,13 +167,12 @@ def test_verify_rejects_unknown_precision(capsys):
     assert "--mixed_precision" in capsys.readouterr().err
 
 
-def test_verify_bf16_two_processes(tmp_path):
-    out = tmp_path / "verify.json"
-    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "verify", "--gradient_accumulation_steps", "3",
-                                   "--mixed_precision", "bf16", "--json", str(out), num_processes=2)
-    res = jh.run(cmd, jh.clean_env(), tmp_path, "verify_bf16", timeout=300)
+def test_verify_bf16_two_processes(ddp_cli_runs):
+    """``accum-kit verify --gradient_accumulation_steps 3 --mixed_precision bf16`` on 2 DDP processes (a command
+    of conftest.py's shared ``ddp_cli_runs`` launch)."""
+    res, rep = ddp_cli_runs.result("verify_bf16")
     assert res.returncode == 0, res.describe()
-    rep = json.loads(out.read_text())
+    assert rep is not None, f"no JSON written\n{res.describe()}"
     assert rep["world_size"] == 2 and rep["mixed_precision"] == "bf16" and rep["autocast"] is True
     assert rep["normwise"] is True and rep["rtol"] == pytest.approx(BF16_RTOL)
     tok, mom = rep["rows"]["tokens"], rep["rows"]["mean-of-means"]

@@ -1,8 +1,8 @@
 """Tests of ``accum-kit verify`` (the package accum_kit/verify/).
 
-One real two-process launch (``accelerate launch --config_file
-accelerate_configs/cpu_ddp.yaml -m accum_kit verify``, gloo, K=3 with a partial
-last window) checks the exit code and the JSON report: the toolkit's ``tokens``
+A real two-process run (``accum-kit verify`` under ``accelerate launch --config_file
+accelerate_configs/cpu_ddp.yaml``, gloo, K=3 with a partial last window; a command
+of conftest.py's shared ``ddp_cli_runs`` launch) checks the exit code and the JSON report: the toolkit's ``tokens``
 normalisation matches the single-process big batch, mean-of-means does not, and
 DDP's averaging shows as a sum-loss ratio of 1/2. The big-batch gradient norm in
 the JSON is then recomputed here from the examples the report lists, with a
@@ -14,8 +14,7 @@ The informational ``trainer`` row (transformers' Trainer on the same windows)
 is checked against label counts taken here from the examples the report
 lists: for GPT-2 (``loss_type`` None) Trainer divides by every label before
 the shift, so its update is ``N / (N + examples)`` of the exact one; for the
-``llama_tiny`` preset (a second two-process launch, started together with the
-first) it is exact.
+``llama_tiny`` preset (the next command of the same launch) it is exact.
 """
 
 from __future__ import annotations
@@ -46,21 +45,20 @@ def _finite(*xs) -> bool:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    """Start both two-process launches (GPT-2 tiny and llama_tiny) at once; each fixture below waits for its own."""
-    started = {}
+def launches(tmp_path_factory, ddp_cli_runs):
+    """Start the FSDP2 launch; the two DDP runs (GPT-2 tiny and llama_tiny) are commands of conftest.py's shared
+    ``ddp_cli_runs`` launch, which runs beside it. Each fixture below waits for its own."""
+    assert ddp_cli_runs.pending  # started before the FSDP2 launch, so that both run at once
     fsdp = dict(config=jh.REPO / "accelerate_configs" / "cpu_fsdp.yaml")
-    for name, extra, launch in (("tiny", [], {}), ("llama_tiny", ["--model_preset", "llama_tiny"], {}),
-                                ("fsdp", ["--accumulation_policy", "no_sync_no_reshard", "--no_trainer_row"], fsdp)):
-        root = tmp_path_factory.mktemp(f"verify_w2_{name}")
-        out = root / "verify.json"
-        cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "verify", "--gradient_accumulation_steps", str(K),
-                                       *extra, "--json", str(out), num_processes=WORLD, **launch)
-        started[name] = (jh.start(cmd, jh.clean_env(), root, f"verify_w2_{name}"), out)
-    yield started
-    for job, _ in started.values():
-        if job[1].poll() is None:  # only the launches this fixture started
-            jh.finish(job, timeout=0.1)
+    root = tmp_path_factory.mktemp("verify_w2_fsdp")
+    out = root / "verify.json"
+    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "verify", "--gradient_accumulation_steps", str(K),
+                                   "--accumulation_policy", "no_sync_no_reshard", "--no_trainer_row",
+                                   "--json", str(out), num_processes=WORLD, **fsdp)
+    job = jh.start(cmd, jh.clean_env(), root, "verify_w2_fsdp")
+    yield {"fsdp": (job, out)}
+    if job[1].poll() is None:  # only the launch this fixture started
+        jh.finish(job, timeout=0.1)
 
 
 def _finished(launches, name):
@@ -71,14 +69,21 @@ def _finished(launches, name):
     return res, json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def two_processes(launches):
-    return _finished(launches, "tiny")
+def _shared(ddp_cli_runs, name):
+    res, report = ddp_cli_runs.result(name)
+    assert res.returncode == 0, res.describe()
+    assert report is not None, f"no JSON written\n{res.describe()}"
+    return res, report
 
 
 @pytest.fixture(scope="module")
-def two_processes_llama(launches):
-    return _finished(launches, "llama_tiny")
+def two_processes(launches, ddp_cli_runs):
+    return _shared(ddp_cli_runs, "verify_tiny")
+
+
+@pytest.fixture(scope="module")
+def two_processes_llama(launches, ddp_cli_runs):
+    return _shared(ddp_cli_runs, "verify_llama_tiny")
 
 
 @pytest.fixture(scope="module")
