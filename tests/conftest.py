@@ -1,6 +1,6 @@
 """Shared fixtures. ``example_results``: every example of the ladder, run once on 2 gloo processes;
 ``fsdp_reference``: the uninterrupted FSDP2 train job, run once for the modules that check or break it;
-``ddp_cli_runs``: accum-kit commands of several modules in one 2-process DDP launch."""
+``ddp_pool``: one 2-process DDP launch that runs the accum-kit commands of several modules."""
 
 from __future__ import annotations
 
@@ -84,6 +84,7 @@ def example_results(tmp_path_factory):
 
 
 FSDP_REFERENCE_TIMEOUT_S = 420
+DDP_POOL_TIMEOUT_S = 600  # per command (the pool runs them one after another)
 
 
 @pytest.fixture(scope="session")
@@ -105,55 +106,14 @@ def fsdp_reference(tmp_path_factory):
     pending.result()  # never left running
 
 
-DDP_CLI_TIMEOUT_S = 420
-VERIFY_K = 3  # --gradient_accumulation_steps of every verify run in the shared launch (a partial last window)
-
-
-def ddp_cli_runs_spec(out: Path) -> list[dict]:
-    """The accum-kit commands that share one 2-process DDP launch (tests/dist_worker.py's ``cli_runs``), in order:
-    ``verify`` on the GPT-2 tiny preset and on ``llama_tiny`` (test_verify.py), and under bf16 autocast
-    (test_mixed_precision.py). Each one's stdout is kept apart; its JSON report goes to ``out/<name>.json``."""
-    runs = (("verify_tiny", []), ("verify_llama_tiny", ["--model_preset", "llama_tiny"]),
-            ("verify_bf16", ["--mixed_precision", "bf16"]))
-    return [{"name": name, "command": "verify", "stdout": True,
-             "argv": ["--gradient_accumulation_steps", str(VERIFY_K), *extra, "--json", str(out / f"{name}.json")]}
-            for name, extra in runs]
-
-
-class CliRuns:
-    """The shared launch of :func:`ddp_cli_runs_spec`, started when first asked for; :meth:`result` waits for it."""
-
-    def __init__(self, pending: jh.Pending, out: Path):
-        self.pending, self.out = pending, out
-
-    def result(self, name: str) -> tuple[jh.Finished, dict | None]:
-        """``(finished, report)`` of one command: ``finished.returncode`` is that command's exit code (the
-        launch's if it never ran), ``finished.stdout`` what it printed on rank 0 then rank 1, ``finished.stderr``
-        the whole launch's; ``report`` its JSON (None if none was written)."""
-        launch = self.pending.result()
-        code = launch.returncode if launch.returncode != 0 else None
-        codes = self.out / "cli_runs.rank0.json"
-        if codes.exists():
-            code = next((c["exit_code"] for c in json.loads(codes.read_text()) if c["name"] == name), code)
-        stdout = "".join(p.read_text() for r in range(2) if (p := self.out / f"{name}.rank{r}.stdout").exists())
-        report = self.out / f"{name}.json"
-        finished = jh.Finished(launch.cmd, launch.returncode if code is None else code, stdout, launch.stderr,
-                               launch.seconds)
-        return finished, json.loads(report.read_text()) if report.exists() else None
-
-
 @pytest.fixture(scope="session")
-def ddp_cli_runs(tmp_path_factory):
-    """One 2-process DDP launch running several accum-kit commands in turn (:func:`ddp_cli_runs_spec`), each as
-    in a fresh process (tests/dist_worker.py resets Accelerate's state between them): one start-up for all."""
-    work = tmp_path_factory.mktemp("ddp_cli_runs")
-    out = work / "out"
-    spec = work / "spec.json"
-    spec.write_text(json.dumps({"scenarios": [], "cli_runs": ddp_cli_runs_spec(out)}))
-    cmd = jh.accelerate_launch_cmd(str(jh.REPO / "tests" / "dist_worker.py"), str(spec), str(out))
-    pending = jh.Pending(jh.start(cmd, jh.clean_env(), work, "ddp_cli_runs"), out, None, None, DDP_CLI_TIMEOUT_S)
-    yield CliRuns(pending, out)
-    pending.result()  # never left running
+def ddp_pool(tmp_path_factory):
+    """A :class:`job_helpers.CommandPool` on 2 DDP processes (accelerate_configs/cpu_ddp.yaml), shared by the
+    modules whose 2-process commands need no launch of their own (no signal, no fault, no launcher flag):
+    each module submits its commands and reads their results; one start-up for all of them."""
+    pool = jh.CommandPool(tmp_path_factory.mktemp("ddp_pool"), jh.DDP_CONFIG, timeout=DDP_POOL_TIMEOUT_S)
+    yield pool
+    pool.close()
 
 
 @pytest.fixture

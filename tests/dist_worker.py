@@ -16,8 +16,7 @@ SPEC.json (written by the test)::
                     "schedule": [[step, K], ...]|null, "policy": str|null,
                     "resume_from": [step, ...], "torch_compile_backend": str|null,
                     "torch_compile_dynamic": bool|null, "bucket_cap_mb": float}, ...],
-     "pad_to": int|null, "cli_runs": [{"name": str, "command": str, "argv": [...], "collect": str|null,
-                                   "stdout": bool}, ...]}
+     "pad_to": int|null, "cli_runs": [{"name": str, "command": str, "argv": [...], "collect": str|null}, ...]}
 
 (``epochs``, ``max_train_steps``, ``max_grad_norm`` and ``schedule`` are passed to train_loop as
 ``num_train_epochs``, ``max_train_steps``, ``max_grad_norm`` and ``accumulation_schedule``;
@@ -56,8 +55,7 @@ as if in a fresh process: Accelerate's shared state and dynamo's caches are rese
 (``torch._dynamo.reset()``, documented as "as if you had started a fresh process") and,
 where the previous command ended the process group (the train job does), a new one is
 formed. Each run's exit code goes into ``cli_runs.rank<r>.json``; rank 0 copies its
-``collect`` file (e.g. the train job's train_summary.json) to ``OUT_DIR/<name>.json``; with
-``"stdout": true`` each rank writes what the command printed to ``OUT_DIR/<name>.rank<r>.stdout``.
+``collect`` file (e.g. the train job's train_summary.json) to ``OUT_DIR/<name>.json``.
 A failing command stops the list.
 
 With ``bench_argv`` in the spec, ``accum-kit bench <bench_argv> --output_dir OUT_DIR/bench``
@@ -68,7 +66,6 @@ The worker only runs accum_kit; all expected values are computed by the test.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -335,12 +332,7 @@ def run_cli_commands(runs: list, out_dir: Path) -> int:
         fresh_process_group(i)
         reset_accelerate_state()
         torch._dynamo.reset()
-        if entry.get("stdout"):  # this command's own stdout, apart from the others' in the launch's log
-            rank = os.environ.get("RANK", "0")
-            with open(out_dir / f"{entry['name']}.rank{rank}.stdout", "w") as f, contextlib.redirect_stdout(f):
-                code = cli_run(entry["command"], [str(a) for a in entry["argv"]])
-        else:
-            code = cli_run(entry["command"], [str(a) for a in entry["argv"]])
+        code = cli_run(entry["command"], [str(a) for a in entry["argv"]])
         codes.append({"name": entry["name"], "exit_code": code})
         if code == 0 and entry.get("collect") and os.environ.get("RANK", "0") == "0":
             shutil.copyfile(entry["collect"], out_dir / f"{entry['name']}.json")

@@ -360,3 +360,81 @@ def tensorboard_scalars(log_dir) -> dict:
         for tag in acc.Tags()["scalars"]:
             out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
     return out
+
+
+class CommandPool:
+    """One ``accelerate launch`` of tests/pool_worker.py that runs accum-kit commands submitted while it runs.
+
+    Every command costs what it computes, not a launch: the launcher, the rendezvous and the
+    imports of torch, transformers and datasets (most of a small job's CPU time) are paid once
+    per pool. Commands run one after another, in submission order, each as if in a fresh
+    process (see tests/pool_worker.py). Start it with :meth:`start`, :meth:`submit` commands,
+    ask each :class:`PoolCommand` for its :meth:`~PoolCommand.result`; :meth:`close` ends it.
+    """
+
+    def __init__(self, work: Path, config: str | Path = DDP_CONFIG, num_processes: int = 2, timeout: float = 600):
+        self.work, self.queue, self.num_processes, self.timeout = work, work / "queue", num_processes, timeout
+        self.queue.mkdir(parents=True)
+        cmd = accelerate_launch_cmd(str(REPO / "tests" / "pool_worker.py"), str(self.queue),
+                                    num_processes=num_processes, config=config)
+        self.launch_cmd = cmd[: cmd.index("--main_process_port")]
+        self.started = start(cmd, clean_env(), work, "pool")
+        self._next, self._finished = 0, None
+
+    def submit(self, command: str, argv: list, datasets_cache: Path | None = None) -> "PoolCommand":
+        """Queue ``accum-kit <command> <argv>`` (with ``datasets_cache`` as HF_DATASETS_CACHE); returns at once."""
+        i = self._next
+        self._next += 1
+        argv = [str(a) for a in argv]
+        entry = {"command": command, "argv": argv, "datasets_cache": None if datasets_cache is None else str(datasets_cache)}
+        tmp = self.queue / f".{i:04d}.json.tmp"
+        tmp.write_text(json.dumps(entry))
+        tmp.replace(self.queue / f"{i:04d}.json")  # the workers poll for it: never half-written
+        return PoolCommand(self, i, [*self.launch_cmd, "-m", "accum_kit", command, *argv])
+
+    def alive(self) -> bool:
+        return self.started[1].poll() is None
+
+    def close(self) -> Finished:
+        """Queue the stop and wait for the launch to end (killed after ``timeout``); returns it (once)."""
+        if self._finished is None:
+            if self.alive():
+                (self.queue / f".{self._next:04d}.json.tmp").write_text(json.dumps({"stop": True}))
+                (self.queue / f".{self._next:04d}.json.tmp").replace(self.queue / f"{self._next:04d}.json")
+            self._finished = finish(self.started, self.timeout)
+        return self._finished
+
+
+@dataclass
+class PoolCommand:
+    """A command queued on a :class:`CommandPool`; :meth:`result` waits for it."""
+
+    pool: CommandPool
+    index: int
+    cmd: list
+
+    def result(self, timeout: float | None = None) -> Finished:
+        """The command as a :class:`Finished`: ``returncode`` its exit code (1 if it raised, the launch's if it
+        never ended), ``stdout`` what it printed on rank 0, 1, ..., ``stderr`` the pool's log so far (every
+        command's so far: logs of the ranks and a traceback if it raised)."""
+        import time
+
+        t0 = time.monotonic()
+        deadline = t0 + (self.pool.timeout if timeout is None else timeout)
+        q, i, n = self.pool.queue, self.index, self.pool.num_processes
+        done = [q / f"{i:04d}.rank{r}.done" for r in range(n)]
+        while not all(p.exists() for p in done) and self.pool.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        records = [json.loads(p.read_text()) for p in done if p.exists()]
+        codes = {r["exit_code"] for r in records}
+        if len(records) == n and None not in codes:
+            rc = max(codes, key=abs)
+        elif not self.pool.alive():
+            rc = self.pool.close().returncode or 1
+        else:
+            rc = -9  # timed out: the pool is still busy with it or an earlier command
+        err = self.pool.work / "pool.stderr"
+        stderr = err.read_text(errors="replace") if err.exists() else ""
+        stderr += "".join(r.get("traceback", "") for r in records)
+        stdout = "".join(p.read_text() for r in range(n) if (p := q / f"{i:04d}.rank{r}.stdout").exists())
+        return Finished(self.cmd, rc, stdout, stderr, time.monotonic() - t0)

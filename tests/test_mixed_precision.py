@@ -23,6 +23,7 @@ accum_kit/verify/compare.py and tests/test_exactness.py).
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -167,12 +168,13 @@ def test_verify_rejects_unknown_precision(capsys):
     assert "--mixed_precision" in capsys.readouterr().err
 
 
-def test_verify_bf16_two_processes(ddp_cli_runs):
-    """``accum-kit verify --gradient_accumulation_steps 3 --mixed_precision bf16`` on 2 DDP processes (a command
-    of conftest.py's shared ``ddp_cli_runs`` launch)."""
-    res, rep = ddp_cli_runs.result("verify_bf16")
+def test_verify_bf16_two_processes(tmp_path, ddp_pool):
+    """``accum-kit verify --mixed_precision bf16`` on 2 DDP processes (a command of conftest.py's ``ddp_pool``)."""
+    out = tmp_path / "verify.json"
+    res = ddp_pool.submit("verify", ["--gradient_accumulation_steps", "3", "--mixed_precision", "bf16",
+                                     "--json", out]).result()
     assert res.returncode == 0, res.describe()
-    assert rep is not None, f"no JSON written\n{res.describe()}"
+    rep = json.loads(out.read_text())
     assert rep["world_size"] == 2 and rep["mixed_precision"] == "bf16" and rep["autocast"] is True
     assert rep["normwise"] is True and rep["rtol"] == pytest.approx(BF16_RTOL)
     tok, mom = rep["rows"]["tokens"], rep["rows"]["mean-of-means"]

@@ -1,8 +1,8 @@
 """Tests of ``accum-kit verify`` (the package accum_kit/verify/).
 
 A real two-process run (``accum-kit verify`` under ``accelerate launch --config_file
-accelerate_configs/cpu_ddp.yaml``, gloo, K=3 with a partial last window; a command
-of conftest.py's shared ``ddp_cli_runs`` launch) checks the exit code and the JSON report: the toolkit's ``tokens``
+accelerate_configs/cpu_ddp.yaml``, gloo, K=3 with a partial last window; a command of
+conftest.py's shared ``ddp_pool`` launch) checks the exit code and the JSON report: the toolkit's ``tokens``
 normalisation matches the single-process big batch, mean-of-means does not, and
 DDP's averaging shows as a sum-loss ratio of 1/2. The big-batch gradient norm in
 the JSON is then recomputed here from the examples the report lists, with a
@@ -14,7 +14,7 @@ The informational ``trainer`` row (transformers' Trainer on the same windows)
 is checked against label counts taken here from the examples the report
 lists: for GPT-2 (``loss_type`` None) Trainer divides by every label before
 the shift, so its update is ``N / (N + examples)`` of the exact one; for the
-``llama_tiny`` preset (the next command of the same launch) it is exact.
+``llama_tiny`` preset (the next command of the same pool) it is exact.
 """
 
 from __future__ import annotations
@@ -45,45 +45,41 @@ def _finite(*xs) -> bool:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory, ddp_cli_runs):
-    """Start the FSDP2 launch; the two DDP runs (GPT-2 tiny and llama_tiny) are commands of conftest.py's shared
-    ``ddp_cli_runs`` launch, which runs beside it. Each fixture below waits for its own."""
-    assert ddp_cli_runs.pending  # started before the FSDP2 launch, so that both run at once
-    fsdp = dict(config=jh.REPO / "accelerate_configs" / "cpu_fsdp.yaml")
+def launches(tmp_path_factory, ddp_pool):
+    """Queue the two DDP runs (GPT-2 tiny and llama_tiny) on conftest.py's shared ``ddp_pool`` and start the FSDP2
+    launch beside them; each fixture below waits for its own."""
+    started = {}
+    for name, extra in (("tiny", []), ("llama_tiny", ["--model_preset", "llama_tiny"])):
+        out = tmp_path_factory.mktemp(f"verify_w2_{name}") / "verify.json"
+        started[name] = (ddp_pool.submit("verify", ["--gradient_accumulation_steps", K, *extra, "--json", out]), out)
     root = tmp_path_factory.mktemp("verify_w2_fsdp")
     out = root / "verify.json"
     cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "verify", "--gradient_accumulation_steps", str(K),
-                                   "--accumulation_policy", "no_sync_no_reshard", "--no_trainer_row",
-                                   "--json", str(out), num_processes=WORLD, **fsdp)
+                                   "--accumulation_policy", "no_sync_no_reshard", "--no_trainer_row", "--json",
+                                   str(out), num_processes=WORLD, config=jh.REPO / "accelerate_configs" / "cpu_fsdp.yaml")
     job = jh.start(cmd, jh.clean_env(), root, "verify_w2_fsdp")
-    yield {"fsdp": (job, out)}
+    started["fsdp"] = (job, out)
+    yield started
     if job[1].poll() is None:  # only the launch this fixture started
         jh.finish(job, timeout=0.1)
 
 
 def _finished(launches, name):
     job, out = launches[name]
-    res = jh.finish(job, timeout=300)
+    res = job.result() if isinstance(job, jh.PoolCommand) else jh.finish(job, timeout=300)
     assert res.returncode == 0, res.describe()
     assert out.exists(), f"no JSON written\n{res.describe()}"
     return res, json.loads(out.read_text())
 
 
-def _shared(ddp_cli_runs, name):
-    res, report = ddp_cli_runs.result(name)
-    assert res.returncode == 0, res.describe()
-    assert report is not None, f"no JSON written\n{res.describe()}"
-    return res, report
+@pytest.fixture(scope="module")
+def two_processes(launches):
+    return _finished(launches, "tiny")
 
 
 @pytest.fixture(scope="module")
-def two_processes(launches, ddp_cli_runs):
-    return _shared(ddp_cli_runs, "verify_tiny")
-
-
-@pytest.fixture(scope="module")
-def two_processes_llama(launches, ddp_cli_runs):
-    return _shared(ddp_cli_runs, "verify_llama_tiny")
+def two_processes_llama(launches):
+    return _finished(launches, "llama_tiny")
 
 
 @pytest.fixture(scope="module")
