@@ -415,8 +415,9 @@ class PoolCommand:
 
     def result(self, timeout: float | None = None) -> Finished:
         """The command as a :class:`Finished`: ``returncode`` its exit code (1 if it raised, the launch's if it
-        never ended), ``stdout`` what it printed on rank 0, 1, ..., ``stderr`` the pool's log so far (every
-        command's so far: logs of the ranks and a traceback if it raised)."""
+        never ended), ``stdout`` what it printed on rank 0, 1, ..., ``stderr`` the pool's log from the first
+        rank's start line of this command to the last rank's end line (to the end if there is none), and
+        the traceback if it raised."""
         import time
 
         t0 = time.monotonic()
@@ -434,7 +435,16 @@ class PoolCommand:
         else:
             rc = -9  # timed out: the pool is still busy with it or an earlier command
         err = self.pool.work / "pool.stderr"
-        stderr = err.read_text(errors="replace") if err.exists() else ""
+        stderr = _command_lines(err.read_text(errors="replace") if err.exists() else "", i)
         stderr += "".join(r.get("traceback", "") for r in records)
         stdout = "".join(p.read_text() for r in range(n) if (p := q / f"{i:04d}.rank{r}.stdout").exists())
         return Finished(self.cmd, rc, stdout, stderr, time.monotonic() - t0)
+
+
+def _command_lines(log: str, i: int) -> str:
+    """The part of a :class:`CommandPool`'s stderr that command ``i`` wrote (tests/pool_worker.py marks it)."""
+    start = log.find(f" command {i} start: ")
+    if start < 0:
+        return log
+    end = log.rfind(f" command {i} end: ")
+    return log[log.rfind("\n", 0, start) + 1: None if end < 0 else (log.find("\n", end) + 1 or None)]

@@ -15,7 +15,8 @@ Each command runs as ``accelerate launch ... -m accum_kit <command> <argv>`` wou
 caches are reset (``torch._dynamo.reset()``, documented as "as if you had started a fresh
 process"), a default process group is formed again if an earlier command ended it (the
 train job and bench do; the first command forms its own as in a fresh launch), and ``datasets``' cache directory is the command's own. What it
-prints on stdout goes to ``QUEUE_DIR/<i:04d>.rank<r>.stdout``; then every rank writes
+prints on stdout goes to ``QUEUE_DIR/<i:04d>.rank<r>.stdout``; its stderr goes to the launch's,
+between the lines ``[pool_worker] rank <r> command <i> start: ...`` and ``... end: ...``; then every rank writes
 ``QUEUE_DIR/<i:04d>.rank<r>.done`` with ``{"exit_code": int}`` or, if the command raised,
 ``{"exit_code": null, "traceback": str}``, and the launch ends with that exception (a rank that
 raised may have left its peers inside a collective: nothing later could be trusted).
@@ -98,10 +99,14 @@ def run_one(i: int, entry: dict, queue: Path, rank: str) -> int:
         fresh_process_group(i)
     reset_accelerate_state()
     torch._dynamo.reset()
+    # the launch's stderr is every command's: these lines let a test cut out its own command's part
+    print(f"[pool_worker] rank {rank} command {i} start: accum-kit {entry['command']}", file=sys.stderr, flush=True)
     with open(queue / f"{i:04d}.rank{rank}.stdout", "w") as out, contextlib.redirect_stdout(out), \
             datasets_cache(entry.get("datasets_cache")):
         code = cli_run(entry["command"], [str(a) for a in entry["argv"]])
         sys.stdout.flush()
+    sys.stderr.flush()
+    print(f"[pool_worker] rank {rank} command {i} end: exit code {code}", file=sys.stderr, flush=True)
     return code
 
 

@@ -6,8 +6,8 @@ Expected values come from the flags by arithmetic, from the saved files read
 back with plain ``transformers``, or from the corpus recomputed here with the
 same byte tokenizer; never from the summary code itself.
 
-Cost: one 2-process launch (~15-25 s, mostly imports), three small subprocess
-runs, and in-process ``main(argv)`` calls for the rest.
+Cost: one command on conftest.py's shared 2-process ``ddp_pool``, the FSDP2 launches, three small
+subprocess runs, and in-process ``main(argv)`` calls for the rest.
 """
 
 from __future__ import annotations
@@ -130,17 +130,15 @@ def fresh_tiny_model(vocab=BYTE_VOCAB, n_positions=BLOCK, seed=SEED):
 
 
 @pytest.fixture(scope="module")
-def ddp_run(work, corpus):
+def ddp_run(work, corpus, ddp_pool):
+    """The job on 2 DDP processes: a command of conftest.py's shared ``ddp_pool`` (one launch for many commands)."""
     out = work / "ddp_out"
-    cmd = jh.accelerate_launch_cmd(
-        "-m", "accum_kit", "train",
-        *job_flags(out, "--max_train_steps", STEPS, "--per_device_train_batch_size", B,
-                   "--gradient_accumulation_steps", K, "--max_train_samples", MAX_TRAIN,
-                   "--max_eval_samples", MAX_EVAL, "--with_tracking", "--report_to", "tensorboard",
-                   train_file=corpus),
-        num_processes=WORLD,
-    )
-    res = jh.run(cmd, jh.clean_env(HF_DATASETS_CACHE=str(work / "hf_datasets_cache")), work, "ddp", timeout=300)
+    assert ddp_pool.num_processes == WORLD
+    res = ddp_pool.submit("train", job_flags(out, "--max_train_steps", STEPS, "--per_device_train_batch_size", B,
+                                             "--gradient_accumulation_steps", K, "--max_train_samples", MAX_TRAIN,
+                                             "--max_eval_samples", MAX_EVAL, "--with_tracking", "--report_to",
+                                             "tensorboard", train_file=corpus),
+                          datasets_cache=work / "hf_datasets_cache").result()
     assert res.returncode == 0, res.describe()
     return res, out
 
