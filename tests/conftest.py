@@ -1,6 +1,7 @@
 """Shared fixtures. ``example_results``: every example of the ladder, run once on 2 gloo processes;
 ``fsdp_reference``: the uninterrupted FSDP2 train job, run once for the modules that check or break it;
-``ddp_pool``: one 2-process DDP launch that runs the accum-kit commands of several modules."""
+``ddp_pool`` / ``fsdp_pool``: one 2-process DDP / FSDP2 launch each, running the accum-kit commands of several
+modules (the reference among them)."""
 
 from __future__ import annotations
 
@@ -84,24 +85,33 @@ def example_results(tmp_path_factory):
 
 
 FSDP_REFERENCE_TIMEOUT_S = 420
-DDP_POOL_TIMEOUT_S = 600  # per command (the pool runs them one after another)
+DDP_POOL_TIMEOUT_S = 600  # per command, both pools (a pool runs its commands one after another)
 
 
 @pytest.fixture(scope="session")
-def fsdp_reference(tmp_path_factory):
+def fsdp_pool(tmp_path_factory):
+    """A :class:`job_helpers.CommandPool` on 2 FSDP2 processes (accelerate_configs/cpu_fsdp.yaml), for the
+    commands that need no launch of their own (no signal, no fault, no launcher flag); see ``ddp_pool``."""
+    pool = jh.CommandPool(tmp_path_factory.mktemp("fsdp_pool"), jh.FSDP_CONFIG, timeout=DDP_POOL_TIMEOUT_S)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def fsdp_reference(tmp_path_factory, fsdp_pool):
     """The FSDP2 job (``jh.fsdp_job_argv``) uninterrupted, with ``--profile_comm``, TensorBoard tracking and
-    ``--checkpointing_steps jh.FSDP_REFERENCE_EVERY``, as a :class:`job_helpers.Pending`: started when first asked
-    for, so that the asking module's own launches run beside it; ``.result()`` waits. (Profiling, tracking and
-    the save interval change no number: the modules that compare with it run without them, or with another
-    interval, and must agree bitwise.)"""
+    ``--checkpointing_steps jh.FSDP_REFERENCE_EVERY``, as a :class:`job_helpers.Pending`: queued on ``fsdp_pool``
+    when first asked for, so that the asking module's own launches run beside it; ``.result()`` waits. (Profiling,
+    tracking and the save interval change no number: the modules that compare with it run without them, or with
+    another interval, and must agree bitwise.)"""
     work = tmp_path_factory.mktemp("fsdp_reference")
     corpus = jh.write_corpus(work / "corpus.txt")
     cache, out = work / "hf_datasets_cache", work / "out"
-    cmd = jh.accelerate_launch_cmd(*jh.fsdp_job_argv(corpus, out, "--checkpointing_steps", jh.FSDP_REFERENCE_EVERY,
-                                                     "--profile_comm", "--with_tracking", "--report_to", "tensorboard"),
-                                   config=jh.FSDP_CONFIG)
-    pending = jh.Pending(jh.start(cmd, jh.clean_env(HF_DATASETS_CACHE=str(cache)), work, "fsdp_reference"), out,
-                         corpus, cache, FSDP_REFERENCE_TIMEOUT_S)
+    argv = jh.fsdp_job_argv(corpus, out, "--checkpointing_steps", jh.FSDP_REFERENCE_EVERY, "--profile_comm",
+                            "--with_tracking", "--report_to", "tensorboard")
+    assert argv[:3] == ["-m", "accum_kit", "train"]
+    pending = jh.Pending(fsdp_pool.submit("train", argv[3:], datasets_cache=cache), out, corpus, cache,
+                         FSDP_REFERENCE_TIMEOUT_S)
     yield pending
     pending.result()  # never left running
 

@@ -128,7 +128,8 @@ def fsdp_job_argv(corpus: Path, output_dir: Path, *extra) -> list[str]:
 
 
 class Pending:
-    """A launch from :func:`start` that runs while other work goes on; :meth:`result` waits for it (once).
+    """A launch from :func:`start` (or a :class:`PoolCommand`) that runs while other work goes on; :meth:`result`
+    waits for it (once).
 
     Attributes: ``output_dir``, ``corpus``, ``datasets_cache``: what the launch was given, for runs that
     compare with it or reuse its tokenised data.
@@ -140,7 +141,8 @@ class Pending:
 
     def result(self) -> Finished:
         if self._done is None:
-            self._done = finish(self._started, self._timeout)
+            started = self._started
+            self._done = started.result(self._timeout) if isinstance(started, PoolCommand) else finish(started, self._timeout)
         return self._done
 
 
@@ -381,16 +383,19 @@ class CommandPool:
         self.started = start(cmd, clean_env(), work, "pool")
         self._next, self._finished = 0, None
 
-    def submit(self, command: str, argv: list, datasets_cache: Path | None = None) -> "PoolCommand":
-        """Queue ``accum-kit <command> <argv>`` (with ``datasets_cache`` as HF_DATASETS_CACHE); returns at once."""
+    def submit(self, command: str, argv: list, datasets_cache: Path | None = None,
+               script: Path | None = None) -> "PoolCommand":
+        """Queue ``accum-kit <command> <argv>`` (or, with ``script``, ``python <script> <argv>``; ``command`` is
+        then only its name), with ``datasets_cache`` as HF_DATASETS_CACHE; returns at once."""
         i = self._next
         self._next += 1
         argv = [str(a) for a in argv]
-        entry = {"command": command, "argv": argv, "datasets_cache": None if datasets_cache is None else str(datasets_cache)}
+        entry = {"command": command, "argv": argv, "datasets_cache": None if datasets_cache is None else str(datasets_cache),
+                 "script": None if script is None else str(script)}
         tmp = self.queue / f".{i:04d}.json.tmp"
         tmp.write_text(json.dumps(entry))
         tmp.replace(self.queue / f"{i:04d}.json")  # the workers poll for it: never half-written
-        return PoolCommand(self, i, [*self.launch_cmd, "-m", "accum_kit", command, *argv])
+        return PoolCommand(self, i, [*self.launch_cmd, *([str(script)] if script else ["-m", "accum_kit", command]), *argv])
 
     def alive(self) -> bool:
         return self.started[1].poll() is None

@@ -8,6 +8,7 @@ datasets, the launcher and the rendezvous: most of a small job's cost) is paid o
 of them. Command ``i`` is ``QUEUE_DIR/<i:04d>.json`` (written atomically by the test)::
 
     {"command": "verify"|"train"|"bench"|..., "argv": [...], "datasets_cache": str|null}
+    {"script": "benchmarks/soak.py", "argv": [...], "datasets_cache": str|null}   # a script, as __main__
     {"stop": true}                                  # the last one: the launch ends, exit code 0
 
 Each command runs as ``accelerate launch ... -m accum_kit <command> <argv>`` would run it
@@ -89,6 +90,21 @@ def write_atomically(path: Path, record: dict) -> None:
     tmp.replace(path)
 
 
+def run_script(path: str, argv: list[str]) -> int:
+    """``python <path> <argv>`` in this process (``runpy``, as ``__main__``); its exit code."""
+    import runpy
+
+    before = sys.argv
+    sys.argv = [path, *argv]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = before
+    return 0
+
+
 def run_one(i: int, entry: dict, queue: Path, rank: str) -> int:
     import torch
 
@@ -100,10 +116,13 @@ def run_one(i: int, entry: dict, queue: Path, rank: str) -> int:
     reset_accelerate_state()
     torch._dynamo.reset()
     # the launch's stderr is every command's: these lines let a test cut out its own command's part
-    print(f"[pool_worker] rank {rank} command {i} start: accum-kit {entry['command']}", file=sys.stderr, flush=True)
+    print(f"[pool_worker] rank {rank} command {i} start: {entry.get('script') or 'accum-kit ' + entry['command']}", file=sys.stderr, flush=True)
     with open(queue / f"{i:04d}.rank{rank}.stdout", "w") as out, contextlib.redirect_stdout(out), \
             datasets_cache(entry.get("datasets_cache")):
-        code = cli_run(entry["command"], [str(a) for a in entry["argv"]])
+        if entry.get("script"):
+            code = run_script(entry["script"], [str(a) for a in entry["argv"]])
+        else:
+            code = cli_run(entry["command"], [str(a) for a in entry["argv"]])
         sys.stdout.flush()
     sys.stderr.flush()
     print(f"[pool_worker] rank {rank} command {i} end: exit code {code}", file=sys.stderr, flush=True)

@@ -2,7 +2,7 @@
 
 A real two-process run (``accum-kit verify`` under ``accelerate launch --config_file
 accelerate_configs/cpu_ddp.yaml``, gloo, K=3 with a partial last window; a command of
-conftest.py's shared ``ddp_pool`` launch) checks the exit code and the JSON report: the toolkit's ``tokens``
+conftest.py's shared ``ddp_pool`` launch; under FSDP2 one of its ``fsdp_pool``) checks the exit code and the JSON report: the toolkit's ``tokens``
 normalisation matches the single-process big batch, mean-of-means does not, and
 DDP's averaging shows as a sum-loss ratio of 1/2. The big-batch gradient norm in
 the JSON is then recomputed here from the examples the report lists, with a
@@ -26,7 +26,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import job_helpers as jh
 from accum_kit import cli, verify
 from accum_kit.launch import DEFAULT_GRADIENT_ACCUMULATION_STEPS
 from accum_kit.models import build_model
@@ -45,28 +44,20 @@ def _finite(*xs) -> bool:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory, ddp_pool):
-    """Queue the two DDP runs (GPT-2 tiny and llama_tiny) on conftest.py's shared ``ddp_pool`` and start the FSDP2
-    launch beside them; each fixture below waits for its own."""
+def launches(tmp_path_factory, ddp_pool, fsdp_pool):
+    """Queue the two DDP runs (GPT-2 tiny and llama_tiny) on conftest.py's shared ``ddp_pool`` and the FSDP2 run
+    on its ``fsdp_pool`` (each pool one 2-process launch); each fixture below waits for its own."""
     started = {}
-    for name, extra in (("tiny", []), ("llama_tiny", ["--model_preset", "llama_tiny"])):
+    for name, pool, extra in (("tiny", ddp_pool, []), ("llama_tiny", ddp_pool, ["--model_preset", "llama_tiny"]),
+                              ("fsdp", fsdp_pool, ["--accumulation_policy", "no_sync_no_reshard", "--no_trainer_row"])):
         out = tmp_path_factory.mktemp(f"verify_w2_{name}") / "verify.json"
-        started[name] = (ddp_pool.submit("verify", ["--gradient_accumulation_steps", K, *extra, "--json", out]), out)
-    root = tmp_path_factory.mktemp("verify_w2_fsdp")
-    out = root / "verify.json"
-    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "verify", "--gradient_accumulation_steps", str(K),
-                                   "--accumulation_policy", "no_sync_no_reshard", "--no_trainer_row", "--json",
-                                   str(out), num_processes=WORLD, config=jh.REPO / "accelerate_configs" / "cpu_fsdp.yaml")
-    job = jh.start(cmd, jh.clean_env(), root, "verify_w2_fsdp")
-    started["fsdp"] = (job, out)
-    yield started
-    if job[1].poll() is None:  # only the launch this fixture started
-        jh.finish(job, timeout=0.1)
+        started[name] = (pool.submit("verify", ["--gradient_accumulation_steps", K, *extra, "--json", out]), out)
+    return started
 
 
 def _finished(launches, name):
     job, out = launches[name]
-    res = job.result() if isinstance(job, jh.PoolCommand) else jh.finish(job, timeout=300)
+    res = job.result()
     assert res.returncode == 0, res.describe()
     assert out.exists(), f"no JSON written\n{res.describe()}"
     return res, json.loads(out.read_text())
