@@ -56,8 +56,9 @@ def checkpointing_specs(ex: Path, corpus_flags: list, output_dir: Path) -> list[
 
 
 @pytest.fixture(scope="session")
-def example_results(tmp_path_factory):
-    """``{name: [rank 0 result, rank 1 result]}`` from one launch of tests/examples_worker.py.
+def example_results(tmp_path_factory, ddp_pool):
+    """``{name: [rank 0 result, rank 1 result]}`` from one run of tests/examples_worker.py on 2 processes (a
+    script run of ``ddp_pool``).
 
     An example that raised shows up as ``{"error": traceback}`` for that rank.
     """
@@ -68,9 +69,8 @@ def example_results(tmp_path_factory):
     spec_path.write_text(json.dumps({"examples": specs}))
     out = work / "out"
     out.mkdir()
-    cmd = jh.accelerate_launch_cmd(str(jh.REPO / "tests" / "examples_worker.py"), str(spec_path), str(out))
-    env = jh.clean_env(HF_DATASETS_CACHE=str(work / "hf_cache"))
-    res = jh.run(cmd, env, work / "logs", "examples", timeout=EXAMPLES_TIMEOUT_S)
+    res = ddp_pool.submit("examples", [spec_path, out], datasets_cache=work / "hf_cache",
+                          script=jh.REPO / "tests" / "examples_worker.py").result(EXAMPLES_TIMEOUT_S)
     results = {}
     for s in specs:
         per_rank = []
