@@ -309,8 +309,11 @@ def worker_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
-def run_dist_worker(config: Path, spec: dict, root: Path, name: str, world: int, timeout: float) -> dict:
-    """One ``accelerate launch --config_file config`` of tests/dist_worker.py over ``spec``; its scenarios loaded.
+def run_dist_worker(config: Path, spec: dict, root: Path, name: str, world: int, timeout: float,
+                    pool: "CommandPool | None" = None) -> dict:
+    """One ``accelerate launch --config_file config`` of tests/dist_worker.py over ``spec`` (or, with ``pool``, a
+    script run of that :class:`CommandPool`, which must have been launched with ``config`` on ``world`` processes);
+    its scenarios loaded.
 
     Returns ``{scenario name: {"scenario", "init", "steps", "ranks", "resumed": {step: {"steps", "ranks"}}}}``
     (see tests/dist_worker.py for the files); fails the test with the launch's output if it fails.
@@ -319,10 +322,15 @@ def run_dist_worker(config: Path, spec: dict, root: Path, name: str, world: int,
     import torch
 
     (root / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-           "--main_process_port", str(free_port()), str(REPO / "tests" / "dist_worker.py"), str(root / "spec.json"),
-           str(root / "out")]
-    res = run(cmd, clean_env(HF_DATASETS_CACHE=str(root / "hf_cache")), root / "logs", name, timeout=timeout)
+    worker = REPO / "tests" / "dist_worker.py"
+    if pool is not None:
+        assert (Path(pool.config), pool.num_processes) == (Path(config), world), "the pool runs another launch"
+        res = pool.submit(name, [root / "spec.json", root / "out"], datasets_cache=root / "hf_cache",
+                          script=worker).result(timeout)
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--main_process_port", str(free_port()), str(worker), str(root / "spec.json"), str(root / "out")]
+        res = run(cmd, clean_env(HF_DATASETS_CACHE=str(root / "hf_cache")), root / "logs", name, timeout=timeout)
     if res.returncode != 0:
         pytest.fail(f"{name} worker failed\n{res.describe()}", pytrace=False)
 
@@ -376,6 +384,7 @@ class CommandPool:
 
     def __init__(self, work: Path, config: str | Path = DDP_CONFIG, num_processes: int = 2, timeout: float = 600):
         self.work, self.queue, self.num_processes, self.timeout = work, work / "queue", num_processes, timeout
+        self.config = config
         self.queue.mkdir(parents=True)
         cmd = accelerate_launch_cmd(str(REPO / "tests" / "pool_worker.py"), str(self.queue),
                                     num_processes=num_processes, config=config)
