@@ -409,13 +409,14 @@ class CommandPool:
     def alive(self) -> bool:
         return self.started[1].poll() is None
 
-    def close(self) -> Finished:
-        """Queue the stop and wait for the launch to end (killed after ``timeout``); returns it (once)."""
+    def close(self, timeout: float | None = None) -> Finished:
+        """Queue the stop and wait for the launch to end, killing it after ``timeout`` (default: the pool's);
+        returns it (the first call's result)."""
         if self._finished is None:
             if self.alive():
                 (self.queue / f".{self._next:04d}.json.tmp").write_text(json.dumps({"stop": True}))
                 (self.queue / f".{self._next:04d}.json.tmp").replace(self.queue / f"{self._next:04d}.json")
-            self._finished = finish(self.started, self.timeout)
+            self._finished = finish(self.started, self.timeout if timeout is None else timeout)
         return self._finished
 
 
@@ -446,8 +447,9 @@ class PoolCommand:
             rc = max(codes, key=abs)
         elif not self.pool.alive():
             rc = self.pool.close().returncode or 1
-        else:
-            rc = -9  # timed out: the pool is still busy with it or an earlier command
+        else:  # timed out: stuck in it or in an earlier command; the commands queued after it would wait too
+            self.pool.close(timeout=0.1)
+            rc = -9
         err = self.pool.work / "pool.stderr"
         stderr = _command_lines(err.read_text(errors="replace") if err.exists() else "", i)
         stderr += "".join(r.get("traceback", "") for r in records)
