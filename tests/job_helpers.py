@@ -429,14 +429,16 @@ class PoolCommand:
     cmd: list
 
     def result(self, timeout: float | None = None) -> Finished:
-        """The command as a :class:`Finished`: ``returncode`` its exit code (1 if it raised, the launch's if it
+        """Wait for the command (at most ``timeout`` seconds, never less than the pool's ``timeout``); it, as a
+        :class:`Finished`: ``returncode`` its exit code (1 if it raised, the launch's if it
         never ended), ``stdout`` what it printed on rank 0, 1, ..., ``stderr`` the pool's log from the first
         rank's start line of this command to the last rank's end line (to the end if there is none), and
         the traceback if it raised."""
         import time
 
         t0 = time.monotonic()
-        deadline = t0 + (self.pool.timeout if timeout is None else timeout)
+        # never less than the pool's own limit: giving up on a command ends the pool (see below)
+        deadline = t0 + max(self.pool.timeout, timeout or 0)
         q, i, n = self.pool.queue, self.index, self.pool.num_processes
         done = [q / f"{i:04d}.rank{r}.done" for r in range(n)]
         while not all(p.exists() for p in done) and self.pool.alive() and time.monotonic() < deadline:
