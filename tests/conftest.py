@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+import command_pool  # noqa: E402
 import job_helpers as jh  # noqa: E402
 
 EXAMPLES_TIMEOUT_S = 420
@@ -90,9 +91,9 @@ DDP_POOL_TIMEOUT_S = 600  # per command, both pools (a pool runs its commands on
 
 @pytest.fixture(scope="session")
 def fsdp_pool(tmp_path_factory):
-    """A :class:`job_helpers.CommandPool` on 2 FSDP2 processes (accelerate_configs/cpu_fsdp.yaml), for the
+    """A :class:`command_pool.CommandPool` on 2 FSDP2 processes (accelerate_configs/cpu_fsdp.yaml), for the
     commands that need no launch of their own (no signal, no fault, no launcher flag); see ``ddp_pool``."""
-    pool = jh.CommandPool(tmp_path_factory.mktemp("fsdp_pool"), jh.FSDP_CONFIG, timeout=DDP_POOL_TIMEOUT_S)
+    pool = command_pool.CommandPool(tmp_path_factory.mktemp("fsdp_pool"), jh.FSDP_CONFIG, timeout=DDP_POOL_TIMEOUT_S)
     yield pool
     pool.close()
 
@@ -118,10 +119,10 @@ def fsdp_reference(tmp_path_factory, fsdp_pool):
 
 @pytest.fixture(scope="session")
 def ddp_pool(tmp_path_factory):
-    """A :class:`job_helpers.CommandPool` on 2 DDP processes (accelerate_configs/cpu_ddp.yaml), shared by the
+    """A :class:`command_pool.CommandPool` on 2 DDP processes (accelerate_configs/cpu_ddp.yaml), shared by the
     modules whose 2-process commands need no launch of their own (no signal, no fault, no launcher flag):
     each module submits its commands and reads their results; one start-up for all of them."""
-    pool = jh.CommandPool(tmp_path_factory.mktemp("ddp_pool"), jh.DDP_CONFIG, timeout=DDP_POOL_TIMEOUT_S)
+    pool = command_pool.CommandPool(tmp_path_factory.mktemp("ddp_pool"), jh.DDP_CONFIG, timeout=DDP_POOL_TIMEOUT_S)
     yield pool
     pool.close()
 

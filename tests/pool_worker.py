@@ -1,4 +1,4 @@
-"""Worker of :class:`job_helpers.CommandPool` (not a test module: pytest does not collect it).
+"""Worker of :class:`command_pool.CommandPool` (not a test module: pytest does not collect it).
 
     accelerate launch --config_file <config> tests/pool_worker.py QUEUE_DIR
 

@@ -71,7 +71,7 @@ def runs(tmp_path_factory, ddp_pool):
             started[world] = (ddp_pool.submit("ckpt_worker", [spec, out], script=WORKER), out)
     loaded = {}
     for world, (handle, out) in started.items():
-        res = handle.result() if isinstance(handle, jh.PoolCommand) else jh.finish(handle, TIMEOUT_S)
+        res = handle.result() if world != 1 else jh.finish(handle, TIMEOUT_S)  # a pool command, or a process
         assert res.returncode == 0, res.describe()
         loaded[world] = {sc["name"]: {p.stem: torch.load(p, weights_only=False)
                                       for p in (out / sc["name"]).glob("*.pt")} for sc in SCENARIOS[world]}
