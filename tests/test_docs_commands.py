@@ -50,6 +50,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
 import re
 import shlex
 import sys
@@ -274,11 +275,37 @@ def check_launch(argv: list[str], tmp: Path) -> list[str]:
     problems = []
     if args.config_file is not None and not (ROOT / args.config_file).is_file():
         problems.append(f"--config_file {args.config_file}: no such file in the repository")
-    if args.module:
-        if args.training_script != "accum_kit":
-            return problems + [f"-m {args.training_script}: not the accum_kit package"]
-        return problems + check_subcommand(list(args.training_script_args), tmp)
-    return problems + check_script([args.training_script, *args.training_script_args], tmp)
+    with launched_as(args):
+        if args.module:
+            if args.training_script != "accum_kit":
+                return problems + [f"-m {args.training_script}: not the accum_kit package"]
+            return problems + check_subcommand(list(args.training_script_args), tmp)
+        return problems + check_script([args.training_script, *args.training_script_args], tmp)
+
+
+@contextlib.contextmanager
+def launched_as(args):
+    """The variable ``accelerate launch`` sets for an FSDP or DeepSpeed config (the commands' flags depend on it:
+    the bench's ``--accumulation_policies`` needs FSDP2, ``--zero_stages`` DeepSpeed), set while checking."""
+    import yaml
+
+    config = ROOT / args.config_file if args.config_file else None
+    kind = yaml.safe_load(config.read_text()).get("distributed_type") if config and config.is_file() else None
+    var = {"FSDP": "ACCELERATE_USE_FSDP", "DEEPSPEED": "ACCELERATE_USE_DEEPSPEED"}.get(kind)
+    if args.use_fsdp:
+        var = "ACCELERATE_USE_FSDP"
+    if args.use_deepspeed:
+        var = "ACCELERATE_USE_DEEPSPEED"
+    before = os.environ.get(var) if var else None
+    if var:
+        os.environ[var] = "true"
+    try:
+        yield
+    finally:
+        if var and before is None:
+            os.environ.pop(var, None)
+        elif var:
+            os.environ[var] = before
 
 
 def check_pip(argv: list[str]) -> list[str]:
