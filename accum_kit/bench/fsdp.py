@@ -79,7 +79,9 @@ SUMMARY_KEYS = ("reduce_scatter_calls_per_step", "reduce_scatter_bytes_per_step"
                 "all_reduce_calls_per_step", "all_reduce_bytes_per_step", "by_group", "syncs",
                 "skipped_syncs", "compute_seconds", "accumulation_seconds", "exposed_comm_seconds",
                 "exposed_all_gather_seconds_per_step",
-                "optimizer_seconds", "ideal_seconds_per_step", "estimated_seconds_saved_per_step")
+                "optimizer_seconds", "ideal_seconds_per_step", "estimated_seconds_saved_per_step",
+                "post_backward_sync_seconds", "post_backward_no_sync_seconds", "post_backward_adding_seconds",
+                "shard_add_seconds", "shard_add_source", "saved_per_skipped_sync_seconds")
 
 
 def apply_policy(accelerator, model, policy: str, fsdp_defaults: list) -> None:
@@ -155,7 +157,8 @@ def pooled_summaries(prof, cfg: BenchConfig, world: int, order: list[str]) -> di
         for policy in order:
             tags = {f"{policy}/K{K}/r{rep}" for rep in range(cfg.repeats)}
             mine = ProfileRecords(*([r for r in records if r.tag in tags] for records in
-                                    (every.calls, every.micro_batches, every.steps, every.collectives)))
+                                    (every.calls, every.micro_batches, every.steps, every.collectives,
+                                     every.post_backwards)))
             summary = sharded_summary(mine, shard_size=prof.shard_size, replicate_size=prof.replicate_size, units=units)
             out[f"K{K}/{policy}"] = {k: summary.get(k) for k in SUMMARY_KEYS}
     return out

@@ -51,7 +51,12 @@ class Figures:
     all micro-batches, minus all their collectives). HSDP's all-reduces across
     replicas: ``ar_calls``, ``ar_bytes``, ``ar_seconds``; ``ar_micro_batches``
     (micro-batches with one) and ``ar_seconds_per_micro`` (median of their
-    all-reduce seconds).
+    all-reduce seconds). FSDP2's post-backward hooks, the units' seconds summed
+    per micro-batch (medians; with their counts ``*_micro_batches``):
+    ``pb_sync`` (micro-batches whose units reduced, the first of their window
+    to do so: the new shard is stored), ``pb_sync_adding`` (reduced after an
+    earlier micro-batch of the window did: the new shard is added to the one
+    held, ``sync_each_batch``), ``pb_no_sync`` (no unit reduced).
     """
 
     allreduce_calls: int = 0
@@ -92,6 +97,12 @@ class Figures:
     ar_seconds: float = 0.0
     ar_micro_batches: int = 0
     ar_seconds_per_micro: float | None = None
+    pb_sync: float | None = None
+    pb_sync_adding: float | None = None
+    pb_no_sync: float | None = None
+    pb_sync_micro_batches: int = 0
+    pb_sync_adding_micro_batches: int = 0
+    pb_no_sync_micro_batches: int = 0
 
 
 def _ddp_part(calls: list[BucketCall]) -> dict:
@@ -156,6 +167,27 @@ def _sharded_part(collectives, mbs) -> dict:
                 ar_micro_batches=len(ar_per_micro), ar_seconds_per_micro=median(ar_per_micro.values()))
 
 
+def _post_backward_part(post_backwards, mbs) -> dict:
+    per_micro: dict = defaultdict(lambda: [0.0, False])
+    for r in post_backwards:
+        entry = per_micro[(r.tag, r.micro_batch)]
+        entry[0] += r.seconds
+        entry[1] = entry[1] or r.reduced
+    kinds: dict = {"pb_sync": [], "pb_sync_adding": [], "pb_no_sync": []}
+    synced = set()  # (tag, step) windows that already reduced
+    for m in sorted(mbs, key=lambda m: (str(m.tag), m.micro_batch)):
+        if (m.tag, m.micro_batch) not in per_micro:
+            continue
+        seconds, reduced = per_micro[(m.tag, m.micro_batch)]
+        window = (m.tag, m.step)
+        kinds["pb_sync_adding" if reduced and window in synced else "pb_sync" if reduced else "pb_no_sync"].append(seconds)
+        if reduced:
+            synced.add(window)
+    out = {name: median(v) for name, v in kinds.items()}
+    out.update({f"{name}_micro_batches": len(v) for name, v in kinds.items()})
+    return out
+
+
 def from_records(records: ProfileRecords) -> Figures:
     """The :class:`Figures` of a selection of records, computed from every record (exact).
 
@@ -163,4 +195,5 @@ def from_records(records: ProfileRecords) -> Figures:
     told apart by (tag, micro-batch) and windows by (tag, step).
     """
     return Figures(**_ddp_part(records.calls), **_phase_part(records.micro_batches, records.steps),
-                   **_sharded_part(records.collectives, records.micro_batches))
+                   **_sharded_part(records.collectives, records.micro_batches),
+                   **_post_backward_part(records.post_backwards, records.micro_batches))
