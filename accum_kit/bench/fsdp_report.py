@@ -35,7 +35,12 @@ Per (K, policy) row (seconds per optimizer step; MB = 2**20 bytes):
   each all-gather belong to compute, and fewer all-gathers mean fewer copies);
 - the profiler's estimate of the saving against ``sync_each_batch``
   (``estimated_saved_s``, from this cell's own records of all repeats pooled,
-  see :mod:`accum_kit.profiler.sharded`) and ``estimated_over_measured``.
+  see :mod:`accum_kit.profiler.sharded`) and ``estimated_over_measured``;
+  its terms per skipped sync, ``estimate_terms``: ``R`` and ``H`` (post-backward
+  hooks of a sync and of a deferred micro-batch), ``A`` (the shard add, and
+  ``A_source``), ``G`` (accumulation), and ``A_measured``: the same add measured
+  in this K's ``sync_each_batch`` windows (hooks of a micro-batch that added to
+  a held shard minus those of one that stored it), a check on the assumed ``A``.
 
 Noise floor of a preset: the median over cells of the relative standard
 deviation of the per-repeat medians, ``stdev / median`` (how much the same
@@ -104,6 +109,12 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
             pooled = info.get("pooled", {}).get(f"K{K}/{policy}", {})
             est = pooled.get("estimated_seconds_saved_per_step", _m(cell, "estimated_seconds_saved_per_step"))
             own = pooled.get("ideal_seconds_per_step", _m(cell, "ideal_seconds_per_step"))
+            base_pool = info.get("pooled", {}).get(f"K{K}/{BASE}", {})
+            adding, storing = base_pool.get("post_backward_adding_seconds"), base_pool.get("post_backward_sync_seconds")
+            terms = {"R": pooled.get("post_backward_sync_seconds"), "H": pooled.get("post_backward_no_sync_seconds"),
+                     "A": pooled.get("shard_add_seconds"), "A_source": pooled.get("shard_add_source"),
+                     "G": pooled.get("accumulation_seconds"),
+                     "A_measured": adding - storing if None not in (adding, storing) else None}
             rows.append({
                 "preset": preset, "K": K, "policy": policy, "n_steps": len(steps), "n_pairs": len(ratios),
                 "step_s_median": med, "step_s_q1": q1, "step_s_q3": q3, "pass_medians": pv,
@@ -130,6 +141,7 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
                 "exposed_all_gather_s": g, "optimizer_s": o,
                 "estimated_saved_s": est,
                 "estimated_over_measured": est / saved if (est is not None and saved) else None,
+                "estimate_terms": terms,
             })
     return {"rows": rows, "c_seconds": c, "a_seconds": a, "noise_floor": median(spreads),
             "model": {"P": layout.parameters, "P_f": layout.layer_parameters, "P_0": layout.other_parameters,
@@ -185,8 +197,17 @@ def evaluate_targets(rows: list[dict], presets: dict, K: int = 8) -> list[dict]:
             add(f"K={K}: profiler's no_sync saving within 20% of the measured one",
                 abs(ns["estimated_over_measured"] - 1) <= 0.20,
                 f"estimated {ns['estimated_saved_s']:.3f} s / measured {ns['seconds_saved_per_step']:.3f} s per step "
-                f"(95% CI [{_f(ns['saved_ci_low'])}, {_f(ns['saved_ci_high'])}]) = {ns['estimated_over_measured']:.3f}")
+                f"(95% CI [{_f(ns['saved_ci_low'])}, {_f(ns['saved_ci_high'])}]) = {ns['estimated_over_measured']:.3f}"
+                + _terms(ns.get("estimate_terms") or {}))
     return out
+
+
+def _terms(t: dict) -> str:
+    """The estimate's terms per skipped sync, for the target line (empty without post-backward records)."""
+    if t.get("R") is None:
+        return ""
+    return (f"; per skipped sync R {_f(t['R'])} - H {_f(t['H'])} + A {_f(t['A'])} ({t['A_source']}; measured in "
+            f"sync_each_batch windows {_f(t['A_measured'])}) - G {_f(t['G'])} s")
 
 
 def _f(v, fmt="{:.3f}") -> str:
