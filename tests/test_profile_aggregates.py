@@ -48,10 +48,10 @@ def synthetic_run(rng: random.Random, steps: int, k: int, units: int = 3, tag=No
                 sync0 += 1
             for u in range(units):  # each unit's post-backward hook: longer where it reduced
                 s = rng.uniform(0.001, 0.002) + (0.004 if sync else 0.0)
-                rec.post_backwards.append(PostBackwardTime(step, micro, mode, tag, u, sync, t, s))
+                rec.post_backwards.append(PostBackwardTime(step, micro, mode, tag, u, sync, t, s, s * rng.uniform(0.5, 1)))
                 t += s
             t += fwd + bwd
-            rec.micro_batches.append(MicroBatchTimes(step, micro, sync, mode, tag, fwd, bwd))
+            rec.micro_batches.append(MicroBatchTimes(step, micro, sync, mode, tag, fwd, bwd, bwd * rng.uniform(0.5, 1)))
             micro += 1
         rec.steps.append(StepTimes(step, mode, tag, rng.uniform(0.001, 0.002), rng.uniform(0.2, 0.3)))
     return rec

@@ -101,6 +101,7 @@ class _Open:
     pb_calls: int = 0
     pb_reduced: int = 0
     pb_seconds: float = 0.0
+    pb_cpu: float | None = 0.0  # None once a record came without CPU time
 
 
 class _Bin:
@@ -108,7 +109,8 @@ class _Bin:
 
     NAMES = ("busy_per_sync", "calls_per_sync", "forward", "backward_sync", "backward_no_sync", "backward_first",
              "backward_later", "optimizer", "step", "rs_per_sync", "rs_calls_per_sync", "ag_per_micro",
-             "compute_no_sync", "compute_all", "ar_per_micro", "pb_sync", "pb_sync_adding", "pb_no_sync")
+             "compute_no_sync", "compute_all", "ar_per_micro", "pb_sync", "pb_sync_adding", "pb_no_sync",
+             "pb_sync_cpu", "pb_sync_adding_cpu", "pb_no_sync_cpu", "backward_first_cpu", "backward_later_cpu")
 
     def __init__(self, sketch):
         self.sketch = sketch
@@ -163,6 +165,7 @@ class RunningAggregates:
                 o.pb_calls += 1
                 o.pb_reduced += record.reduced
                 o.pb_seconds += record.seconds
+                o.pb_cpu = None if (o.pb_cpu is None or record.cpu_seconds is None) else o.pb_cpu + record.cpu_seconds
             elif isinstance(record, MicroBatchTimes):
                 self._add_micro_batch(b, record)
             elif isinstance(record, StepTimes):
@@ -230,7 +233,10 @@ class RunningAggregates:
                 b.s["compute_no_sync"].add(work - o.all_gather.total())
             if o.pb_calls:  # a reduction adds to the shard held when the window already reduced once
                 adding = bool(o.pb_reduced) and b._synced_window == m.step
-                b.s["pb_sync_adding" if adding else "pb_sync" if o.pb_reduced else "pb_no_sync"].add(o.pb_seconds)
+                name = "pb_sync_adding" if adding else "pb_sync" if o.pb_reduced else "pb_no_sync"
+                b.s[name].add(o.pb_seconds)
+                if o.pb_cpu is not None:
+                    b.s[f"{name}_cpu"].add(o.pb_cpu)
                 if o.pb_reduced:
                     b._synced_window = m.step
 
@@ -241,6 +247,8 @@ class RunningAggregates:
         b._window = m.step
         if not m.sync:
             b.s["backward_first" if first else "backward_later"].add(m.backward_seconds)
+            if m.backward_cpu_seconds is not None:
+                b.s["backward_first_cpu" if first else "backward_later_cpu"].add(m.backward_cpu_seconds)
         self._close_micro(b, b.open_micro.pop(m.micro_batch, None) or _Open(), m)
 
     # ---- reading -----------------------------------------------------------------------
@@ -293,7 +301,8 @@ class RunningAggregates:
             out.ag_calls_per_micro_batch = s["ag_per_micro"].median()
             out.ag_per_unit = {u: (sk.count, sk.median()) for u, sk in units.items()}
             out.ar_micro_batches, out.ar_seconds_per_micro = s["ar_per_micro"].count, s["ar_per_micro"].median()
-            for name in ("pb_sync", "pb_sync_adding", "pb_no_sync"):
+            for name in ("pb_sync", "pb_sync_adding", "pb_no_sync",
+             "pb_sync_cpu", "pb_sync_adding_cpu", "pb_no_sync_cpu", "backward_first_cpu", "backward_later_cpu"):
                 setattr(out, f"{name}_micro_batches", s[name].count)
                 setattr(out, name, s[name].median())
             return out

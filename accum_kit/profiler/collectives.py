@@ -192,10 +192,11 @@ class CollectiveRecorder:
             if not lab.enabled:
                 return inner(*args, **kwargs)
             reduced = fsdp_unit_reduces_gradients(group)  # read before: the hook does not change it
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             out = inner(*args, **kwargs)
             self.add(PostBackwardTime(step=lab.step, micro_batch=lab.micro_batch, mode=lab.mode, tag=lab.tag,
-                                      unit=unit, reduced=reduced, start=start, seconds=time.perf_counter() - start))
+                                      unit=unit, reduced=reduced, start=start, seconds=time.perf_counter() - start,
+                                      cpu_seconds=time.process_time() - cpu))
             return out
 
         return post_backward

@@ -56,7 +56,9 @@ class Figures:
     ``pb_sync`` (micro-batches whose units reduced, the first of their window
     to do so: the new shard is stored), ``pb_sync_adding`` (reduced after an
     earlier micro-batch of the window did: the new shard is added to the one
-    held, ``sync_each_batch``), ``pb_no_sync`` (no unit reduced).
+    held, ``sync_each_batch``), ``pb_no_sync`` (no unit reduced); each also
+    in CPU seconds of the process (``*_cpu``), with ``backward_first_cpu`` /
+    ``backward_later_cpu`` (None where not measured).
     """
 
     allreduce_calls: int = 0
@@ -103,6 +105,11 @@ class Figures:
     pb_sync_micro_batches: int = 0
     pb_sync_adding_micro_batches: int = 0
     pb_no_sync_micro_batches: int = 0
+    pb_sync_cpu: float | None = None
+    pb_sync_adding_cpu: float | None = None
+    pb_no_sync_cpu: float | None = None
+    backward_first_cpu: float | None = None
+    backward_later_cpu: float | None = None
 
 
 def _ddp_part(calls: list[BucketCall]) -> dict:
@@ -123,12 +130,14 @@ def _phase_part(mbs, steps) -> dict:
         first_of_window[key] = min(first_of_window.get(key, m.micro_batch), m.micro_batch)
     no_sync = [m for m in mbs if not m.sync]
     first = [m.micro_batch == first_of_window[(m.tag, m.step)] for m in no_sync]
+    cpu = [(m.backward_cpu_seconds, f) for m, f in zip(no_sync, first) if m.backward_cpu_seconds is not None]
     return dict(optimizer_steps=len(steps), micro_batches=len(mbs), no_sync_micro_batches=len(no_sync),
                 forward=median(m.forward_seconds for m in mbs),
                 backward_sync=median(m.backward_seconds for m in mbs if m.sync),
                 backward_no_sync=median(m.backward_seconds for m in no_sync),
                 backward_first=median(m.backward_seconds for m, f in zip(no_sync, first) if f),
                 backward_later=median(m.backward_seconds for m, f in zip(no_sync, first) if not f),
+                backward_first_cpu=median(c for c, f in cpu if f), backward_later_cpu=median(c for c, f in cpu if not f),
                 optimizer=median(s.optimizer_seconds for s in steps), step=median(s.step_seconds for s in steps))
 
 
@@ -168,23 +177,29 @@ def _sharded_part(collectives, mbs) -> dict:
 
 
 def _post_backward_part(post_backwards, mbs) -> dict:
-    per_micro: dict = defaultdict(lambda: [0.0, False])
+    per_micro: dict = defaultdict(lambda: [0.0, False, 0.0])
     for r in post_backwards:
         entry = per_micro[(r.tag, r.micro_batch)]
         entry[0] += r.seconds
         entry[1] = entry[1] or r.reduced
+        entry[2] = None if (entry[2] is None or r.cpu_seconds is None) else entry[2] + r.cpu_seconds
     kinds: dict = {"pb_sync": [], "pb_sync_adding": [], "pb_no_sync": []}
+    cpu: dict = {name: [] for name in kinds}
     synced = set()  # (tag, step) windows that already reduced
     for m in sorted(mbs, key=lambda m: (str(m.tag), m.micro_batch)):
         if (m.tag, m.micro_batch) not in per_micro:
             continue
-        seconds, reduced = per_micro[(m.tag, m.micro_batch)]
+        seconds, reduced, cpu_seconds = per_micro[(m.tag, m.micro_batch)]
         window = (m.tag, m.step)
-        kinds["pb_sync_adding" if reduced and window in synced else "pb_sync" if reduced else "pb_no_sync"].append(seconds)
+        name = "pb_sync_adding" if reduced and window in synced else "pb_sync" if reduced else "pb_no_sync"
+        kinds[name].append(seconds)
+        if cpu_seconds is not None:
+            cpu[name].append(cpu_seconds)
         if reduced:
             synced.add(window)
     out = {name: median(v) for name, v in kinds.items()}
     out.update({f"{name}_micro_batches": len(v) for name, v in kinds.items()})
+    out.update({f"{name}_cpu": median(v) for name, v in cpu.items()})
     return out
 
 

@@ -147,6 +147,8 @@ class PostBackwardTime:
         reduced: the unit reduced its gradients in this call (``FSDPParamGroup.reduce_grads``).
         start: ``perf_counter`` seconds when the hook was entered.
         seconds: until it returned.
+        cpu_seconds: the CPU time this process (all its threads, gloo's included) used meanwhile
+            (``time.process_time``; None when not measured).
     """
 
     step: int
@@ -157,11 +159,17 @@ class PostBackwardTime:
     reduced: bool
     start: float
     seconds: float
+    cpu_seconds: float | None = None
 
 
 @dataclass
 class MicroBatchTimes:
-    """Forward and backward seconds of one micro-batch; ``sync``: its backward all-reduced."""
+    """Forward and backward seconds of one micro-batch; ``sync``: its backward all-reduced.
+
+    ``backward_cpu_seconds``: the CPU time this process (all its threads) used during the backward
+    (``time.process_time``; None when not measured): the work, without waiting for other processes or
+    for the cores other jobs hold.
+    """
 
     step: int
     micro_batch: int
@@ -170,6 +178,7 @@ class MicroBatchTimes:
     tag: str | None
     forward_seconds: float
     backward_seconds: float
+    backward_cpu_seconds: float | None = None
 
 
 @dataclass

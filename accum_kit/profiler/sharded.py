@@ -71,6 +71,10 @@ Definitions (seconds, bytes; "per step" divides by the optimizer steps recorded)
 
   Without post-backward records R - H is replaced by the exposed
   reduce-scatter per sync (backward difference) and A by 0.
+  ``estimated_cpu_seconds_saved_per_step`` is the first term again with R,
+  H, A and G in the process's CPU seconds (``time.process_time`` around the
+  hooks and the backwards): the work saved, without the waits a loaded
+  machine adds; compare it with the measured CPU seconds per step.
   The all-gathers term: per unit, the all-gathers syncing every micro-batch
   would make (K per step, 2K for a unit that reshards after forward) minus
   those recorded, times that unit's median seconds per all-gather. Assumed
@@ -194,6 +198,9 @@ def sharded_summary(records: ProfileRecords | Figures, *, shard_size: int, units
         "ideal_seconds_per_step": ideal,
         "seconds_per_step_over_ideal": step / ideal if (step and ideal) else None,
         **per_skip,
+        "estimated_cpu_seconds_saved_per_step": (skipped / n_steps * per_skip["saved_per_skipped_sync_cpu_seconds"]
+                                                 if per_skip["saved_per_skipped_sync_cpu_seconds"] is not None
+                                                 else None),
         "estimated_seconds_saved": saved_per_step * n_steps,
         "estimated_seconds_saved_per_step": saved_per_step,
         "fsdp_units": units,
@@ -207,25 +214,40 @@ def saved_per_skipped_sync(f: Figures, exposed_rs: float, accumulation: float, s
     ``post_backward_adding_seconds`` (R of micro-batches that added to a held shard; None without),
     ``reduction_seconds_per_sync`` (R - H, or the exposed reduce-scatter without hook records),
     ``shard_add_seconds`` (A) and ``shard_add_source`` (``"measured"``, ``"assumed: accumulation / S"``
-    or ``"none"``), ``estimate_source``, ``saved_per_skipped_sync_seconds``.
+    or ``"none"``), ``estimate_source``, ``saved_per_skipped_sync_seconds``; and the same estimate in the
+    process's CPU seconds, ``saved_per_skipped_sync_cpu_seconds`` (R, H, A and G all in CPU time; None
+    without CPU records): what the work costs whatever else holds the cores, the figure to compare on a
+    loaded machine with the measured CPU seconds per step.
     """
-    r, h, adding = f.pb_sync, f.pb_no_sync, f.pb_sync_adding
+    out = _terms(f.pb_sync, f.pb_no_sync, f.pb_sync_adding, exposed_rs, accumulation, shard_size)
+    g_cpu = (f.backward_later_cpu - f.backward_first_cpu
+             if None not in (f.backward_later_cpu, f.backward_first_cpu) else 0.0)
+    cpu = (_terms(f.pb_sync_cpu, f.pb_no_sync_cpu, f.pb_sync_adding_cpu, None, g_cpu, shard_size)
+           if f.pb_sync_cpu is not None else None)
+    return {"post_backward_sync_seconds": f.pb_sync, "post_backward_no_sync_seconds": f.pb_no_sync,
+            "post_backward_adding_seconds": f.pb_sync_adding, "reduction_seconds_per_sync": out["reduction"],
+            "shard_add_seconds": out["add"], "shard_add_source": out["add_source"], "estimate_source": out["source"],
+            "saved_per_skipped_sync_seconds": out["saved"],
+            "accumulation_cpu_seconds": g_cpu if cpu is not None else None,
+            "shard_add_cpu_seconds": cpu["add"] if cpu is not None else None,
+            "saved_per_skipped_sync_cpu_seconds": cpu["saved"] if cpu is not None else None}
+
+
+def _terms(r, h, adding, exposed_rs, accumulation: float, shard_size: int) -> dict:
     if r is not None and h is not None:
         reduction, source = r - h, "post-backward hooks: sync minus deferred micro-batches"
     elif r is not None and adding is not None:  # sync_each_batch: every micro-batch reduces
         reduction, source = r, "post-backward hooks of sync micro-batches"
     else:
-        reduction, source = exposed_rs, "exposed reduce-scatter (no post-backward records)"
+        reduction, source = exposed_rs or 0.0, "exposed reduce-scatter (no post-backward records)"
     if r is not None and adding is not None:
         add, add_source = max(adding - r, 0.0), "measured"
     elif r is not None:
         add, add_source = accumulation / max(shard_size, 1), "assumed: accumulation / S"
     else:
         add, add_source = 0.0, "none"
-    return {"post_backward_sync_seconds": r, "post_backward_no_sync_seconds": h,
-            "post_backward_adding_seconds": adding, "reduction_seconds_per_sync": reduction,
-            "shard_add_seconds": add, "shard_add_source": add_source, "estimate_source": source,
-            "saved_per_skipped_sync_seconds": reduction + add - accumulation}
+    return {"reduction": reduction, "source": source, "add": add, "add_source": add_source,
+            "saved": reduction + add - accumulation}
 
 
 def _replicate_all_reduce(f: Figures, n_steps: int, from_backwards: bool) -> tuple[float, float]:
