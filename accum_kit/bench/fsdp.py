@@ -83,7 +83,8 @@ SUMMARY_KEYS = ("reduce_scatter_calls_per_step", "reduce_scatter_bytes_per_step"
                 "post_backward_sync_seconds", "post_backward_no_sync_seconds", "post_backward_adding_seconds",
                 "shard_add_seconds", "shard_add_source", "saved_per_skipped_sync_seconds",
                 "estimated_cpu_seconds_saved_per_step", "saved_per_skipped_sync_cpu_seconds",
-                "accumulation_cpu_seconds", "shard_add_cpu_seconds")
+                "accumulation_cpu_seconds", "shard_add_cpu_seconds", "post_backward_sync_cpu_seconds",
+                "post_backward_no_sync_cpu_seconds", "post_backward_adding_cpu_seconds")
 
 
 def apply_policy(accelerator, model, policy: str, fsdp_defaults: list) -> None:

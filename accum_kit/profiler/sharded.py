@@ -214,7 +214,9 @@ def saved_per_skipped_sync(f: Figures, exposed_rs: float, accumulation: float, s
     ``post_backward_adding_seconds`` (R of micro-batches that added to a held shard; None without),
     ``reduction_seconds_per_sync`` (R - H, or the exposed reduce-scatter without hook records),
     ``shard_add_seconds`` (A) and ``shard_add_source`` (``"measured"``, ``"assumed: accumulation / S"``
-    or ``"none"``), ``estimate_source``, ``saved_per_skipped_sync_seconds``; and the same estimate in the
+    or ``"none"``), ``estimate_source``, ``saved_per_skipped_sync_seconds``; the hooks' CPU seconds
+    ``post_backward_{sync,no_sync,adding}_cpu_seconds``, ``accumulation_cpu_seconds``, ``shard_add_cpu_seconds``
+    and the same estimate in the
     process's CPU seconds, ``saved_per_skipped_sync_cpu_seconds`` (R, H, A and G all in CPU time; None
     without CPU records): what the work costs whatever else holds the cores, the figure to compare on a
     loaded machine with the measured CPU seconds per step.
@@ -228,6 +230,8 @@ def saved_per_skipped_sync(f: Figures, exposed_rs: float, accumulation: float, s
             "post_backward_adding_seconds": f.pb_sync_adding, "reduction_seconds_per_sync": out["reduction"],
             "shard_add_seconds": out["add"], "shard_add_source": out["add_source"], "estimate_source": out["source"],
             "saved_per_skipped_sync_seconds": out["saved"],
+            "post_backward_sync_cpu_seconds": f.pb_sync_cpu, "post_backward_no_sync_cpu_seconds": f.pb_no_sync_cpu,
+            "post_backward_adding_cpu_seconds": f.pb_sync_adding_cpu,
             "accumulation_cpu_seconds": g_cpu if cpu is not None else None,
             "shard_add_cpu_seconds": cpu["add"] if cpu is not None else None,
             "saved_per_skipped_sync_cpu_seconds": cpu["saved"] if cpu is not None else None}
