@@ -121,7 +121,8 @@ def sharded_summary(records: ProfileRecords | Figures, *, shard_size: int, units
     ``accumulation_seconds`` (per micro-batch; 0 without a window of 3 or more),
     ``compute_seconds`` (per micro-batch), ``ideal_seconds_per_step``,
     ``seconds_per_step_over_ideal``, ``estimated_seconds_saved``,
-    ``estimated_seconds_saved_per_step`` and its terms (:func:`saved_per_skipped_sync`), ``overlap_fraction``, ``fsdp_units`` (``units``),
+    ``estimated_seconds_saved_per_step`` and its terms (:func:`saved_per_skipped_sync`),
+    ``estimated_cpu_seconds_saved_per_step``, ``overlap_fraction``, ``fsdp_units`` (``units``),
     ``mesh`` (``dp_replicate_size``, ``dp_shard_size``) and ``by_group`` (:func:`by_group`). Under HSDP
     ``all_reduce_*`` as ``reduce_scatter_*``, and the reduce-scatter per sync and its exposed time
     include the all-reduce that follows it in the backward.
@@ -214,12 +215,11 @@ def saved_per_skipped_sync(f: Figures, exposed_rs: float, accumulation: float, s
     ``post_backward_adding_seconds`` (R of micro-batches that added to a held shard; None without),
     ``reduction_seconds_per_sync`` (R - H, or the exposed reduce-scatter without hook records),
     ``shard_add_seconds`` (A) and ``shard_add_source`` (``"measured"``, ``"assumed: accumulation / S"``
-    or ``"none"``), ``estimate_source``, ``saved_per_skipped_sync_seconds``; the hooks' CPU seconds
-    ``post_backward_{sync,no_sync,adding}_cpu_seconds``, ``accumulation_cpu_seconds``, ``shard_add_cpu_seconds``
-    and the same estimate in the
-    process's CPU seconds, ``saved_per_skipped_sync_cpu_seconds`` (R, H, A and G all in CPU time; None
-    without CPU records): what the work costs whatever else holds the cores, the figure to compare on a
-    loaded machine with the measured CPU seconds per step.
+    or ``"none"``), ``estimate_source``, ``saved_per_skipped_sync_seconds``; in the process's CPU
+    seconds: ``post_backward_{sync,no_sync,adding}_cpu_seconds``, ``accumulation_cpu_seconds``,
+    ``shard_add_cpu_seconds`` and ``saved_per_skipped_sync_cpu_seconds`` (R, H, A and G all in CPU time;
+    None without CPU records): what the work costs whatever else holds the cores, the figure to compare
+    on a loaded machine with the measured CPU seconds per step.
     """
     out = _terms(f.pb_sync, f.pb_no_sync, f.pb_sync_adding, exposed_rs, accumulation, shard_size)
     g_cpu = (f.backward_later_cpu - f.backward_first_cpu
@@ -238,6 +238,7 @@ def saved_per_skipped_sync(f: Figures, exposed_rs: float, accumulation: float, s
 
 
 def _terms(r, h, adding, exposed_rs, accumulation: float, shard_size: int) -> dict:
+    """R - H + A - G from its medians (wall or CPU seconds); which of them the records gave decides the sources."""
     if r is not None and h is not None:
         reduction, source = r - h, "post-backward hooks: sync minus deferred micro-batches"
     elif r is not None and adding is not None:  # sync_each_batch: every micro-batch reduces
