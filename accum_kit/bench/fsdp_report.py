@@ -172,7 +172,8 @@ def evaluate_targets(rows: list[dict], presets: dict, K: int = 8) -> list[dict]:
     - ``no_sync_no_reshard`` at least 2x faster: the same against 2;
     - each policy within 10 % of its ideal: ``|over_ideal - 1| <= 0.10``;
     - the memory prediction within 10 % of the measured gradient bytes, each policy;
-    - the profiler's estimated saving of ``no_sync`` within 20 % of the measured (paired) one.
+    - the profiler's estimated saving of ``no_sync`` within 20 % of the measured (paired) one, in wall
+      seconds and in CPU seconds (the second is the one a shared machine leaves readable).
     """
     out = []
     for preset in presets:
