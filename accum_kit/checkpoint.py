@@ -55,6 +55,7 @@ import torch
 from accelerate.logging import get_logger
 
 from .callbacks import LoopCallback
+from .checkpoint_engine import check_engine, engine_name  # noqa: F401 (re-exported)
 from .checkpoint_files import check_checkpoint_files
 from .data_cursor import DataCursor, rng_snapshot
 from .errors import UsageError
@@ -151,13 +152,14 @@ def resolve_checkpoint(value: str, output_dir: str | os.PathLike) -> Path:
 
 
 def check_resumable(path, *, gradient_accumulation_steps: int, world_size: int, per_device_batch_size: int | None,
-                    batches_per_epoch: int | None = None, accumulation_schedule=None) -> dict:
+                    batches_per_epoch: int | None = None, accumulation_schedule=None, engine: str | None = None) -> dict:
     """The checkpoint's loop state, after checking that this run would read the same examples.
 
     With ``accumulation_schedule`` (``{step: K}``) the K compared is the schedule's K at the saved step.
 
     Raises:
-        UsageError: K, world size, per-device batch size or batches per epoch
+        UsageError: another engine or ZeRO stage (``engine``, :func:`check_engine`);
+            K, world size, per-device batch size or batches per epoch
             differ from the checkpoint's (the saved data position would point at
             other examples); the message names the flag to change. A file of the
             checkpoint cannot be loaded (corrupt, or a pickle that is not a torch
@@ -165,6 +167,8 @@ def check_resumable(path, *, gradient_accumulation_steps: int, world_size: int, 
     """
     check_checkpoint_files(path)
     saved = read_loop_state(path)
+    if engine is not None:
+        check_engine(path, saved, engine)
     k_flag = "--gradient_accumulation_steps"
     if accumulation_schedule is not None:
         k_flag, gradient_accumulation_steps = "--accumulation_schedule", accumulation_steps_at(
@@ -220,7 +224,7 @@ def loop_state(accelerator, cursor: DataCursor, result, micro_batches: int) -> d
     return {"format": FORMAT, "optimizer_steps": result.optimizer_steps, "epoch": epoch,
             "batches_done_in_epoch": position, "micro_batches": micro_batches,
             "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
-            "world_size": accelerator.num_processes, "per_device_batch_size": batch,
+            "world_size": accelerator.num_processes, "per_device_batch_size": batch, "engine": engine_name(accelerator),
             "batches_per_epoch": cursor.batches_per_epoch, "accumulation_schedule": result.accumulation_schedule}
 
 
@@ -307,7 +311,8 @@ def load_checkpoint(accelerator, path, cursor: DataCursor, accumulation_schedule
     saved = check_resumable(path, gradient_accumulation_steps=accelerator.gradient_accumulation_steps,
                             world_size=accelerator.num_processes,
                             per_device_batch_size=total // accelerator.num_processes if total else None,
-                            batches_per_epoch=cursor.batches_per_epoch, accumulation_schedule=accumulation_schedule)
+                            batches_per_epoch=cursor.batches_per_epoch, accumulation_schedule=accumulation_schedule,
+                            engine=engine_name(accelerator))
     if "history" in saved:  # format 2: the per-step lists in chunks
         history = read_history(path)
         if len(history["train_loss"]) != saved["history"]["steps"]:

@@ -17,7 +17,7 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
 from .callbacks import LoopCallback
-from .checkpoint import (PREEMPTED_EXIT_CODE, Checkpointer, Preempted, check_resumable, check_writable,
+from .checkpoint import (PREEMPTED_EXIT_CODE, Checkpointer, Preempted, check_resumable, check_writable, engine_name,
                          latest_checkpoint, resolve_checkpoint)
 from .compiling import CompileWatch, compile_settings
 from .config import TrainConfig
@@ -28,7 +28,7 @@ from .evaluation import evaluate_loss
 from .launch import build_accelerator, resolve_accumulation_steps
 from .loop import train_loop
 from .loss import check_supported
-from .zero import check_constant_k, check_model_saving, check_profile_flags, deepspeed_summary
+from .zero import check_constant_k, check_model_saving, check_profile_flags, deepspeed_engine, deepspeed_summary
 from .models import build_from_config, build_model, count_parameters, fit_embeddings, load_model, resolve_config
 from .planning import optimizer_steps_per_epoch
 from .planning.schedule import schedule_pairs, scheduled_steps
@@ -252,7 +252,7 @@ def run(cfg: TrainConfig) -> dict:
     if resume is not None:  # before any work: the data position must mean the same examples
         check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
                         per_device_batch_size=cfg.per_device_train_batch_size,
-                        accumulation_schedule=cfg.accumulation_schedule)
+                        accumulation_schedule=cfg.accumulation_schedule, engine=engine_name(accelerator))
     set_seed(cfg.seed)
     tokenizer = build_tokenizer(cfg.tokenizer_name or cfg.model_name_or_path, use_slow_tokenizer=cfg.use_slow_tokenizer,
                                 trust_remote_code=cfg.trust_remote_code,
@@ -269,12 +269,17 @@ def run(cfg: TrainConfig) -> dict:
 
     schedule = cfg.accumulation_schedule  # {step: K} or None (K constant)
     steps = cfg.max_train_steps or scheduled_steps(len(train_dl), schedule or {0: k}, cfg.num_train_epochs)
-    # A prepared scheduler steps once per process per optimizer step (Accelerate's convention).
+    # A prepared scheduler steps once per process per optimizer step (Accelerate's convention). Under DeepSpeed
+    # prepare returns it unwrapped (accelerate 1.15): it steps once per optimizer step, and save_state leaves it
+    # out (the engine was built without it), so it is registered for checkpointing.
+    per_step = 1 if deepspeed_engine(model) is not None else accelerator.num_processes
     lr_scheduler = accelerator.prepare(get_scheduler(
         cfg.lr_scheduler_type, optimizer=optimizer,
-        num_warmup_steps=cfg.num_warmup_steps * accelerator.num_processes,
-        num_training_steps=steps * accelerator.num_processes,
+        num_warmup_steps=cfg.num_warmup_steps * per_step,
+        num_training_steps=steps * per_step,
     ))
+    if deepspeed_engine(model) is not None and getattr(model, "lr_scheduler", None) is None:
+        accelerator.register_for_checkpointing(lr_scheduler)
     n_params = count_parameters(model)
     effective_batch = cfg.per_device_train_batch_size * k * accelerator.num_processes
     logger.info("%d processes (%s), K=%s, effective batch %d examples, %d optimizer steps, %.2fM parameters, data %s",

@@ -343,3 +343,22 @@ def check_profile_flags(accelerator, ab_steps: int) -> None:
 def deepspeed_engine(model):
     """The ``DeepSpeedEngine`` of a prepared model, or None (``prepare`` returns the engine itself)."""
     return model if type(model).__name__ == "DeepSpeedEngine" else None
+
+
+def deepspeed_engine_precision(accelerator) -> str | None:
+    """The precision a DeepSpeed engine trains in: ``"bf16"``, ``"fp16"`` or ``"no"``; None without DeepSpeed.
+
+    Read from the plugin's DeepSpeed config (``bf16.enabled`` / ``fp16.enabled``):
+    on CPU the Accelerator's own ``mixed_precision`` says ``"no"``
+    (:func:`accum_kit.compat.enable_deepspeed_on_cpu`), because DeepSpeed casts
+    the model itself (its weights and gradients in that dtype, the optimizer's
+    master copy in float32), not Accelerate's autocast.
+    """
+    plugin = getattr(accelerator, "deepspeed_plugin", None)
+    if plugin is None:
+        return None
+    config = plugin.deepspeed_config
+    for name, key in (("bf16", "bf16"), ("fp16", "fp16")):
+        if str((config.get(key) or {}).get("enabled", False)).lower() == "true":
+            return name
+    return "no"

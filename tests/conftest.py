@@ -1,5 +1,7 @@
 """Shared fixtures. ``example_results``: every example of the ladder, run once on 2 gloo processes;
-``fsdp_reference``: the uninterrupted FSDP2 train job, run once for the modules that check or break it."""
+``fsdp_reference``: the uninterrupted FSDP2 train job, run once for the modules that check or break it;
+``ddp_pool`` / ``fsdp_pool``: one 2-process DDP / FSDP2 launch each, running the accum-kit commands of several
+modules (the reference among them)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+import command_pool  # noqa: E402
 import job_helpers as jh  # noqa: E402
 
 EXAMPLES_TIMEOUT_S = 420
@@ -54,8 +57,9 @@ def checkpointing_specs(ex: Path, corpus_flags: list, output_dir: Path) -> list[
 
 
 @pytest.fixture(scope="session")
-def example_results(tmp_path_factory):
-    """``{name: [rank 0 result, rank 1 result]}`` from one launch of tests/examples_worker.py.
+def example_results(tmp_path_factory, ddp_pool):
+    """``{name: [rank 0 result, rank 1 result]}`` from one run of tests/examples_worker.py on 2 processes (a
+    script run of ``ddp_pool``).
 
     An example that raised shows up as ``{"error": traceback}`` for that rank.
     """
@@ -66,9 +70,8 @@ def example_results(tmp_path_factory):
     spec_path.write_text(json.dumps({"examples": specs}))
     out = work / "out"
     out.mkdir()
-    cmd = jh.accelerate_launch_cmd(str(jh.REPO / "tests" / "examples_worker.py"), str(spec_path), str(out))
-    env = jh.clean_env(HF_DATASETS_CACHE=str(work / "hf_cache"))
-    res = jh.run(cmd, env, work / "logs", "examples", timeout=EXAMPLES_TIMEOUT_S)
+    res = ddp_pool.submit("examples", [spec_path, out], datasets_cache=work / "hf_cache",
+                          script=jh.REPO / "tests" / "examples_worker.py").result(EXAMPLES_TIMEOUT_S)
     results = {}
     for s in specs:
         per_rank = []
@@ -83,25 +86,45 @@ def example_results(tmp_path_factory):
 
 
 FSDP_REFERENCE_TIMEOUT_S = 420
+DDP_POOL_TIMEOUT_S = 600  # per command, both pools (a pool runs its commands one after another)
 
 
 @pytest.fixture(scope="session")
-def fsdp_reference(tmp_path_factory):
+def fsdp_pool(tmp_path_factory):
+    """A :class:`command_pool.CommandPool` on 2 FSDP2 processes (accelerate_configs/cpu_fsdp.yaml), for the
+    commands that need no launch of their own (no signal, no fault, no launcher flag); see ``ddp_pool``."""
+    pool = command_pool.CommandPool(tmp_path_factory.mktemp("fsdp_pool"), jh.FSDP_CONFIG, timeout=DDP_POOL_TIMEOUT_S)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def fsdp_reference(tmp_path_factory, fsdp_pool):
     """The FSDP2 job (``jh.fsdp_job_argv``) uninterrupted, with ``--profile_comm``, TensorBoard tracking and
-    ``--checkpointing_steps jh.FSDP_REFERENCE_EVERY``, as a :class:`job_helpers.Pending`: started when first asked
-    for, so that the asking module's own launches run beside it; ``.result()`` waits. (Profiling, tracking and
-    the save interval change no number: the modules that compare with it run without them, or with another
-    interval, and must agree bitwise.)"""
+    ``--checkpointing_steps jh.FSDP_REFERENCE_EVERY``, as a :class:`job_helpers.Pending`: queued on ``fsdp_pool``
+    when first asked for, so that the asking module's own launches run beside it; ``.result()`` waits. (Profiling,
+    tracking and the save interval change no number: the modules that compare with it run without them, or with
+    another interval, and must agree bitwise.)"""
     work = tmp_path_factory.mktemp("fsdp_reference")
     corpus = jh.write_corpus(work / "corpus.txt")
     cache, out = work / "hf_datasets_cache", work / "out"
-    cmd = jh.accelerate_launch_cmd(*jh.fsdp_job_argv(corpus, out, "--checkpointing_steps", jh.FSDP_REFERENCE_EVERY,
-                                                     "--profile_comm", "--with_tracking", "--report_to", "tensorboard"),
-                                   config=jh.FSDP_CONFIG)
-    pending = jh.Pending(jh.start(cmd, jh.clean_env(HF_DATASETS_CACHE=str(cache)), work, "fsdp_reference"), out,
-                         corpus, cache, FSDP_REFERENCE_TIMEOUT_S)
+    argv = jh.fsdp_job_argv(corpus, out, "--checkpointing_steps", jh.FSDP_REFERENCE_EVERY, "--profile_comm",
+                            "--with_tracking", "--report_to", "tensorboard")
+    assert argv[:3] == ["-m", "accum_kit", "train"]
+    pending = jh.Pending(fsdp_pool.submit("train", argv[3:], datasets_cache=cache), out, corpus, cache,
+                         FSDP_REFERENCE_TIMEOUT_S)
     yield pending
     pending.result()  # never left running
+
+
+@pytest.fixture(scope="session")
+def ddp_pool(tmp_path_factory):
+    """A :class:`command_pool.CommandPool` on 2 DDP processes (accelerate_configs/cpu_ddp.yaml), shared by the
+    modules whose 2-process commands need no launch of their own (no signal, no fault, no launcher flag):
+    each module submits its commands and reads their results; one start-up for all of them."""
+    pool = command_pool.CommandPool(tmp_path_factory.mktemp("ddp_pool"), jh.DDP_CONFIG, timeout=DDP_POOL_TIMEOUT_S)
+    yield pool
+    pool.close()
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ that run while the micro-batch's forward and backward run (on the boundary that 
 engine's step). It also runs accum_kit's CommProfiler and HeldMemory, whose records go into
 ``rank<r>.json`` beside the count. Files per scenario, as dist_worker's: ``init.pt``,
 ``steps.pt`` (full parameters after each step, gathered under ZeRO-3), ``rank<r>.json``.
+SPEC's ``verify`` entries (``name``, ``zero_stage``, ``mixed_precision``, ``K``, ``B``, ``seed``) each run
+``accum_kit.verify_accumulation`` in the same processes; the report goes to ``verify/<name>.json``.
 
 The worker only runs accum_kit; all expected values are computed by the test.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -162,6 +165,142 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
     accelerator.free_memory()
 
 
+def run_verify(spec, out_dir: Path) -> None:
+    """``accum_kit.verify_accumulation`` in this launch, once per ``spec["verify"]`` entry (its own stage and
+    precision); the main process writes the report to ``verify/<name>.json``."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+
+    from accum_kit.verify import verify_accumulation
+
+    for v in spec.get("verify", []):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator = accum_kit.build_accelerator(v["K"], deepspeed_plugin=DeepSpeedPlugin(zero_stage=v["zero_stage"]),
+                                                  mixed_precision=v["mixed_precision"])
+        report = verify_accumulation(accelerator, per_device_train_batch_size=v["B"], seed=v["seed"])
+        if accelerator.is_main_process:
+            (out_dir / "verify").mkdir(parents=True, exist_ok=True)
+            (out_dir / "verify" / f"{v['name']}.json").write_text(json.dumps(report.to_dict(), default=str))
+            print(report.format(), flush=True)
+        accelerator.wait_for_everyone()
+        accelerator.free_memory()
+
+
+def _train_job(argv: list, env: dict | None = None) -> tuple[int, str]:
+    """``accum-kit train`` in this launch's processes (``cli.run``): ``(exit code, stderr)``; ``env``: launcher
+    variables to change for this run only (None removes one). Accelerate's state is reset before and after."""
+    import contextlib
+    import io
+    import os
+
+    from unittest import mock
+
+    from accelerate.state import AcceleratorState, PartialState
+
+    from accum_kit.cli import run
+
+    # The job ends with end_training, which destroys the default process group; a new one on the launcher's
+    # store would meet the first one's keys (rank 1 would join a group rank 0 is still creating): keep it.
+    keep_group = mock.patch.object(PartialState, "destroy_process_group", lambda self, group=None: None)
+    keep_group_too = mock.patch.object(AcceleratorState, "destroy_process_group", lambda self, group=None: None)
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    for k, v in (env or {}).items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), keep_group, keep_group_too:
+            code = run("train", [str(a) for a in argv])
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return code, err.getvalue()
+
+
+def _tree(root: Path) -> list:
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def run_train_jobs(spec, out_dir: Path) -> None:
+    """``spec["train_job"]``: the train job uninterrupted under this launch's DeepSpeed config (the reference
+    of the SIGTERM test), a one-step DDP job (a checkpoint of another engine), then each bad resume of
+    ``bad_resumes`` (``{name: {"argv": extra flags, "env": launcher variables}}``, ``{ref}`` / ``{ddp}`` in a
+    flag: those runs' output folders, ``{bad}``: copies made here, see below); ``train_jobs.json`` gets each
+    bad run's exit code, error lines and whether its checkpoint folder and output folder were left unchanged."""
+    import os
+    import shutil
+
+    job = spec.get("train_job")
+    if job is None:
+        return
+    rank = int(os.environ["RANK"])  # the process group may not exist yet (train.run builds it)
+    ref, ddp, bad = out_dir / "train_ref", out_dir / "train_ddp", out_dir / "train_bad"
+    results = {}
+    ddp_env = {"ACCELERATE_USE_DEEPSPEED": None, "ACCELERATE_DEEPSPEED_ZERO_STAGE": None}
+    for name, argv, env in (("reference", ["--output_dir", ref], None),
+                            ("ddp", ["--output_dir", ddp, "--max_train_steps", 1, "--checkpointing_steps", 1], ddp_env)):
+        results[name], err = _train_job([*job["argv"], *argv], env)
+        (out_dir / f"train_{name}_rank{rank}.stderr").write_text(err)
+    if rank == 0:  # a checkpoint saved by 4 processes (its loop state says so) and one with a truncated ZeRO file
+        step = ref / job["bad_from"]
+        for name in ("world4", "corrupt"):
+            shutil.copytree(step, bad / name / job["bad_from"])
+        state = json.loads((bad / "world4" / job["bad_from"] / "loop_state.json").read_text())
+        (bad / "world4" / job["bad_from"] / "loop_state.json").write_text(json.dumps({**state, "world_size": 4}))
+        victim = next((bad / "corrupt" / job["bad_from"]).glob("*/zero_pp_rank_1_*optim_states.pt"))
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    dist.barrier()
+    for name, case in job["bad_resumes"].items():
+        argv = [str(a).format(ref=ref, ddp=ddp, bad=bad) for a in case["argv"]]
+        out = bad / f"out_{name}"
+        before = {d: _tree(d) for d in (ref, ddp, bad)}
+        code, err = _train_job([*job["argv"], "--output_dir", out, *argv], case.get("env"))
+        dist.barrier()
+        results[name] = {"code": code, "errors": [line for line in err.splitlines() if line.startswith("error: ")],
+                         "unchanged": all(_tree(d) == t for d, t in before.items()), "output_dir_exists": out.exists(),
+                         "traceback": "Traceback" in err}
+    if rank == 0:
+        (out_dir / "train_jobs.json").write_text(json.dumps(results, indent=1))
+
+
+# --------------------------------------------------------------------------- the bench, in this launch
+
+
+class _NoBar:
+    """What the bench's sweep calls on its progress bar."""
+
+    def set_postfix_str(self, *_):
+        pass
+
+    def update(self, *_):
+        pass
+
+
+def run_bench(spec, out_dir: Path) -> None:
+    """``accum-kit bench``'s DeepSpeed sweep in-process (tiny preset; ``spec["bench"]``: K, repeats, steps):
+    ``bench/rank<r>.json`` holds the preset's info, its rows and every run record of this process."""
+    from accelerate.state import AcceleratorState
+
+    from accum_kit.bench.config import BenchConfig
+    from accum_kit.bench.zero import bench_zero_preset
+    from accum_kit.bench.zero_report import summarize_zero_preset
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    t0 = time.perf_counter()
+    b = spec["bench"]
+    cfg = BenchConfig(model_presets=["tiny"], accumulation_steps=b["K"], repeats=b["repeats"], steps=b["steps"],
+                      warmup_steps=0, output_dir=str(out_dir / "bench"))
+    accelerator = accum_kit.build_accelerator(max(cfg.accumulation_steps))
+    info, runs = bench_zero_preset(cfg, "tiny", accelerator, _NoBar())
+    info.update(summarize_zero_preset("tiny", info, runs, cfg, accelerator.num_processes))
+    d = out_dir / "bench"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"rank{accelerator.process_index}.json").write_text(json.dumps(
+        {"info": info, "runs": runs, "seconds": time.perf_counter() - t0}, default=str))
+    accelerator.wait_for_everyone()
+
+
 def main(argv) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     out_dir = Path(argv[2])
@@ -171,6 +310,10 @@ def main(argv) -> int:
         run_scenario(spec, sc, out_dir, counter)
         for step in sc.get("resume_from", []):
             run_scenario(spec, sc, out_dir, counter, resume_from=step)
+    run_verify(spec, out_dir)
+    run_train_jobs(spec, out_dir)
+    if spec.get("bench"):
+        run_bench(spec, out_dir)
     return 0
 
 

@@ -128,7 +128,8 @@ def fsdp_job_argv(corpus: Path, output_dir: Path, *extra) -> list[str]:
 
 
 class Pending:
-    """A launch from :func:`start` that runs while other work goes on; :meth:`result` waits for it (once).
+    """A launch from :func:`start` (or a command_pool.PoolCommand) that runs while other work goes on; :meth:`result`
+    waits for it (once).
 
     Attributes: ``output_dir``, ``corpus``, ``datasets_cache``: what the launch was given, for runs that
     compare with it or reuse its tokenised data.
@@ -140,7 +141,8 @@ class Pending:
 
     def result(self) -> Finished:
         if self._done is None:
-            self._done = finish(self._started, self._timeout)
+            started = self._started  # a PoolCommand has its own result(); a launch is a tuple from start()
+            self._done = started.result(self._timeout) if hasattr(started, "result") else finish(started, self._timeout)
         return self._done
 
 
@@ -307,8 +309,10 @@ def worker_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
-def run_dist_worker(config: Path, spec: dict, root: Path, name: str, world: int, timeout: float) -> dict:
-    """One ``accelerate launch --config_file config`` of tests/dist_worker.py over ``spec``; its scenarios loaded.
+def run_dist_worker(config: Path, spec: dict, root: Path, name: str, world: int, timeout: float, pool=None) -> dict:
+    """One ``accelerate launch --config_file config`` of tests/dist_worker.py over ``spec`` (or, with ``pool``, a
+    script run of that command_pool.CommandPool, which must have been launched with ``config`` on ``world`` processes);
+    its scenarios loaded.
 
     Returns ``{scenario name: {"scenario", "init", "steps", "ranks", "resumed": {step: {"steps", "ranks"}}}}``
     (see tests/dist_worker.py for the files); fails the test with the launch's output if it fails.
@@ -317,10 +321,15 @@ def run_dist_worker(config: Path, spec: dict, root: Path, name: str, world: int,
     import torch
 
     (root / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-           "--main_process_port", str(free_port()), str(REPO / "tests" / "dist_worker.py"), str(root / "spec.json"),
-           str(root / "out")]
-    res = run(cmd, clean_env(HF_DATASETS_CACHE=str(root / "hf_cache")), root / "logs", name, timeout=timeout)
+    worker = REPO / "tests" / "dist_worker.py"
+    if pool is not None:
+        assert (Path(pool.config), pool.num_processes) == (Path(config), world), "the pool runs another launch"
+        res = pool.submit(name, [root / "spec.json", root / "out"], datasets_cache=root / "hf_cache",
+                          script=worker).result(timeout)
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--main_process_port", str(free_port()), str(worker), str(root / "spec.json"), str(root / "out")]
+        res = run(cmd, clean_env(HF_DATASETS_CACHE=str(root / "hf_cache")), root / "logs", name, timeout=timeout)
     if res.returncode != 0:
         pytest.fail(f"{name} worker failed\n{res.describe()}", pytrace=False)
 
@@ -360,3 +369,4 @@ def tensorboard_scalars(log_dir) -> dict:
         for tag in acc.Tags()["scalars"]:
             out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
     return out
+

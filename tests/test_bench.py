@@ -1,8 +1,9 @@
 """``accum-kit bench``: one small 2-process sweep, checked by arithmetic on its own records; bad input.
 
-The sweep (``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit bench``
+The sweep (``accum-kit bench`` on 2 processes under ``accelerate launch --config_file
+accelerate_configs/cpu_ddp.yaml``, a command of conftest.py's shared ``ddp_pool``,
 with the tiny and mini presets, K in 1 2, 1 repeat, 1 warm-up step, 2
-measured steps) starts once per module and runs while the in-process
+measured steps) is queued once per module and runs while the in-process
 bad-input cases (``cli.run("bench", argv)``) run. Expected values come from:
 
 - the flags (row counts, schedule, steps per run);
@@ -22,12 +23,12 @@ bad-input cases (``cli.run("bench", argv)``) run. Expected values come from:
   (flat), the same losses as no_sync;
 - every ratio's 95 % interval recomputed here from the per-repeat ratios with
   the textbook t quantile for one degree of freedom (12.706);
-- ``--tune`` (a second launch, started with the first): one row per DDP
+- ``--tune`` (the next command of the same pool): one row per DDP
   setting, the same losses in every setting, more buckets with a smaller
   bucket cap, the paired ratios and intervals recomputed here.
 
 No timing is asserted (timings belong to the bench's own printed bars).
-Cost: two concurrent launches of ~15-40 s (mostly imports), in-process ``cli.run("bench", argv)`` calls.
+Cost: two commands on the shared pool (no launch of their own), in-process ``cli.run("bench", argv)`` calls.
 """
 
 from __future__ import annotations
@@ -59,23 +60,18 @@ TUNE_ARGS = ["--tune", "--model_presets", "tiny", "--accumulation_steps", str(TU
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    """Start the 2-process bench and the 2-process --tune run (not waiting); killed at module end if still running."""
+def launch(tmp_path_factory, ddp_pool):
+    """Queue the 2-process bench and the 2-process --tune run on conftest.py's shared ``ddp_pool`` (not waiting)."""
     root = tmp_path_factory.mktemp("bench")
     out, tune_out = root / "out", root / "tune"
-    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "bench", *ARGS, "--output_dir", str(out), num_processes=WORLD)
-    started = jh.start(cmd, jh.clean_env(), root, "bench")
-    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "bench", *TUNE_ARGS, "--output_dir", str(tune_out), num_processes=WORLD)
-    tune_started = jh.start(cmd, jh.clean_env(), root, "tune")
-    yield {"started": started, "out": out, "tune_started": tune_started, "tune_out": tune_out}
-    for s in (started, tune_started):
-        if s[1].poll() is None:  # only the launches this fixture started (their own process groups)
-            jh.finish(s, timeout=0.1)
+    started = ddp_pool.submit("bench", [*ARGS, "--output_dir", out])
+    tune_started = ddp_pool.submit("bench", [*TUNE_ARGS, "--output_dir", tune_out])
+    return {"started": started, "out": out, "tune_started": tune_started, "tune_out": tune_out}
 
 
 @pytest.fixture(scope="module")
 def bench(launch):
-    res = jh.finish(launch["started"], timeout=240)
+    res = launch["started"].result()
     assert res.returncode == 0, res.describe()
     out = launch["out"]
     return {"res": res, "out": out, "json": json.loads((out / "bench.json").read_text()),
@@ -434,7 +430,7 @@ def test_manual_allreduce_modes_count_one_collective_per_parameter_tensor_and_ma
 
 @pytest.fixture(scope="module")
 def tune(launch):
-    res = jh.finish(launch["tune_started"], timeout=240)
+    res = launch["tune_started"].result()
     assert res.returncode == 0, res.describe()
     out = launch["tune_out"]
     assert sorted(x.name for x in out.iterdir()) == ["tune.csv", "tune.json"]

@@ -1,6 +1,7 @@
 """Checkpoint, resume and preemption of the train job, with real processes and real signals.
 
-Launches (2 gloo processes each, ``accelerate launch -m accum_kit train``), the
+Runs (2 gloo processes each, ``accum-kit train`` under ``accelerate launch``; the two
+with no signal and no hook are commands of conftest.py's shared ``ddp_pool``), the
 independent ones at the same time:
 
 - ``uninterrupted``: 3 epochs, ``--checkpointing_steps epoch``: the reference;
@@ -59,18 +60,24 @@ def _launch(work, name, *argv, **env):
     return jh.start(cmd, jh.clean_env(HF_DATASETS_CACHE=str(work / "hf"), **env), work / "logs", name)
 
 
+def _pooled(pool, work, *argv):
+    """The same command as :func:`_launch` with no fault hook, as a command of conftest.py's shared ``ddp_pool``."""
+    return pool.submit("train", ["--train_file", work / "corpus.txt", *argv], datasets_cache=work / "hf")
+
+
 def _lone(work, name, *argv):
     cmd = [sys.executable, "-m", "accum_kit", "train", "--train_file", str(work / "corpus.txt"), *argv]
     return jh.start(cmd, jh.clean_env(HF_DATASETS_CACHE=str(work / "hf")), work / "logs", name)
 
 
 @pytest.fixture(scope="module")
-def jobs(work):
-    """Every launch once; the independent ones at the same time (the machine may have 2 cores)."""
+def jobs(work, ddp_pool):
+    """Every launch once; the independent ones at the same time (the machine may have 2 cores). The two runs that
+    need no signal and no hook (``uninterrupted``, ``final``) are commands of the shared 2-process ``ddp_pool``."""
     chain, crashed = work / "chain", work / "crashed"
     res = {}
-    ref = _launch(work, "uninterrupted", *flags(work / "ref", "--max_train_steps", 0, "--num_train_epochs", EPOCHS,
-                                                 "--checkpointing_steps", "epoch"))
+    ref = _pooled(ddp_pool, work, *flags(work / "ref", "--max_train_steps", 0, "--num_train_epochs", EPOCHS,
+                                         "--checkpointing_steps", "epoch"))
     lone = _lone(work, "lone", *flags(work / "lone", "--max_train_steps", 400))
     chain_flags = flags(chain, "--max_train_steps", STEPS, "--checkpointing_steps", 5, "--checkpoints_total_limit", 2)
     crash = _launch(work, "crash", *flags(crashed, "--max_train_steps", STEPS, "--checkpointing_steps", 5),
@@ -87,16 +94,16 @@ def jobs(work):
     saved = complete_checkpoints(chain)
     res["after_sigterm"] = {"checkpoints": [p.name for p in saved], "listing": sorted(p.name for p in chain.iterdir()),
                             "state": json.loads((saved[-1] / "loop_state.json").read_text()) if saved else None}
-    final = _launch(work, "final", *chain_flags, "--resume_from_checkpoint", "latest")
+    final = _pooled(ddp_pool, work, *chain_flags, "--resume_from_checkpoint", "latest")
     res["lone"] = jh.finish(lone, TIMEOUT_S)
     res["crash"] = jh.finish(crash, TIMEOUT_S)
     res["after_crash"] = {"latest": latest_checkpoint(crashed), "listing": sorted(p.name for p in crashed.iterdir())}
-    res["uninterrupted"] = jh.finish(ref, TIMEOUT_S)
+    res["uninterrupted"] = ref.result()
     tampered = work / "tampered"
     plant_pickle(work / "ref" / "epoch_0", tampered / "epoch_0", work / "planted_ran")
     res["tampered_before"] = _tree(tampered)
     bad = _launch(work, "tampered", *flags(tampered, "--num_train_epochs", 2, "--resume_from_checkpoint", "latest"))
-    res["final"] = jh.finish(final, TIMEOUT_S)
+    res["final"] = final.result()
     res["tampered"] = jh.finish(bad, TIMEOUT_S)
     return res
 

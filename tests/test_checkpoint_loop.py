@@ -1,7 +1,7 @@
 """Exact resume through the loop API: train_loop(..., checkpointer=..., resume_from=...).
 
-One launch of tests/ckpt_worker.py on 2 gloo processes and one plain process,
-concurrently. Every scenario trains once without interruption, saving a
+One run of tests/ckpt_worker.py on 2 gloo processes (a script run of conftest.py's
+shared ``ddp_pool`` launch) and one in a plain process, concurrently. Every scenario trains once without interruption, saving a
 checkpoint after every optimizer step, then resumes from some of them in a
 fresh Accelerator with freshly built objects. Expected values: the
 uninterrupted run (bitwise), and for SGD without shuffling the independent
@@ -55,19 +55,23 @@ SCENARIOS = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, ddp_pool):
+    """One process (a subprocess) and 2 processes (a script run of conftest.py's shared ``ddp_pool``) at once."""
     root = tmp_path_factory.mktemp("ckpt_loop")
     started = {}
     for world, scenarios in SCENARIOS.items():
         spec = root / f"spec{world}.json"
         spec.write_text(json.dumps({"pad_id": ex.PAD_ID, "scenarios": scenarios}))
         out = root / f"w{world}"
-        cmd = ([sys.executable, str(WORKER), str(spec), str(out)] if world == 1
-               else jh.accelerate_launch_cmd(str(WORKER), str(spec), str(out)))
-        started[world] = (jh.start(cmd, jh.clean_env(), root, f"w{world}"), out)
+        if world == 1:
+            started[world] = (jh.start([sys.executable, str(WORKER), str(spec), str(out)], jh.clean_env(), root,
+                                       f"w{world}"), out)
+        else:
+            assert world == ddp_pool.num_processes
+            started[world] = (ddp_pool.submit("ckpt_worker", [spec, out], script=WORKER), out)
     loaded = {}
     for world, (handle, out) in started.items():
-        res = jh.finish(handle, TIMEOUT_S)
+        res = handle.result() if world != 1 else jh.finish(handle, TIMEOUT_S)  # a pool command, or a process
         assert res.returncode == 0, res.describe()
         loaded[world] = {sc["name"]: {p.stem: torch.load(p, weights_only=False)
                                       for p in (out / sc["name"]).glob("*.pt")} for sc in SCENARIOS[world]}

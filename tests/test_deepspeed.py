@@ -9,14 +9,27 @@ expected comes from the plain single-process oracle of tests/test_exactness.py
 prompts: 2 examples per micro-batch and process, 5 micro-batches per process,
 so K=3 gives a window of 3 and a partial one of 2.
 
-The refusals (missing package, contradicting config, policies, schedules) are
-checked in-process.
+The same worker launch then runs ``accum_kit.verify_accumulation`` for each
+stage in fp32 and bf16 (compared here with plain PyTorch: the float64 gradient
+norm, and bf16's own floor), the train job uninterrupted (the reference) and
+with bad ``--resume_from_checkpoint`` inputs, and ends with ``accum-kit bench``'s
+DeepSpeed sweep run in-process on the tiny preset (:data:`BENCH`); its schedule,
+rows, per-window collectives (against the documented formulas, P counted on the
+plain model) and memory are checked below. Beside it, the only other launches:
+the train job under ``accelerate launch``, preempted by a real SIGTERM, then
+resumed from ``latest``.
+
+The refusals (missing package, contradicting config, policies, schedules, the
+bench's flags) are checked in-process.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import os
+import signal
 import sys
 
 import pytest
@@ -25,7 +38,7 @@ import job_helpers as jh
 import test_exactness as ex
 
 CONFIG = jh.REPO / "accelerate_configs" / "cpu_deepspeed.yaml"
-TIMEOUT_S = 420
+TIMEOUT_S = 600
 W, K = 2, 3
 STAGES = (1, 2, 3)
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -45,28 +58,46 @@ SCENARIOS = [
     *[{**_sc(f"zero{s}_resume", s, epochs=2), "resume_from": [1]} for s in STAGES],
 ]
 BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
+#: ``accum-kit bench``'s DeepSpeed sweep, run in-process at the end of the same launch (tiny preset)
+BENCH = {"K": [1, 3], "repeats": 2, "steps": 2}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """``{name: {"scenario", "init", "steps", "ranks", "resumed": {step: {"steps", "ranks"}}}}``."""
-    import torch
-
+def launched(tmp_path_factory):
+    """The worker launch, and beside it the train job preempted by SIGTERM, then resumed from ``latest``
+    (:func:`preempted_job`): ``(root, preempted, latest)``."""
     root = tmp_path_factory.mktemp("deepspeed")
+    corpus = jh.write_corpus(root / "corpus.txt")
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
-            "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "profile": True}
+            "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "profile": True, "verify": VERIFY, "bench": BENCH,
+            "train_job": {"argv": job_argv(corpus), "bad_from": f"step_{JOB_EVERY}", "bad_resumes": BAD_RESUMES}}
     (root / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "--main_process_port",
            str(jh.free_port()), str(jh.REPO / "tests" / "deepspeed_worker.py"), str(root / "spec.json"), str(root / "out")]
-    res = jh.run(cmd, jh.clean_env(), root / "logs", "deepspeed", timeout=TIMEOUT_S)
+    worker = jh.start(cmd, jh.clean_env(HF_DATASETS_CACHE=str(root / "hf_worker")), root / "logs", "deepspeed")
+    try:
+        preempted, latest = preempted_job(root, corpus)
+    except BaseException:
+        jh.stop(worker[1])
+        raise
+    res = jh.finish(worker, TIMEOUT_S)
     if res.returncode != 0:
         pytest.fail(f"deepspeed worker failed\n{res.describe()}", pytrace=False)
+    return root, preempted, latest
+
+
+@pytest.fixture(scope="module")
+def runs(launched):
+    """``{name: {"scenario", "init", "steps", "ranks", "resumed": {step: {"steps", "ranks"}}}}``."""
+    import torch
+
+    root = launched[0]
 
     def load(d):
         return {"steps": torch.load(d / "steps.pt", weights_only=True),
                 "ranks": [json.loads((d / f"rank{r}.json").read_text()) for r in range(W)]}
 
-    out = {}
+    out = {"bench": [json.loads((root / "out" / "bench" / f"rank{r}.json").read_text()) for r in range(W)]}
     for sc in SCENARIOS:
         d = root / "out" / sc["name"]
         out[sc["name"]] = {"scenario": sc, "init": torch.load(d / "init.pt", weights_only=True), **load(d),
@@ -211,6 +242,139 @@ def test_gradient_memory_held_is_what_the_stage_predicts(runs, stage):
               f"({held / predicted:.3f})")
 
 
+# --------------------------------------------------------------------------- accum-kit bench under DeepSpeed
+
+
+def _tiny_parameters():
+    """The tiny preset's parameters, counted on the plain model (the oracle of P and of the largest tensor)."""
+    from accum_kit.models import build_model
+
+    model = build_model("tiny", 384, 64, seed=0)
+    return sum(p.numel() for p in model.parameters()), max(p.numel() for p in model.parameters())
+
+
+@needs_deepspeed
+def test_bench_rotates_the_stages_window_by_window(runs):
+    """Per K and repeat, the measured windows (in the order they started) are cycles of one window of each
+    stage, every cycle the same order, and the order rotates from one repeat to the next; one row per
+    stage x K."""
+    recs = runs["bench"][0]["runs"]
+    for K in BENCH["K"]:
+        leads = []
+        for rep in range(BENCH["repeats"]):
+            mine = [r for r in recs if r["K"] == K and r["repeat"] == rep]
+            seq = [s for _, s in sorted((t, r["stage"]) for r in mine for t in r["window_starts"])]
+            assert len(seq) == len(STAGES) * BENCH["steps"]
+            cycles = [seq[i:i + len(STAGES)] for i in range(0, len(seq), len(STAGES))]
+            assert all(sorted(c) == list(STAGES) for c in cycles), seq
+            assert all(c == cycles[0] for c in cycles), seq
+            leads.append(cycles[0][0])
+        assert len(set(leads)) == BENCH["repeats"], (K, leads)
+    rows = runs["bench"][0]["info"]["rows"]
+    print(f"\nthe bench's sweep took {runs['bench'][0]['seconds']:.1f} s of the launch (rank 0)")
+    assert sorted((r["K"], r["stage"]) for r in rows) == [(K, s) for K in BENCH["K"] for s in STAGES]
+    assert all(r["n_pairs"] == BENCH["repeats"] * BENCH["steps"] for r in rows)
+
+
+@needs_deepspeed
+def test_bench_collectives_per_window_follow_the_documented_formulas(runs):
+    """The bench's per-window counts (its profiler) against docs/deepspeed.md's table, with P counted on the
+    plain model and G = 1 (one AdamW group): ZeRO-1 G + 1 all-reduces and G all-gathers, ZeRO-2 K G + 1
+    all-reduces and G all-gathers, nothing else; ZeRO-3 K G reduce-scatters and 1 all-reduce; bytes K P 4 or P 4."""
+    P, _ = _tiny_parameters()
+    for bench in runs["bench"]:
+        for r in bench["runs"]:
+            K, s = r["K"], r["stage"]
+            got = {k: (v["calls_per_step"], v["bytes_per_step"]) for k, v in r["by_kind"].items()}
+            if s == 1:
+                want = {"all_reduce": (2, 4 * P + 4), "all_gather": (1, 4 * P)}
+            elif s == 2:
+                want = {"all_reduce": (K + 1, 4 * K * P + 4), "all_gather": (1, 4 * P)}
+            else:
+                want = {"all_reduce": (1, 8), "reduce_scatter": (K, 4 * K * P)}
+                got = {k: got[k] for k in want}  # its parameter gathers (and a few small broadcasts): not predicted
+            assert got == want, (K, s, got)
+
+
+@needs_deepspeed
+def test_bench_memory_held_is_the_prediction(runs):
+    """Gradient bytes held between micro-batches (K=3, the most over processes): ZeRO-1 4 P and ZeRO-3 4 P / W,
+    both within 10 % of the bench's prediction; ZeRO-2 within one parameter of 4 P / W (whole parameters'
+    gradients, see test_gradient_memory_held_is_what_the_stage_predicts). ZeRO-1/2 hold 4 P of parameters."""
+    P, largest = _tiny_parameters()
+    rows = {(r["K"], r["stage"]): r for r in runs["bench"][0]["info"]["rows"]}
+    MB = 2**20
+    full = 4 * P
+    assert rows[(3, 1)]["gradient_mb"] * MB == full
+    assert rows[(3, 3)]["gradient_mb"] * MB == pytest.approx(full / W, rel=0.01)
+    assert full / W <= rows[(3, 2)]["gradient_mb"] * MB <= full / W + 4 * largest
+    for s in (1, 3):
+        assert abs(rows[(3, s)]["gradient_measured_over_predicted"] - 1) <= 0.10, rows[(3, s)]
+    for s in (1, 2):
+        assert rows[(3, s)]["parameter_mb"] * MB == pytest.approx(full, rel=0.01)  # the flat buffer's alignment
+    assert all(rows[(1, s)]["gradient_mb"] is None for s in STAGES)  # K=1: no two micro-batches in a window
+
+
+@needs_deepspeed
+def test_bench_times_the_whole_reduction_path(runs):
+    """Every gradient collective runs inside the reduction path the profiler times (so a wrapper that missed
+    an entry point fails): per window ZeRO-1 its G = 1 all-reduce, ZeRO-2 its K all-reduces, ZeRO-3 its K
+    reduce-scatters (the formulas of test_bench_collectives_per_window_follow_the_documented_formulas, less
+    the step's scalar all-reduce, which is outside); and the ZeRO-2 row carries the estimate of ZeRO-1's
+    saving beside the collectives-only one."""
+    for bench in runs["bench"]:
+        for r in bench["runs"]:
+            K, s = r["K"], r["stage"]
+            want = {1: {"all_reduce": 1}, 2: {"all_reduce": K}, 3: {"reduce_scatter": K}}[s]
+            assert r["reduction_path_collectives"] == want, (K, s, r["reduction_path_collectives"])
+            assert r["reduction_seconds_per_step"] > 0
+    z2 = [r for r in runs["bench"][0]["info"]["rows"] if r["stage"] == 2]
+    assert all(r["estimated_saved_s"] is not None and r["collectives_only_saved_s"] is not None for r in z2)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("kwargs,flag,fix", [
+    ({"zero_stages": [4]}, "--zero_stages", "1, 2, 3"),
+    ({"zero_stages": [2, 2]}, "--zero_stages", "once"),
+    ({"accumulation_policies": ["no_sync"]}, "--accumulation_policies", "--zero_stages"),
+    ({"modes": ["no_sync"]}, "--modes", "--zero_stages"),
+    ({"ddp_bucket_cap_mb": 25.0}, "--ddp_bucket_cap_mb", "--zero_stages"),
+])
+def test_bench_flags_that_mean_nothing_under_deepspeed_are_refused(ds_env, tmp_path, kwargs, flag, fix):
+    from accum_kit import UsageError
+    from accum_kit.bench.config import BenchConfig
+
+    with pytest.raises(UsageError) as err:
+        BenchConfig(output_dir=str(tmp_path / "b"), **kwargs)
+    assert err.value.flag == flag and fix in err.value.fix, str(err.value)
+    assert not (tmp_path / "b").exists()
+
+
+@needs_deepspeed
+def test_bench_refuses_a_launch_it_cannot_run(ds_env, tmp_path):
+    """--zero_stages outside a DeepSpeed launch; the package missing; one process: flag and fix, nothing built."""
+    import torch.distributed as dist
+
+    from accum_kit import UsageError
+    from accum_kit.bench.config import BenchConfig
+    from accum_kit.bench.zero import check_launch
+
+    ds_env.setenv("WORLD_SIZE", "1")
+    with pytest.raises(UsageError) as err:
+        check_launch()
+    assert err.value.flag == "--num_processes" and "cpu_deepspeed.yaml" in err.value.fix
+    real = importlib.util.find_spec
+    ds_env.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(UsageError) as err:
+        check_launch()
+    assert err.value.flag == "--use_deepspeed"
+    ds_env.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    with pytest.raises(UsageError) as err:
+        BenchConfig(zero_stages=[1], output_dir=str(tmp_path / "b"))
+    assert err.value.flag == "--zero_stages" and "cpu_deepspeed.yaml" in err.value.fix
+    assert not dist.is_initialized()
+
+
 # --------------------------------------------------------------------------- refusals (in-process)
 
 
@@ -320,3 +484,207 @@ def test_settings_accelerate_refuses_become_a_usage_error(ds_env, tmp_path):
     with pytest.raises(UsageError) as err:
         build_accelerator(2, cpu=True)
     assert err.value.flag == "--deepspeed_config_file" and "ignored" in err.value.problem
+
+
+# --------------------------------------------------------------------------- accum-kit verify, fp32 and bf16 (in the worker)
+
+VERIFY_K, VERIFY_B = 3, 2
+PRECISIONS = ("no", "bf16")
+VERIFY = [{"name": f"zero{s}_{mp}", "zero_stage": s, "mixed_precision": mp, "K": VERIFY_K, "B": VERIFY_B, "seed": 0}
+          for s in STAGES for mp in PRECISIONS]
+BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bf16 keeps 8 significant bits
+
+
+@pytest.fixture(scope="module")
+def verify_reports(launched):
+    return {v["name"]: json.loads((launched[0] / "out" / "verify" / f"{v['name']}.json").read_text()) for v in VERIFY}
+
+
+def _window_gradients(model, sequences) -> dict:
+    """Plain PyTorch in the model's own dtype: one padded batch, the token-mean next-token loss, its gradient."""
+    import torch
+    import torch.nn.functional as F
+
+    width = max(map(len, sequences))
+    ids = torch.tensor([q + [0] * (width - len(q)) for q in sequences])
+    mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in sequences])
+    labels = ids.masked_fill(mask == 0, -100)
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                    ignore_index=-100).backward()
+    return {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _norm(grads) -> float:
+    return math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
+
+
+@pytest.fixture(scope="module")
+def bf16_floor(verify_reports):
+    """Per window of the reports: ``(float64 gradient norm, bf16 floor)``; the floor is the relative (normwise)
+    difference between the same model's gradient in bf16 and in float64, one process, one big batch."""
+    import torch
+
+    from accum_kit.models import build_model
+
+    rep = verify_reports["zero1_no"]
+    m = rep["model"]
+    exact_model, low_model = (build_model("tiny", m["vocab_size"], m["n_positions"], seed=m["init_seed"]).to(dtype).eval()
+                              for dtype in (torch.float64, torch.bfloat16))
+    out = []
+    for w in rep["windows"]:
+        exact = _window_gradients(exact_model, w["input_ids"])
+        low = _window_gradients(low_model, w["input_ids"])
+        out.append((_norm(exact), _norm({n: low[n] - exact[n] for n in exact}) / _norm(exact)))
+    return out
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", STAGES)
+def test_verify_under_each_stage_passes_tokens_and_fails_the_per_micro_batch_mean(verify_reports, bf16_floor, stage):
+    """``accum_kit.verify_accumulation`` in a DeepSpeed launch (what ``accelerate launch --config_file
+    accelerate_configs/cpu_deepspeed.yaml --zero_stage N -m accum_kit verify`` runs), fp32: the tokens row's
+    gradient has the float64 big-batch norm recomputed here (plain PyTorch) and passes verify's float32
+    tolerance; the per-micro-batch mean misses by far more; the sum row is skipped (the engine owns backward)."""
+    rep = verify_reports[f"zero{stage}_no"]
+    assert rep["distributed_type"] == "DEEPSPEED" and rep["accumulation_policy"] == f"zero{stage}"
+    assert (rep["world_size"], rep["gradient_accumulation_steps"], rep["mixed_precision"]) == (W, VERIFY_K, "no")
+    assert [w["micro_batches_per_process"] for w in rep["windows"]] == [VERIFY_K, (VERIFY_K + 1) // 2]
+    tok, mom = rep["rows"]["tokens"], rep["rows"]["mean-of-means"]
+    assert (rep["passed"], rep["exit_code"], tok["passed"], mom["passed"]) == (True, 0, True, False)
+    for (exact_norm, _), w, tw in zip(bf16_floor, rep["windows"], tok["windows"]):
+        assert w["oracle_grad_norm"] == pytest.approx(exact_norm, rel=1e-8)
+        assert tw["grad_norm"] == pytest.approx(exact_norm, rel=1e-5)
+    assert tok["rel_error"] < rep["rtol"] and tok["rank_spread"] < 1e-6
+    assert all(w["rel_error"] > 100 * rep["rtol"] for w in mom["windows"]), mom["windows"]
+    assert rep["rows"]["sum"]["skipped"] and rep["ddp_sum_ratio"] is None
+    print(f"\nverify ZeRO-{stage} fp32: tokens rel err {tok['rel_error']:.1e} (max abs {tok['max_abs_error']:.1e}), "
+          f"per-micro-batch mean {mom['rel_error']:.2e}")
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", STAGES)
+def test_bf16_under_each_stage_is_within_the_bf16_floor_of_the_fp32_oracle(verify_reports, bf16_floor, stage):
+    """DeepSpeed's bf16 (weights, activations and gradients in bf16, float32 master weights) against the
+    float64 big batch: per window the relative error is at most the bf16 floor (the same model's own
+    bf16-vs-float64 difference on one process, measured here) plus one bf16 unit roundoff, which bounds what
+    the distributed run adds (the window's micro-batch gradients accumulated in bf16, DeepSpeed's default, and
+    reduced in bf16 over 2 processes). The per-micro-batch mean misses by more than 10 times that."""
+    rep = verify_reports[f"zero{stage}_bf16"]
+    assert rep["mixed_precision"] == "bf16" and rep["normwise"] is True and rep["passed"] is True
+    tok, mom = rep["rows"]["tokens"], rep["rows"]["mean-of-means"]
+    for (_, floor), tw, mw in zip(bf16_floor, tok["windows"], mom["windows"]):
+        tolerance = floor + BF16_UNIT_ROUNDOFF
+        assert floor > 1e-3, "the bf16 run would not be distinguishable from float32"
+        assert tw["rel_error"] <= tolerance, (tw, floor)
+        assert mw["rel_error"] > 10 * tolerance, (mw, floor)
+    print(f"\nverify ZeRO-{stage} bf16: tokens rel err {[round(w['rel_error'], 5) for w in tok['windows']]}, "
+          f"bf16 floor {[round(f, 5) for _, f in bf16_floor]}, per-micro-batch mean {mom['rel_error']:.2e}")
+
+
+# --------------------------------------------------------------------------- SIGTERM, resume, bad resume inputs
+
+JOB_STEPS, JOB_K, JOB_B, JOB_EVERY = 8, 2, 2, 2
+
+
+def job_argv(corpus) -> list[str]:
+    """The train job's flags (tiny preset) for the preempted launch, its resume and the worker's reference."""
+    return ["--train_file", str(corpus), "--model_preset", "tiny", "--block_size", "64", "--learning_rate", "3e-3",
+            "--num_warmup_steps", "0", "--logging_steps", "1", "--max_train_steps", str(JOB_STEPS),
+            "--per_device_train_batch_size", str(JOB_B), "--gradient_accumulation_steps", str(JOB_K),
+            "--max_train_samples", "200", "--max_eval_samples", "16", "--checkpointing_steps", str(JOB_EVERY)]
+
+
+_DDP = {"ACCELERATE_USE_DEEPSPEED": None, "ACCELERATE_DEEPSPEED_ZERO_STAGE": None}
+# name: flags, launcher variables changed for the run, the flag the error names, a text in it
+BAD_RESUMES = {
+    "missing": {"argv": ["--resume_from_checkpoint", "{ref}/step_999"]},
+    "other_stage": {"argv": ["--resume_from_checkpoint", f"{{ref}}/step_{JOB_EVERY}"],
+                    "env": {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}},
+    "ddp_checkpoint": {"argv": ["--resume_from_checkpoint", "{ddp}/step_1"]},
+    "deepspeed_checkpoint_under_ddp": {"argv": ["--resume_from_checkpoint", f"{{ref}}/step_{JOB_EVERY}"], "env": _DDP},
+    "other_world_size": {"argv": ["--resume_from_checkpoint", f"{{bad}}/world4/step_{JOB_EVERY}"]},
+    "corrupt": {"argv": ["--resume_from_checkpoint", f"{{bad}}/corrupt/step_{JOB_EVERY}"]},
+}
+BAD_EXPECTED = {
+    "missing": ("--resume_from_checkpoint", "does not exist"),
+    "other_stage": ("--zero_stage", "accelerate launch --zero_stage 2"),
+    "ddp_checkpoint": ("--config_file", "saved by DDP (multi_cpu) but this run is DeepSpeed ZeRO-2"),
+    "deepspeed_checkpoint_under_ddp": ("--config_file", "saved by DeepSpeed ZeRO-2"),
+    "other_world_size": ("--num_processes", "accelerate launch --num_processes 4"),
+    "corrupt": ("--resume_from_checkpoint", "cannot be loaded"),
+}
+
+
+def preempted_job(root, corpus):
+    """The train job launched under accelerate_configs/cpu_deepspeed.yaml (ZeRO-2), SIGTERM to ``accelerate
+    launch`` once step 2 is logged; then the same flags with ``--resume_from_checkpoint latest``."""
+    env = jh.clean_env(HF_DATASETS_CACHE=str(root / "hf_job"))
+    argv = ["-m", "accum_kit", "train", *job_argv(corpus), "--output_dir", str(root / "preempted")]
+    started = jh.start(jh.accelerate_launch_cmd(*argv, config=CONFIG), env, root / "logs", "preempted")
+    jh.wait_for_text(root / "logs" / "preempted.stderr", "step 2:", started[1], timeout=TIMEOUT_S)
+    os.kill(started[1].pid, signal.SIGTERM)  # the launcher: torchrun forwards it to both workers
+    preempted = jh.finish(started, 300)
+    latest = jh.run(jh.accelerate_launch_cmd(*argv, "--resume_from_checkpoint", "latest", config=CONFIG), env,
+                    root / "logs", "latest", timeout=TIMEOUT_S)
+    return preempted, latest
+
+
+@needs_deepspeed
+def test_sigterm_saves_at_the_next_window_and_latest_resumes_equal_to_the_uninterrupted_run(launched):
+    """As under DDP (docs/checkpoints.md, Preemption): one 'preempted by SIGTERM' line per process naming the
+    checkpoint saved at the first window boundary after the signal, workers exit 75 (accelerate launch itself
+    exits non-zero); ``latest`` continues from it, and the losses and the final evaluation loss equal the
+    uninterrupted run's (the worker's, same flags) bit for bit."""
+    from accum_kit.checkpoint import PREEMPTED_EXIT_CODE, complete_checkpoints
+
+    root, preempted, latest = launched
+    assert preempted.returncode != 0, preempted.describe()
+    lines = [line for line in preempted.stderr.splitlines() if "preempted by SIGTERM" in line]
+    assert len(lines) == W and all(f"code {PREEMPTED_EXIT_CODE}" in line for line in lines), preempted.describe()
+    assert latest.returncode == 0 and "Traceback" not in latest.stderr, latest.describe()
+    again = json.loads((root / "preempted" / "train_summary.json").read_text())
+    full = json.loads((root / "out" / "train_ref" / "train_summary.json").read_text())
+    n = again["resumed_from_step"]
+    assert 2 <= n < JOB_STEPS and f"step_{n}" in lines[0], (n, lines)
+    saved = root / "preempted" / f"step_{n}"
+    assert saved in complete_checkpoints(root / "preempted")
+    assert {"pytorch_model", "loop_state.json"} <= {p.name for p in saved.iterdir()}, "not DeepSpeed's layout"
+    assert json.loads((saved / "loop_state.json").read_text())["engine"] == "deepspeed_zero2"
+    assert again["deepspeed"]["zero_stage"] == full["deepspeed"]["zero_stage"] == 2
+    assert again["train_loss"] == full["train_loss"] and again["eval_loss_after"] == full["eval_loss_after"]
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("case", sorted(BAD_RESUMES))
+def test_bad_resume_inputs_under_deepspeed_exit_2_naming_the_flag_and_write_nothing(launched, case):
+    """In the worker's two DeepSpeed processes: each bad ``--resume_from_checkpoint`` ends ``accum-kit train``
+    with exit 2 and one ``error: <flag>: ... Fix: ...`` line per process, no traceback, no output folder, and
+    the checkpoints it read unchanged. A checkpoint of another world size is a copy of a ZeRO-2 one whose
+    loop state says 4 processes; the corrupt one has half of rank 1's optimizer partition."""
+    results = json.loads((launched[0] / "out" / "train_jobs.json").read_text())
+    assert results["reference"] == 0 and results["ddp"] == 0, results
+    got = results[case]
+    flag, text = BAD_EXPECTED[case]
+    assert got["code"] == 2, got
+    assert len(got["errors"]) == 1 and got["errors"][0].startswith(f"error: {flag}: "), got
+    assert ". Fix: " in got["errors"][0] and text in got["errors"][0], got["errors"]
+    assert got["unchanged"] and not got["output_dir_exists"] and not got["traceback"], got
+
+
+def test_the_engine_check_leaves_ddp_and_fsdp_checkpoints_alone(tmp_path):
+    """Only DeepSpeed on either side is checked: DDP and FSDP2 resume as before; an old DeepSpeed checkpoint
+    without the loop state's ``engine`` is recognised by its ZeRO files."""
+    from accum_kit import UsageError
+    from accum_kit.checkpoint import check_engine
+
+    check_engine(tmp_path, {"engine": "multi_cpu"}, "fsdp")
+    check_engine(tmp_path, {}, "multi_cpu")
+    check_engine(tmp_path, {"engine": "deepspeed_zero3"}, "deepspeed_zero3")
+    (tmp_path / "pytorch_model").mkdir()
+    (tmp_path / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    check_engine(tmp_path, {}, "deepspeed_zero1")  # stage unknown: DeepSpeed's own loader decides
+    with pytest.raises(UsageError) as err:
+        check_engine(tmp_path, {}, "multi_cpu")
+    assert err.value.flag == "--config_file" and "saved by DeepSpeed" in err.value.problem

@@ -1,8 +1,8 @@
 """Exactness and no_sync checks of accum_kit.train_loop against independent oracles.
 
-One launch per process count runs every scenario (tests/dist_worker.py): one
+One run per process count runs every scenario (tests/dist_worker.py): one
 plain process, and two gloo processes through ``accelerate launch`` with
-accelerate_configs/cpu_ddp.yaml. The worker saves the parameters after every
+accelerate_configs/cpu_ddp.yaml (a script run of conftest.py's shared ``ddp_pool``). The worker saves the parameters after every
 optimizer step, the logged losses, and, per micro-batch, how many DDP gradient
 all-reduces (comm-hook calls) ran. Everything expected is computed here by a
 plain single-process PyTorch loop: no Accelerate and no accum_kit code.
@@ -36,7 +36,6 @@ import json
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -153,12 +152,6 @@ SCENARIOS[2].append(_sc("bf16_k3", 3, mixed_precision="bf16"))  # windows of 3, 
 # --------------------------------------------------------------------------- launching
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env():
     env = dict(os.environ)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -176,22 +169,23 @@ def _tail(text: str, n=12000) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Run the worker once per process count (both launches concurrently); load what it saved."""
+def runs(tmp_path_factory, ddp_pool):
+    """Run the worker once per process count (both at once: one process, and 2 processes as a script run of
+    conftest.py's shared ``ddp_pool`` launch, tests/dist_worker.py under accelerate_configs/cpu_ddp.yaml);
+    load what it saved."""
     root = tmp_path_factory.mktemp("exactness")
-    procs = {}
+    procs, pooled = {}, {}
     for world, scenarios in SCENARIOS.items():
         spec = {"model_config": MODEL_CONFIG, "seed": SEED, "lr": LR, "pad_id": PAD_ID,
                 "examples": EXAMPLES, "scenarios": scenarios}
         spec_path = root / f"spec_w{world}.json"
         spec_path.write_text(json.dumps(spec))
         out = root / f"w{world}"
-        if world == 1:
-            cmd = [sys.executable, str(WORKER), str(spec_path), str(out)]
-        else:
-            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(DDP_CONFIG),
-                   "--num_processes", str(world), "--main_process_port", str(_free_port()),
-                   str(WORKER), str(spec_path), str(out)]
+        if world != 1:
+            assert world == ddp_pool.num_processes and DDP_CONFIG == jh.DDP_CONFIG
+            pooled[world] = (ddp_pool.submit("dist_worker", [spec_path, out], script=WORKER), out)
+            continue
+        cmd = [sys.executable, str(WORKER), str(spec_path), str(out)]
         log_out, log_err = open(root / f"w{world}.stdout", "w+"), open(root / f"w{world}.stderr", "w+")
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log_out, stderr=log_err, start_new_session=True)
         procs[world] = (cmd, proc, log_out, log_err, out)
@@ -219,11 +213,15 @@ def runs(tmp_path_factory):
                 f"worker with {world} process(es) failed, rc={rc}\ncmd: {' '.join(cmd)}\n"
                 f"--- stderr ---\n{_tail(stderr)}\n--- stdout ---\n{_tail(stdout, 2000)}"
             )
+    for world, (command, out) in pooled.items():
+        res = command.result()
+        if res.returncode != 0:
+            failures.append(f"worker with {world} process(es) failed\n{res.describe()}")
     if failures:
         pytest.fail("\n\n".join(failures), pytrace=False)
 
     loaded = {}
-    for world, (*_, out) in procs.items():
+    for world, out in [(w, p[-1]) for w, p in procs.items()] + [(w, p[1]) for w, p in pooled.items()]:
         loaded[world] = {}
         for sc in SCENARIOS[world]:
             d = out / sc["name"]

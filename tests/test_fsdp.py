@@ -1,7 +1,7 @@
 """Exact accumulation under FSDP2 (fully_shard) on 2 gloo processes, for every accumulation policy.
 
-One ``accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml`` of
-tests/dist_worker.py runs every scenario; the worker counts, per micro-batch,
+One run of tests/dist_worker.py under ``accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml``
+(a script run of conftest.py's shared ``fsdp_pool``) runs every scenario; the worker counts, per micro-batch,
 the reduce-scatters and all-gathers FSDP2 issues by wrapping
 ``torch.distributed.reduce_scatter_single`` / ``all_gather_single`` (not
 accum_kit code), and saves the gathered parameters after each optimizer step.
@@ -54,14 +54,14 @@ BENCH_ARGV = ["--model_presets", "tiny", "--accumulation_steps", *map(str, BENCH
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, fsdp_pool):
     """``{name: {"scenario", "init", "steps", "ranks", "resumed": {step: {"steps", "ranks"}}}}``."""
     root = tmp_path_factory.mktemp("fsdp")
     corpus = jh.write_corpus(root / "corpus.txt")  # the examples fixture's corpus and flags (tests/conftest.py)
     custom = next(e for e in example_specs(corpus) if e["name"] == "custom_loop")
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
             "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "example_scripts": [custom], "bench_argv": BENCH_ARGV}
-    out = jh.run_dist_worker(FSDP_CONFIG, spec, root, "fsdp", W, TIMEOUT_S)
+    out = jh.run_dist_worker(FSDP_CONFIG, spec, root, "fsdp", W, TIMEOUT_S, pool=fsdp_pool)  # conftest.py's shared launch
     out["bench"] = root / "out" / "bench"
     out["custom_loop"] = [json.loads((root / "out" / f"custom_loop.rank{r}.json").read_text()) for r in range(W)]
     return out

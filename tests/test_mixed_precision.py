@@ -34,7 +34,6 @@ from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import accum_kit
-import job_helpers as jh
 from accum_kit import cli, loss as loss_module
 from job_helpers import pad_collate
 
@@ -169,11 +168,11 @@ def test_verify_rejects_unknown_precision(capsys):
     assert "--mixed_precision" in capsys.readouterr().err
 
 
-def test_verify_bf16_two_processes(tmp_path):
+def test_verify_bf16_two_processes(tmp_path, ddp_pool):
+    """``accum-kit verify --mixed_precision bf16`` on 2 DDP processes (a command of conftest.py's ``ddp_pool``)."""
     out = tmp_path / "verify.json"
-    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "verify", "--gradient_accumulation_steps", "3",
-                                   "--mixed_precision", "bf16", "--json", str(out), num_processes=2)
-    res = jh.run(cmd, jh.clean_env(), tmp_path, "verify_bf16", timeout=300)
+    res = ddp_pool.submit("verify", ["--gradient_accumulation_steps", "3", "--mixed_precision", "bf16",
+                                     "--json", out]).result()
     assert res.returncode == 0, res.describe()
     rep = json.loads(out.read_text())
     assert rep["world_size"] == 2 and rep["mixed_precision"] == "bf16" and rep["autocast"] is True

@@ -6,8 +6,9 @@ the same settings (compared tensor by tensor with plain ``safetensors``), with
 one gradient all-reduce per optimizer step. A node whose partner never starts
 fails within the rendezvous timeout instead of hanging.
 
-Cost: three concurrent launches (two "nodes" and the one-node reference) plus a
-lone "node" that waits out a 10 s rendezvous timeout, all started together.
+Cost: two concurrent launches (the two "nodes"; the one-node reference is a script run of
+conftest.py's shared ``ddp_pool`` beside them) plus a lone "node" that waits out a 10 s
+rendezvous timeout, all started together.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _python_launch(line: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
+def launches(tmp_path_factory, ddp_pool):
     work = tmp_path_factory.mktemp("multinode")
     corpus = jh.write_corpus(work / "corpus.txt")
     env = jh.clean_env(HF_DATASETS_CACHE=str(work / "hf_cache"))
@@ -54,13 +55,15 @@ def launches(tmp_path_factory):
         cmd = [*_python_launch(line), str(WORKER), str(work / f"node{rank}"), "--",
                *train_flags(corpus, work / f"node{rank}" / "train")]
         started[f"node{rank}"] = jh.start(cmd, env, work / "logs", f"node{rank}")
-    single = jh.accelerate_launch_cmd(str(WORKER), str(work / "single"), "--",
-                                      *train_flags(corpus, work / "single" / "train"))
-    started["single"] = jh.start(single, env, work / "logs", "single")
+    # the one-node reference: a script run of conftest.py's shared 2-process ddp_pool (same config, one node)
+    assert ddp_pool.num_processes == 2 and Path(ddp_pool.config) == Path(cfg)
+    single = ddp_pool.submit("multinode_worker", [work / "single", "--", *train_flags(corpus, work / "single" / "train")],
+                             datasets_cache=work / "hf_cache", script=WORKER)
     (lone,) = node_commands(2, 2, "127.0.0.1", main_process_port=jh.free_port(), config_file=cfg,
                             rdzv_timeout=RDZV_TIMEOUT)[:1]
     started["lone"] = jh.start([*_python_launch(lone), "-m", "accum_kit", "verify"], env, work / "logs", "lone")
     done = {name: jh.finish(s, timeout=300) for name, s in started.items()}
+    done["single"] = single.result()
     return work, done
 
 

@@ -1,7 +1,7 @@
 """The communication profiler (accum_kit.profiler) against independent oracles.
 
-One 2-process gloo launch (tests/profiler_worker.py through ``accelerate launch``
-with accelerate_configs/cpu_ddp.yaml) runs every scenario and, last, the train
+One 2-process gloo run (tests/profiler_worker.py through ``accelerate launch``
+with accelerate_configs/cpu_ddp.yaml: a script run of conftest.py's shared ``ddp_pool``) runs every scenario and, last, the train
 job with ``--trace_dir`` and ``--profile_ab_steps``; the single-process case
 runs in this process while that launch is busy. Expected values come from:
 
@@ -16,14 +16,13 @@ runs in this process while that launch is busy. Expected values come from:
   compression hook must not change, resp. only slightly change, the update);
 - the definitions of nccl-tests for algbw / busbw.
 
-Cost: one launch of ~20 s (mostly imports; the train job is inside it).
+Cost: one run on the shared pool (no launch of its own; the train job is inside it).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import re
 from pathlib import Path
@@ -90,8 +89,8 @@ def expected_boundaries(n_micro: int, K: int) -> list[bool]:
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    """Start the 2-process launch (not waiting); killed at module end if still running."""
+def launch(tmp_path_factory, ddp_pool):
+    """Queue the 2-process run on conftest.py's shared ``ddp_pool`` (not waiting)."""
     root = tmp_path_factory.mktemp("profiler")
     corpus = jh.write_corpus(root / "corpus.txt", files=("textwrap.py",))
     job_out, trace_dir = root / "job_out", root / "trace"
@@ -108,21 +107,16 @@ def launch(tmp_path_factory):
     spec_path = root / "spec.json"
     spec_path.write_text(json.dumps(spec))
     out = root / "out"
-    cmd = jh.accelerate_launch_cmd(str(WORKER), str(spec_path), str(out), num_processes=WORLD)
-    env = jh.clean_env(HF_DATASETS_CACHE=str(root / "hf_datasets_cache"))
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    started = jh.start(cmd, env, root, "launch")
-    handle = {"started": started, "root": root, "out": out, "job_out": job_out, "trace_dir": trace_dir}
-    yield handle
-    proc = started[1]
-    if proc.poll() is None:  # only the launch this fixture started (its own process group)
-        jh.finish(started, timeout=0.1)
+    assert ddp_pool.num_processes == WORLD  # a script run of conftest.py's shared 2-process DDP launch
+    started = ddp_pool.submit("profiler_worker", [spec_path, out], datasets_cache=root / "hf_datasets_cache",
+                              script=WORKER)
+    return {"started": started, "root": root, "out": out, "job_out": job_out, "trace_dir": trace_dir}
 
 
 @pytest.fixture(scope="module")
 def runs(launch):
     """Wait for the launch; load every scenario's per-rank records."""
-    res = jh.finish(launch["started"], timeout=240)
+    res = launch["started"].result()
     assert res.returncode == 0, res.describe()
     out = launch["out"]
     loaded = {}

@@ -1,7 +1,7 @@
 """``accum-kit train`` as a drop-in for transformers' ``run_clm_no_trainer.py``.
 
-One 2-process launch runs the arguments of transformers' own test of that
-script (``examples/pytorch/test_accelerate_examples.py::test_run_clm_no_trainer``)
+One 2-process run (a command of conftest.py's shared ``ddp_pool`` launch) runs the
+arguments of transformers' own test of that script (``examples/pytorch/test_accelerate_examples.py::test_run_clm_no_trainer``)
 on a local model: a small GPT-2 built here from a config, with a byte-level
 BPE tokenizer trained here on the text (the ``tokenizers`` library), both
 saved with ``save_pretrained``; no hub. The text (``sample_text.txt``) is a
@@ -121,15 +121,15 @@ def clm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def launched(clm):
-    """transformers' test arguments, verbatim, through ``accelerate launch ... -m accum_kit train`` on 2 processes."""
+def launched(clm, ddp_pool):
+    """transformers' test arguments, verbatim, through ``accum-kit train`` on 2 processes under ``accelerate launch``
+    (a command of conftest.py's shared ``ddp_pool``)."""
     out = clm["root"] / "out"
     args = (f"--model_name_or_path {clm['model_dir']} --train_file {clm['sample']} --validation_file {clm['sample']} "
             f"--block_size {BLOCK} --per_device_train_batch_size {BATCH} --per_device_eval_batch_size {BATCH} "
             f"--num_train_epochs {EPOCHS} --output_dir {out} --checkpointing_steps epoch").split()
-    cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "train", *args, num_processes=WORLD)
-    res = jh.run(cmd, jh.clean_env(HF_DATASETS_CACHE=str(clm["root"] / "hf_datasets_cache")), clm["root"], "launch",
-                 timeout=300)
+    assert ddp_pool.num_processes == WORLD
+    res = ddp_pool.submit("train", args, datasets_cache=clm["root"] / "hf_datasets_cache").result()
     assert res.returncode == 0, res.describe()
     return out
 
@@ -149,7 +149,7 @@ def run_train(capsys, argv) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-# --------------------------------------------------------------------------- the 2-process launch
+# --------------------------------------------------------------------------- the 2-process run
 
 
 def test_transformers_test_arguments_on_two_processes(clm, launched):

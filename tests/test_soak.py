@@ -1,6 +1,6 @@
 """The soak benchmark, short: what a run keeps stays bounded (counts and sizes, never times).
 
-One 2-process FSDP2 launch of benchmarks/soak.py: 40 optimizer steps at K=4
+One 2-process FSDP2 run of benchmarks/soak.py (a script run of conftest.py's shared ``fsdp_pool`` launch): 40 optimizer steps at K=4
 with the profiler keeping at most 20 raw records of each kind, a checkpoint
 every 10 steps (2 kept), a sample every 10 steps. Oracles: the step and
 micro-batch counts the flags imply, and the keep_records bound.
@@ -15,13 +15,11 @@ import job_helpers as jh
 STEPS, K, KEEP, EVERY, SAMPLE = 40, 4, 20, 10, 10
 
 
-def test_short_soak_keeps_bounded_records_and_a_constant_loop_state(tmp_path):
+def test_short_soak_keeps_bounded_records_and_a_constant_loop_state(tmp_path, fsdp_pool):
     out = tmp_path / "soak"
-    cmd = jh.accelerate_launch_cmd(str(jh.REPO / "benchmarks" / "soak.py"), "--steps", str(STEPS), "--K", str(K),
-                                   "--keep_records", str(KEEP), "--checkpoint_every", str(EVERY),
-                                   "--sample_every", str(SAMPLE), "--block_steps", "10", "--no_tracker",
-                                   "--output_dir", str(out), config=jh.REPO / "accelerate_configs" / "cpu_fsdp.yaml")
-    res = jh.run(cmd, jh.clean_env(), tmp_path, "soak", timeout=300)
+    res = fsdp_pool.submit("soak", ["--steps", STEPS, "--K", K, "--keep_records", KEEP, "--checkpoint_every", EVERY,
+                                    "--sample_every", SAMPLE, "--block_steps", "10", "--no_tracker", "--output_dir", out],
+                           script=jh.REPO / "benchmarks" / "soak.py").result()
     assert res.returncode == 0, res.describe()
     report = json.loads((out / "soak.json").read_text())
     assert report["steps"] == STEPS and "FSDP" in report["distributed_type"]

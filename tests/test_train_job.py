@@ -6,8 +6,8 @@ Expected values come from the flags by arithmetic, from the saved files read
 back with plain ``transformers``, or from the corpus recomputed here with the
 same byte tokenizer; never from the summary code itself.
 
-Cost: one 2-process launch (~15-25 s, mostly imports), three small subprocess
-runs, and in-process ``main(argv)`` calls for the rest.
+Cost: one command on conftest.py's shared 2-process ``ddp_pool``, the FSDP2 launches, three small
+subprocess runs, and in-process ``main(argv)`` calls for the rest.
 """
 
 from __future__ import annotations
@@ -130,17 +130,15 @@ def fresh_tiny_model(vocab=BYTE_VOCAB, n_positions=BLOCK, seed=SEED):
 
 
 @pytest.fixture(scope="module")
-def ddp_run(work, corpus):
+def ddp_run(work, corpus, ddp_pool):
+    """The job on 2 DDP processes: a command of conftest.py's shared ``ddp_pool`` (one launch for many commands)."""
     out = work / "ddp_out"
-    cmd = jh.accelerate_launch_cmd(
-        "-m", "accum_kit", "train",
-        *job_flags(out, "--max_train_steps", STEPS, "--per_device_train_batch_size", B,
-                   "--gradient_accumulation_steps", K, "--max_train_samples", MAX_TRAIN,
-                   "--max_eval_samples", MAX_EVAL, "--with_tracking", "--report_to", "tensorboard",
-                   train_file=corpus),
-        num_processes=WORLD,
-    )
-    res = jh.run(cmd, jh.clean_env(HF_DATASETS_CACHE=str(work / "hf_datasets_cache")), work, "ddp", timeout=300)
+    assert ddp_pool.num_processes == WORLD
+    res = ddp_pool.submit("train", job_flags(out, "--max_train_steps", STEPS, "--per_device_train_batch_size", B,
+                                             "--gradient_accumulation_steps", K, "--max_train_samples", MAX_TRAIN,
+                                             "--max_eval_samples", MAX_EVAL, "--with_tracking", "--report_to",
+                                             "tensorboard", train_file=corpus),
+                          datasets_cache=work / "hf_datasets_cache").result()
     assert res.returncode == 0, res.describe()
     return res, out
 
@@ -223,11 +221,18 @@ def test_ddp_job_leaves_no_staging(ddp_run):
 
 FSDP_POLICY = jh.FSDP_JOB_POLICY  # the policy that changes FSDP2's defaults most
 FSDP_CKPT_STEP = jh.FSDP_REFERENCE_EVERY
+
+
+def _train_argv(corpus, output_dir, *extra) -> list:
+    """The FSDP2 job's ``train`` flags (``jh.fsdp_job_argv`` without its ``-m accum_kit train``), for ``fsdp_pool``."""
+    argv = jh.fsdp_job_argv(corpus, output_dir, *extra)
+    assert argv[:3] == ["-m", "accum_kit", "train"]
+    return argv[3:]
 assert (jh.FSDP_JOB_STEPS, jh.FSDP_JOB_K, jh.FSDP_JOB_B) == (STEPS, K, B), "the FSDP2 job has the DDP job's flags"
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(work, fsdp_reference):
+def fsdp_runs(work, fsdp_reference, fsdp_pool):
     """The DDP job's flags under accelerate_configs/cpu_fsdp.yaml, saving every 4 steps (conftest.py's
     ``fsdp_reference``, shared with test_fsdp_faults.py); then the same job resumed from step_4 into a second
     output directory; and the same job preempted by SIGTERM to accelerate launch after step 2, then resumed
@@ -239,9 +244,9 @@ def fsdp_runs(work, fsdp_reference):
     full, out = fsdp_reference.result(), fsdp_reference.output_dir
     assert full.returncode == 0, full.describe()
     resumed_out = work / "fsdp_resumed"
-    cmd = jh.accelerate_launch_cmd(*jh.fsdp_job_argv(corpus, resumed_out, "--resume_from_checkpoint",
-                                                     out / f"step_{FSDP_CKPT_STEP}"), config=config)
-    resumed = jh.run(cmd, env, work, "fsdp_resumed", timeout=300)
+    resumed = fsdp_pool.submit("train", _train_argv(corpus, resumed_out, "--resume_from_checkpoint",
+                                                    out / f"step_{FSDP_CKPT_STEP}"),
+                               datasets_cache=fsdp_reference.datasets_cache).result()
     assert resumed.returncode == 0, resumed.describe()
     preempted_out = work / "fsdp_preempted"
     preempt_argv = jh.fsdp_job_argv(corpus, preempted_out, "--checkpointing_steps", FSDP_CKPT_STEP,
@@ -250,8 +255,8 @@ def fsdp_runs(work, fsdp_reference):
     jh.wait_for_text(work / "fsdp_preempted.stderr", "step 2:", started[1])
     os.kill(started[1].pid, signal.SIGTERM)  # the accelerate launch process: torchrun forwards it to the workers
     preempted = jh.finish(started, 300)
-    latest = jh.run(jh.accelerate_launch_cmd(*preempt_argv, "--resume_from_checkpoint", "latest", config=config),
-                    env, work, "fsdp_latest", timeout=300)
+    latest = fsdp_pool.submit("train", [*preempt_argv[3:], "--resume_from_checkpoint", "latest"],
+                              datasets_cache=fsdp_reference.datasets_cache).result()
     assert latest.returncode == 0, latest.describe()
     return (full, out), (resumed, resumed_out), (preempted, preempted_out), latest
 

@@ -1,8 +1,8 @@
 """Tests of ``accum-kit verify`` (the package accum_kit/verify/).
 
-One real two-process launch (``accelerate launch --config_file
-accelerate_configs/cpu_ddp.yaml -m accum_kit verify``, gloo, K=3 with a partial
-last window) checks the exit code and the JSON report: the toolkit's ``tokens``
+A real two-process run (``accum-kit verify`` under ``accelerate launch --config_file
+accelerate_configs/cpu_ddp.yaml``, gloo, K=3 with a partial last window; a command of
+conftest.py's shared ``ddp_pool`` launch; under FSDP2 one of its ``fsdp_pool``) checks the exit code and the JSON report: the toolkit's ``tokens``
 normalisation matches the single-process big batch, mean-of-means does not, and
 DDP's averaging shows as a sum-loss ratio of 1/2. The big-batch gradient norm in
 the JSON is then recomputed here from the examples the report lists, with a
@@ -14,8 +14,7 @@ The informational ``trainer`` row (transformers' Trainer on the same windows)
 is checked against label counts taken here from the examples the report
 lists: for GPT-2 (``loss_type`` None) Trainer divides by every label before
 the shift, so its update is ``N / (N + examples)`` of the exact one; for the
-``llama_tiny`` preset (a second two-process launch, started together with the
-first) it is exact.
+``llama_tiny`` preset (the next command of the same pool) it is exact.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import job_helpers as jh
 from accum_kit import cli, verify
 from accum_kit.launch import DEFAULT_GRADIENT_ACCUMULATION_STEPS
 from accum_kit.models import build_model
@@ -46,26 +44,20 @@ def _finite(*xs) -> bool:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    """Start both two-process launches (GPT-2 tiny and llama_tiny) at once; each fixture below waits for its own."""
+def launches(tmp_path_factory, ddp_pool, fsdp_pool):
+    """Queue the two DDP runs (GPT-2 tiny and llama_tiny) on conftest.py's shared ``ddp_pool`` and the FSDP2 run
+    on its ``fsdp_pool`` (each pool one 2-process launch); each fixture below waits for its own."""
     started = {}
-    fsdp = dict(config=jh.REPO / "accelerate_configs" / "cpu_fsdp.yaml")
-    for name, extra, launch in (("tiny", [], {}), ("llama_tiny", ["--model_preset", "llama_tiny"], {}),
-                                ("fsdp", ["--accumulation_policy", "no_sync_no_reshard", "--no_trainer_row"], fsdp)):
-        root = tmp_path_factory.mktemp(f"verify_w2_{name}")
-        out = root / "verify.json"
-        cmd = jh.accelerate_launch_cmd("-m", "accum_kit", "verify", "--gradient_accumulation_steps", str(K),
-                                       *extra, "--json", str(out), num_processes=WORLD, **launch)
-        started[name] = (jh.start(cmd, jh.clean_env(), root, f"verify_w2_{name}"), out)
-    yield started
-    for job, _ in started.values():
-        if job[1].poll() is None:  # only the launches this fixture started
-            jh.finish(job, timeout=0.1)
+    for name, pool, extra in (("tiny", ddp_pool, []), ("llama_tiny", ddp_pool, ["--model_preset", "llama_tiny"]),
+                              ("fsdp", fsdp_pool, ["--accumulation_policy", "no_sync_no_reshard", "--no_trainer_row"])):
+        out = tmp_path_factory.mktemp(f"verify_w2_{name}") / "verify.json"
+        started[name] = (pool.submit("verify", ["--gradient_accumulation_steps", K, *extra, "--json", out]), out)
+    return started
 
 
 def _finished(launches, name):
     job, out = launches[name]
-    res = jh.finish(job, timeout=300)
+    res = job.result()
     assert res.returncode == 0, res.describe()
     assert out.exists(), f"no JSON written\n{res.describe()}"
     return res, json.loads(out.read_text())

@@ -128,6 +128,13 @@ reduce-scatters and all-gathers per step, bytes, gradient memory held between mi
 prediction, the ideal step from the profile, and a plot of seconds saved against memory added
 (:mod:`.fsdp`, :mod:`.fsdp_report`, :mod:`.fsdp_files`; docs/fsdp_costs.md).
 
+Under a DeepSpeed launch (``accelerate launch --config_file accelerate_configs/cpu_deepspeed.yaml -m accum_kit
+bench``) it compares the ZeRO stages (``--zero_stages``, default 1 2 3) per K, one engine per stage and K in the
+same processes, windows rotated across them: step time with a paired 95 % interval of the ratio to ZeRO-1,
+collectives per step, the time in the gradient reduction path, gradient and parameter memory held against
+their prediction, and the profiler's estimate of ZeRO-1's saving over ZeRO-2 (:mod:`.zero`, :mod:`.zero_report`,
+:mod:`.zero_files`; docs/deepspeed.md).
+
 ``--torch_compile`` (:mod:`.compiled`) runs instead the ``no_sync`` loop compiled against eager, paired and
 interleaved per K, with compile seconds and the break-even step count (``compile.json``; docs/compile.md).
 
@@ -178,6 +185,7 @@ def run_command(cfg: BenchConfig) -> int:
     """
     from ..hsdp import launched_replicas
     from ..sharding import fsdp_requested
+    from ..zero import deepspeed_requested
 
     cfg.check_hsdp_flags(fsdp_requested() and launched_replicas() > 1)
     if cfg.torch_compile:  # compiled against eager instead of the modes (:mod:`.compiled`)
@@ -188,6 +196,10 @@ def run_command(cfg: BenchConfig) -> int:
         from .fsdp import run as run_fsdp
 
         run_fsdp(cfg)
+    elif deepspeed_requested():  # ZeRO stages x K instead of the modes (:mod:`.zero`)
+        from .zero import run as run_zero
+
+        run_zero(cfg)
     else:
         run(cfg)
     return 0

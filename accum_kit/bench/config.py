@@ -13,6 +13,7 @@ from ..models import PRESETS
 from ..outputs import check_output_dir
 from ..hsdp import launched_replicas
 from ..policies import POLICIES, fsdp_launched, policies_for
+from ..zero import deepspeed_requested
 
 #: The three loops the sweep compares by default, in their default order.
 MODES = ("sync_each_batch", "no_sync", "raw_ddp")
@@ -61,6 +62,9 @@ class BenchConfig:
         "help": f"Under an FSDP2 config (accelerate_configs/cpu_fsdp.yaml): the accumulation policies to sweep, any "
                 f"of {list(POLICIES)} (default: the four that apply to FSDP2; under an HSDP config, "
                 "accelerate_configs/cpu_hsdp.yaml, all five). The DDP --modes do not apply there."})
+    zero_stages: list[int] | None = field(default=None, metadata={
+        "help": "Under a DeepSpeed config (accelerate_configs/cpu_deepspeed.yaml): the ZeRO stages to sweep, any of "
+                "1 2 3 (default: all three), one engine per stage and K, windows rotated across them."})
     emulate_inter_node_GBps: float | None = field(default=None, metadata={
         "help": "EMULATION, HSDP only: add to every all-reduce across replicas the time a ring all-reduce would "
                 "take at this bus bandwidth (GB/s), to stand in for a slow inter-node link on one machine. For "
@@ -116,11 +120,12 @@ class BenchConfig:
 
     def __post_init__(self):
         fsdp = fsdp_launched()
+        deepspeed = deepspeed_requested()
         hybrid = fsdp and launched_replicas() > 1
         policies_given = self.accumulation_policies is not None
         if not policies_given:
             self.accumulation_policies = policies_for(hybrid)
-        steps, warmup, repeats = QUICK_SCHEDULE if self.quick else FSDP_SCHEDULE if fsdp else DEFAULT_SCHEDULE
+        steps, warmup, repeats = QUICK_SCHEDULE if self.quick else FSDP_SCHEDULE if fsdp or deepspeed else DEFAULT_SCHEDULE
         self.steps = steps if self.steps is None else self.steps
         self.warmup_steps = warmup if self.warmup_steps is None else self.warmup_steps
         self.repeats = repeats if self.repeats is None else self.repeats
@@ -162,7 +167,8 @@ class BenchConfig:
                 raise UsageError("--tune_bucket_cap_mb", "no value given", "pass one or more sizes in MB, e.g. 5 100")
             for mb in self.tune_bucket_cap_mb:
                 checks.positive("--tune_bucket_cap_mb", mb, fix="pass sizes in MB, e.g. 5 100")
-        self._check_launch_kind(fsdp, policies_given)
+        self._check_launch_kind(fsdp, policies_given and not deepspeed)
+        self._check_zero_stages(deepspeed, policies_given)
         self._check_compile(fsdp)
         if self.emulate_inter_node_GBps is not None:
             checks.positive("--emulate_inter_node_GBps", self.emulate_inter_node_GBps,
@@ -208,6 +214,27 @@ class BenchConfig:
         elif policies_given:
             raise UsageError("--accumulation_policies", "compares FSDP2 policies, and this launch is not sharded",
                              "launch with accelerate_configs/cpu_fsdp.yaml, or pass --modes for the DDP loops")
+
+    def _check_zero_stages(self, deepspeed: bool, policies_given: bool) -> None:
+        """``--zero_stages``: stages 1-3, each once, only under a DeepSpeed launch; there the DDP and FSDP2
+        choices mean nothing (the stage is the policy) and are refused."""
+        if not deepspeed:
+            if self.zero_stages is not None:
+                raise UsageError("--zero_stages", "compares DeepSpeed ZeRO stages, and this launch is not DeepSpeed",
+                                 "launch with accelerate_configs/cpu_deepspeed.yaml")
+            return
+        if self.zero_stages is None:
+            self.zero_stages = [1, 2, 3]
+        checks.distinct_choices("--zero_stages", self.zero_stages, [1, 2, 3])
+        self.zero_stages = sorted(self.zero_stages)
+        refused = [("--accumulation_policies", policies_given), ("--modes", list(self.modes) != list(MODES)),
+                   ("--tune", self.tune), ("--comm_hook", self.comm_hook != "none"),
+                   ("--torch_compile", self.torch_compile), *((flag_of(name), True) for name in self.ddp_kwargs())]
+        for flag, given in refused:
+            if given:
+                raise UsageError(flag, "has no meaning under a DeepSpeed config: the bench compares ZeRO stages "
+                                 "(the stage decides what a window reduces)", f"drop {flag} (pick stages with "
+                                 "--zero_stages), or launch with accelerate_configs/cpu_ddp.yaml or cpu_fsdp.yaml")
 
     def ddp_kwargs(self) -> dict:
         """The DDP constructor arguments (DDP's names) that differ from DDP's defaults (the same for every mode)."""

@@ -100,18 +100,20 @@ def png_bytes(fig) -> bytes:
     return buf.getvalue()
 
 
-def write_bench_files(output_dir: str, result: dict, csv: str, png: bytes) -> list[Path]:
-    """Write bench.json (``result``), bench.csv and bench.png into ``output_dir``; returns their paths.
+def write_bench_files(output_dir: str, result: dict, csv: str, png: bytes | None) -> list[Path]:
+    """Write bench.json (``result``), bench.csv and bench.png (none when ``png`` is None) into ``output_dir``;
+    returns their paths.
 
     All three are made in a staging directory first and moved in only when
     every one of them exists, so a failure leaves ``output_dir`` as it was and
     new data never sits beside an old plot.
     """
-    names = ["bench.json", "bench.csv", "bench.png"]
+    names = ["bench.json", "bench.csv"] + (["bench.png"] if png is not None else [])
     with staged_output_dir(output_dir) as staging:
         atomic_write_json(staging / "bench.json", result)
         atomic_write_bytes(staging / "bench.csv", csv.encode())
-        atomic_write_bytes(staging / "bench.png", png)
+        if png is not None:
+            atomic_write_bytes(staging / "bench.png", png)
     return [Path(output_dir) / n for n in names]
 
 

@@ -35,8 +35,6 @@ memory the maximum over processes.
 from __future__ import annotations
 
 import gc
-import os
-import sys
 import time
 from dataclasses import asdict
 
@@ -44,7 +42,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from ..compat import (fsdp_reshard_after_forward_state, keep_fsdp_parameters_after_forward,
                       restore_fsdp_reshard_after_forward, set_sync_each_batch)
@@ -55,18 +52,17 @@ from ..callbacks import LoopCallback
 from ..loop import train_loop
 from ..memory import HeldMemory
 from ..models import build_model, count_parameters
-from ..outputs import library_versions
 from ..policies import POLICIES
 from ..profiler import CommProfiler, ProfileRecords, sharded_summary
 from ..sharding import element_bytes, sharded_model
 from ..stats import median
 from .config import MODES, BenchConfig
-from .data import TokenRows, data_description, synthetic_tokens, variable_target_labels
+from .driver import Clock, publish, result_head, sweep_presets
+from .data import TokenRows, synthetic_tokens, variable_target_labels
 from .fsdp_files import write_fsdp_outputs
 from .fsdp_report import evaluate_targets, format_fsdp_table, format_targets, summarize_fsdp_preset
 from .memory import PeakMemory
 from .runs import reset_training_state
-from .sweep import machine
 
 MB = 2**20
 
@@ -167,8 +163,9 @@ def pooled_summaries(prof, cfg: BenchConfig, world: int, order: list[str]) -> di
     return out
 
 
-def command(cfg: BenchConfig, world: int, hybrid: bool = False) -> str:
-    """The command line that repeats this sweep (flags that differ from the defaults)."""
+def command(cfg: BenchConfig, world: int, hybrid: bool = False, config: str | None = None) -> str:
+    """The command line that repeats this sweep (flags that differ from the defaults); ``config``: the
+    accelerate config's file name when not cpu_fsdp.yaml / cpu_hsdp.yaml (both start 2 processes)."""
     default = BenchConfig()
     flags = []
     for name, value in asdict(cfg).items():
@@ -176,7 +173,7 @@ def command(cfg: BenchConfig, world: int, hybrid: bool = False) -> str:
             continue
         flags.append(f"--{name} " + (" ".join(map(str, value)) if isinstance(value, list) else str(value).lower()
                                      if isinstance(value, bool) else str(value)))
-    config, usual = ("cpu_hsdp.yaml", 4) if hybrid else ("cpu_fsdp.yaml", 2)
+    config, usual = (config, 2) if config else ("cpu_hsdp.yaml", 4) if hybrid else ("cpu_fsdp.yaml", 2)
     procs = "" if world == usual else f" --num_processes {world}"
     return (f"accelerate launch --config_file accelerate_configs/{config}{procs} -m accum_kit bench"
             + "".join(f" {f}" for f in flags))
@@ -295,41 +292,11 @@ def run(cfg: BenchConfig) -> dict:
                          "policies", "drop --modes and pass --accumulation_policies")
     accelerator = build_accelerator(None)
     world = accelerator.num_processes
-    started, load_start, t0 = time.strftime("%Y-%m-%dT%H:%M:%S%z"), os.getloadavg(), time.perf_counter()
-    total = len(cfg.model_presets) * cfg.repeats * len(cfg.accumulation_steps)
-    bar = tqdm(total=total, desc="bench runs (FSDP2)", disable=not accelerator.is_main_process, file=sys.stdout)
-    presets, rows, all_runs, tables = {}, [], [], []
-    for preset in cfg.model_presets:
-        info, runs = bench_fsdp_preset(cfg, preset, accelerator, bar)
-        info.update(summarize_fsdp_preset(preset, info, runs, cfg, world))
-        presets[preset], all_runs = info, all_runs + runs
-        rows += info.pop("rows")
-        tables.append(format_fsdp_table(preset, info, [r for r in rows if r["preset"] == preset]))
-        if accelerator.is_main_process:
-            bar.write(tables[-1] + "\n")
-    bar.close()
+    clock = Clock()
+    presets, rows, all_runs, tables = sweep_presets(cfg, accelerator, "bench runs (FSDP2)", bench_fsdp_preset,
+                                                    summarize_fsdp_preset, format_fsdp_table)
     targets = evaluate_targets(rows, presets)
-    result = {
-        "schema": "accum_kit.bench.fsdp/1",
-        "command": command(cfg, world, launched_replicas() > 1),
-        "config": asdict(cfg),
-        "machine": machine(accelerator),
-        "versions": library_versions(),
-        "data": data_description(cfg),
-        "timings_from": "process 0 (step times); memory: max over processes",
-        "presets": presets,
-        "rows": rows,
-        "targets": targets,
-        "runs": all_runs,
-        "timing": {"started": started, "total_seconds": time.perf_counter() - t0,
-                   "load_average_start": list(load_start), "load_average_end": list(os.getloadavg())},
-    }
-    if accelerator.is_main_process:
-        paths = write_fsdp_outputs(cfg.output_dir, result)
-        print("\n".join(tables))
-        print(format_targets(targets))
-        print(f"wrote {', '.join(str(p) for p in paths)} ({result['timing']['total_seconds']:.0f} s; "
-              f"load average {load_start[0]:.2f} at start, {result['timing']['load_average_end'][0]:.2f} at end)")
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    result = {**result_head("accum_kit.bench.fsdp/1", command(cfg, world, launched_replicas() > 1), cfg, accelerator),
+              "presets": presets, "rows": rows, "targets": targets, "runs": all_runs, "timing": clock.timing()}
+    publish(accelerator, result, tables, format_targets(targets), write_fsdp_outputs)
     return result

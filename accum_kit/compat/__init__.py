@@ -294,8 +294,9 @@ def ddp_static_graph_unprimed(model) -> bool:
 
 # The engine-specific internals live in their own modules; every name stays importable from accum_kit.compat.
 from .deepspeed_internals import (  # noqa: E402
-    deepspeed_checkpoint_globals, deepspeed_comm_backend, deepspeed_held_gradients, enable_deepspeed_on_cpu,
-    skip_deepspeed_shm_op,
+    deepspeed_checkpoint_globals, deepspeed_comm_backend, deepspeed_held_gradients, deepspeed_parameter_bytes,
+    enable_deepspeed_on_cpu, prepare_deepspeed_engine, skip_deepspeed_shm_op, use_deepspeed_engine,
+    zero_flat_partitions, zero_full_gradients, zero_reduction_methods,
 )
 from .fsdp_internals import (  # noqa: E402
     fsdp_comm_interfaces, fsdp_held_tensors, fsdp_replicate_process_group, fsdp_reshard_after_forward_state,

@@ -85,6 +85,87 @@ def deepspeed_comm_backend():
     return comm.cdb
 
 
+#: The ZeRO optimizers' methods on the gradient reduction path (DeepSpeed 0.19.8, ``stage_1_and_2.py`` and
+#: ``stage3.py``): ``process_gradients`` (the per-parameter gradient hook's body: under ZeRO-2 it copies the
+#: gradient into the reduction bucket, reducing the bucket when it fills, and drops ``.grad``; under ZeRO-1
+#: it does nothing inside the window), ``reduce_ready_partitions_and_remove_grads`` (the same per parameter;
+#: ZeRO-3's hook and ZeRO-1's boundary call it), ``reduce_gradients`` (ZeRO-1's boundary reduction, called
+#: by the engine), ``overlapping_partition_gradients_reduce_epilogue`` and
+#: ``independent_gradient_partition_epilogue`` (the flush of the last bucket: the all-reduce or
+#: reduce-scatter, the copy of the reduced bucket into this process's partition, the bookkeeping).
+ZERO_REDUCTION_METHODS = ("process_gradients", "reduce_ready_partitions_and_remove_grads", "reduce_gradients",
+                          "overlapping_partition_gradients_reduce_epilogue", "independent_gradient_partition_epilogue")
+
+
+def zero_reduction_methods(optimizer) -> list[str]:
+    """The names of :data:`ZERO_REDUCTION_METHODS` that ``optimizer`` (an engine's ZeRO optimizer) has.
+
+    The engine and the gradient hooks call them as ``self.<name>(...)`` / ``self.optimizer.<name>(...)``,
+    looked up on the instance at each call, so an instance attribute of the same name intercepts
+    every call (checked for DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer`` and ``DeepSpeedZeroOptimizer_Stage3``).
+    """
+    return [name for name in ZERO_REDUCTION_METHODS if callable(getattr(optimizer, name, None))]
+
+
+def deepspeed_parameter_bytes(engine) -> int:
+    """Bytes of parameters the engine's module holds now, each storage once.
+
+    A parameter's own data (ZeRO-1/2: views of the flat buffer, the whole
+    parameter; ZeRO-3: empty once released, the whole parameter while
+    gathered or when it stays resident under ``stage3_param_persistence_threshold``)
+    plus, under ZeRO-3, this process's partition ``ds_tensor`` (DeepSpeed 0.19.8).
+    The optimizer's fp32 master partitions are not counted.
+    """
+    seen, total = set(), 0
+    for p in engine.module.parameters():
+        for t in (p.data, getattr(p, "ds_tensor", None)):
+            if t is None or t.numel() == 0:
+                continue
+            storage = t.untyped_storage()
+            key = (storage.device, storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+    return total
+
+
+def prepare_deepspeed_engine(accelerator, model, optimizer, plugin, micro_batch: int, *extra):
+    """``accelerator.prepare(model, optimizer, *extra)`` as one more DeepSpeed engine, built from ``plugin``.
+
+    Accelerate (1.15) keeps one DeepSpeed plugin in its shared state and ties
+    ``accelerator.backward`` to the first engine it prepares
+    (``deepspeed_engine_wrapped``). To hold several engines (of other ZeRO stages
+    or K) in one process, this selects ``plugin`` as :func:`enable_deepspeed_on_cpu`
+    does, fixes the micro-batch and global batch in its config (no dataloader
+    need be passed), clears the tie, prepares, and returns ``(prepared objects,
+    wrapper)``; :func:`use_deepspeed_engine` ties ``backward`` to a wrapper again.
+    """
+    plugin.set_mixed_precision(accelerator.state.mixed_precision)
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch
+    config["train_batch_size"] = micro_batch * int(config["gradient_accumulation_steps"]) * accelerator.num_processes
+    use_deepspeed_engine(accelerator, plugin, None)
+    prepared = accelerator.prepare(model, optimizer, *extra)
+    return prepared, accelerator.deepspeed_engine_wrapped
+
+
+def use_deepspeed_engine(accelerator, plugin, wrapper) -> None:
+    """Make ``accelerator.backward`` drive ``wrapper``'s engine, with its ``plugin`` the selected one.
+
+    The shared state's ``deepspeed_plugins`` (what ``accelerator.deepspeed_plugin``
+    returns) and ``deepspeed_engine_wrapped`` (what ``backward`` calls: the
+    engine's ``backward``, then ``step`` on the boundary), accelerate 1.15.
+    """
+    from accelerate.state import AcceleratorState
+
+    plugin.select(_from_accelerator_state=True)
+    AcceleratorState._shared_state["deepspeed_plugins"] = plugin
+    accelerator.deepspeed_engine_wrapped = wrapper
+    if accelerator.deepspeed_plugin is not plugin:
+        raise RuntimeError("accelerate no longer reads its DeepSpeed plugin from the shared state; "
+                           "see accum_kit.compat.use_deepspeed_engine")
+
+
 def deepspeed_held_gradients(engine):
     """Yield ``(kind, tensor)`` for the gradients a DeepSpeed engine holds between micro-batches.
 
@@ -135,3 +216,66 @@ def deepspeed_checkpoint_globals() -> list:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     return [ZeroStageEnum, fragment_address, LossScaler]
+
+
+def zero_flat_partitions(engine) -> dict:
+    """``{id(flat fp32 tensor): (layout, parameters)}``: what the ZeRO optimizer hands its inner optimizer.
+
+    The inner (client) optimizer of a ZeRO engine never sees the model's
+    parameters: ``step`` is called once per parameter group (sub-group under
+    ZeRO-3) with ``param_groups`` holding one flat float32 tensor, this
+    process's partition of the group, whose ``.grad`` is the averaged (and
+    clipped) gradient partition (DeepSpeed 0.19.8). layout ``"fragments"``:
+    ZeRO-1/2's ``single_partition_of_fp32_groups[i]`` with ``bit16_groups[i]``,
+    or ``BF16_Optimizer``'s ``fp32_groups_flat_partition[i]`` with
+    ``bf16_groups[i]`` (each parameter's ``_hp_mapping`` says which slice of the
+    partition holds which slice of it); ``"stage3"``: ZeRO-3's
+    ``fp32_partitioned_groups_flat[i]`` with ``fp16_groups[i]`` (each
+    parameter's own partition at ``grad_position``). Empty for an engine without ZeRO.
+    """
+    opt = getattr(engine, "optimizer", None)
+    pairs = []
+    if hasattr(opt, "fp32_partitioned_groups_flat"):
+        pairs = [(f, ("stage3", list(ps))) for f, ps in zip(opt.fp32_partitioned_groups_flat, opt.fp16_groups)]
+    elif hasattr(opt, "single_partition_of_fp32_groups"):
+        pairs = [(f, ("fragments", list(ps))) for f, ps in zip(opt.single_partition_of_fp32_groups, opt.bit16_groups)]
+    elif hasattr(opt, "fp32_groups_flat_partition"):
+        pairs = [(f, ("fragments", list(ps))) for f, ps in zip(opt.fp32_groups_flat_partition, opt.bf16_groups)]
+    return {id(f): (layout, params, opt) for f, (layout, params) in pairs}
+
+
+def zero_full_gradients(flat, layout: str, params: list, zero_optimizer) -> list:
+    """``[(parameter, full float32 gradient)]`` of one group, rebuilt from every process's flat partition.
+
+    Collective over the data-parallel group: call on every process, inside the
+    inner optimizer's ``step`` (where ``flat.grad`` holds the partition, see
+    :func:`zero_flat_partitions`). "fragments": each process writes its slices
+    of each parameter into a zero buffer of the parameter's size, and one
+    all-reduce (sum) assembles them (the slices are disjoint, so the sum only
+    adds zeros: exact); "stage3": one all-gather of the equal-sized
+    partitions, cut to ``ds_numel``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    grad = flat.grad.detach().float()
+    if layout == "fragments":
+        group = next((p._dp_group for p in params if getattr(p, "_dp_group", None) is not None), None)
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=grad.device)
+        offset = 0
+        for p in params:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is not None:  # None: no slice of this parameter in this process's partition
+                lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+                buffer[offset + lp.start: offset + lp.start + lp.numel] = grad[hp.start: hp.start + hp.numel]
+            offset += p.numel()
+        dist.all_reduce(buffer, group=group)
+        return [(p, t.view(p.shape)) for p, t in zip(params, buffer.split([p.numel() for p in params]))]
+    out = []
+    for p in params:
+        _, start, numel = zero_optimizer.grad_position[zero_optimizer.get_param_id(p)]
+        group = zero_optimizer._get_param_partition_group(p)
+        parts = [torch.empty(numel, dtype=torch.float32, device=grad.device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, grad[start: start + numel].contiguous(), group=group)
+        out.append((p, torch.cat(parts)[: p.ds_numel].view(p.ds_shape)))
+    return out

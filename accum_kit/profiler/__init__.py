@@ -143,6 +143,8 @@ class CommProfiler(LoopCallback):
         self.phases = PhaseTimer(self.labels, synchronize=synchronize, keep_records=keep_records, sink=sink)
         self.trace = StepTrace(accelerator, trace_dir, trace_steps, trace_wait) if trace_dir else None
         self.zero = ZeroRecorder(self.labels, keep_records) if self.deepspeed else None
+        if self.zero is not None:  # the engine's ZeRO optimizer: its reduction path is timed too
+            self.zero.watch(getattr(model, "optimizer", None))
         self._attached = False
         self._paused = False  # recording paused for a static-graph DDP model's priming sync
 
@@ -294,8 +296,11 @@ class CommProfiler(LoopCallback):
                 out.pop(key, None)
             kept = self.records(mode=self.mode, tag=tag)
             mine = [c for c in self.zero.calls if c.mode == self.mode and (tag is None or c.tag == tag)]
+            reductions = [c for c in self.zero.reductions if c.mode == self.mode and (tag is None or c.tag == tag)]
+            inside = [c for c in self.zero.inside_reduction if c.mode == self.mode and (tag is None or c.tag == tag)]
             out.update(zero_summary(mine, steps=len(kept.steps), world_size=self.world_size,
-                                    stage=self.accelerator.deepspeed_plugin.zero_stage))
+                                    stage=self.accelerator.deepspeed_plugin.zero_stage, reductions=reductions,
+                                    inside=inside))
         if self.sharded:
             for key in ALLREDUCE_KEYS:  # DDP's all-reduce: FSDP2 has none
                 out.pop(key, None)

@@ -22,6 +22,21 @@ the all-gather's output, the reduce-scatter's input) and seconds per kind,
 and the bus bandwidth (``algbw (n-1)/n``, all-reduce ``2 algbw (n-1)/n``,
 https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
 On CPU (gloo) the calls are synchronous, so their seconds are the call's.
+
+The reduction path (:meth:`ZeroRecorder.watch`). The collectives are only
+part of what a ZeRO stage spends on reducing gradients: ZeRO-2's gradient
+hook copies every parameter's gradient into the reduction bucket after every
+backward, the bucket is flattened and all-reduced, the reduced bucket is
+copied into this process's partition and ``.grad`` is dropped (measured on
+``small``, K=8, 2 gloo processes: the collectives were about a third of
+what ZeRO-2 spent beyond ZeRO-1). So the recorder also times the ZeRO
+optimizer's reduction entry points
+(:data:`accum_kit.compat.deepspeed_internals.ZERO_REDUCTION_METHODS`: the
+hook's body, ZeRO-1's boundary reduction and the end-of-backward flush),
+outermost calls only (they call each other), the collectives inside them
+included. ``reduction_seconds_per_step`` is that time per optimizer step;
+what one stage saves over another is the difference of theirs (ZeRO-1 runs
+the same path once per window, ZeRO-2 once per micro-batch).
 """
 
 from __future__ import annotations
@@ -63,6 +78,53 @@ class ZeroRecorder:
     def __init__(self, labels, keep_records: int | None = KEEP_RECORDS):
         self.labels, self._saved = labels, {}
         self._calls = recent(keep_records)
+        self._reductions = recent(keep_records)
+        self._inside = recent(keep_records)  # the collective records made inside the reduction path
+        self._optimizers: list = []  # ZeRO optimizers whose reduction path is timed (see :meth:`watch`)
+        self._depth = 0  # nesting of reduction-path calls: only the outermost is recorded
+
+    @property
+    def reductions(self) -> list:
+        """The most recent reduction-path records (``kind == "reduction"``, ``bytes`` 0; a copy)."""
+        return list(self._reductions)
+
+    @property
+    def inside_reduction(self) -> list:
+        """The most recent collective records that ran inside a watched reduction path (a copy)."""
+        return list(self._inside)
+
+    def watch(self, optimizer) -> None:
+        """Time ``optimizer``'s gradient reduction path while registered (an engine's ZeRO optimizer;
+        idempotent). See the module docstring."""
+        if optimizer is not None and all(o is not optimizer for o in self._optimizers):
+            self._optimizers.append(optimizer)
+            if self._saved:
+                self._wrap_reduction(optimizer)
+
+    def _wrap_reduction(self, optimizer) -> None:
+        from ..compat import zero_reduction_methods
+
+        for name in zero_reduction_methods(optimizer):
+            if name not in vars(optimizer):  # not wrapped yet (the instance attribute hides the class's method)
+                setattr(optimizer, name, self._timed(getattr(optimizer, name)))
+
+    def _timed(self, inner):
+        add = self._reductions.append
+
+        def call(*args, **kwargs):
+            lab = self.labels
+            if not lab.enabled or self._depth:
+                return inner(*args, **kwargs)
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                add(CollectiveCall(kind="reduction", step=lab.step, micro_batch=lab.micro_batch, mode=lab.mode,
+                                   tag=lab.tag, unit=-1, bytes=0, group=GROUP, start=start,
+                                   seconds=time.perf_counter() - start))
+        return call
 
     @property
     def calls(self) -> list:
@@ -86,18 +148,30 @@ class ZeroRecorder:
                 self._saved[name] = inner
                 setattr(backend, name, self._wrap(inner, kind, pos, key))
         self._backend = backend
+        for optimizer in self._optimizers:
+            self._wrap_reduction(optimizer)
 
     def unregister(self) -> None:
-        """Give the backend its own methods back."""
+        """Give the backend and the watched optimizers their own methods back."""
+        from ..compat import zero_reduction_methods
+
         for name in self._saved:
             try:
                 delattr(self._backend, name)  # the instance attribute hides the class's method
             except AttributeError:
                 pass
+        for optimizer in self._optimizers:
+            for name in zero_reduction_methods(optimizer):
+                vars(optimizer).pop(name, None)
         self._saved = {}
 
     def _wrap(self, inner, kind, pos, key):
-        add = self._calls.append
+        calls, inside = self._calls.append, self._inside.append
+
+        def add(record):
+            calls(record)
+            if self._depth:
+                inside(record)
 
         def call(*args, **kwargs):
             lab = self.labels
@@ -116,7 +190,8 @@ class ZeroRecorder:
         return call
 
 
-def zero_summary(calls: list, *, steps: int, world_size: int, stage: int) -> dict:
+def zero_summary(calls: list, *, steps: int, world_size: int, stage: int, reductions: list = (),
+                 inside: list = ()) -> dict:
     """Per-kind figures of one process's DeepSpeed records (see the module docstring).
 
     Args:
@@ -124,10 +199,15 @@ def zero_summary(calls: list, *, steps: int, world_size: int, stage: int) -> dic
         steps: optimizer steps they cover (per-step figures divide by it; 0 gives totals).
         world_size: n of the bus bandwidth.
         stage: the ZeRO stage (reported).
+        reductions: the reduction-path records of the same mode (:meth:`ZeroRecorder.watch`).
+        inside: the collective records of the same mode made inside the reduction path.
 
     Returns:
         ``{"zero_stage": int, "by_kind": {kind: {"calls_per_step", "bytes_per_step",
-        "seconds_per_step", "busbw_GBps"}}, "collective_seconds_per_step": float}``.
+        "seconds_per_step", "busbw_GBps"}}, "collective_seconds_per_step": float,
+        "reduction_seconds_per_step": float, "reduction_calls_per_step": float,
+        "reduction_path_collectives": {kind: calls per step}}`` (seconds:
+        of the calls, summed; the reduction path's include its collectives).
     """
     per = max(steps, 1)
     by_kind: dict = {}
@@ -144,4 +224,8 @@ def zero_summary(calls: list, *, steps: int, world_size: int, stage: int) -> dic
         out[kind] = {"calls_per_step": k["calls"] / per, "bytes_per_step": k["bytes"] / per,
                      "seconds_per_step": k["seconds"] / per, "busbw_GBps": busbw}
     return {"zero_stage": stage, "by_kind": out,
-            "collective_seconds_per_step": sum(k["seconds_per_step"] for k in out.values())}
+            "collective_seconds_per_step": sum(k["seconds_per_step"] for k in out.values()),
+            "reduction_seconds_per_step": sum(r.seconds for r in reductions) / per,
+            "reduction_calls_per_step": len(reductions) / per,
+            "reduction_path_collectives": {kind: sum(c.kind == kind for c in inside) / per
+                                           for kind in sorted({c.kind for c in inside})}}

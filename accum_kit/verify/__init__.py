@@ -63,6 +63,15 @@ Memory: the main process keeps a float64 copy of the model and float32 CPU
 copies of every captured gradient (4 rows x 2 windows); fine for the small
 models this check is meant for.
 
+Under DeepSpeed ZeRO (``accelerate launch --config_file accelerate_configs/cpu_deepspeed.yaml
+--zero_stage N -m accum_kit verify``) the rows run through the engine: the ZeRO
+optimizer hands the capture its flat gradient partitions, from which the whole
+averaged gradient is rebuilt (:meth:`GradientCapture.attach_engine`); the
+``sum`` row is skipped (every backward goes through the engine, which divides
+by K and averages), and so is the Trainer row. With ``--mixed_precision bf16``
+DeepSpeed trains the model in bf16 (float32 master weights), and the bf16
+normwise tolerance applies.
+
 Command line: ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit verify``
 (any number of processes), or ``python -m accum_kit verify`` on one. Exit 0
 when the row selected by ``--loss_normalization`` passes, 1 when it does not,

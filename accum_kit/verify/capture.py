@@ -32,7 +32,9 @@ class GradientCapture(torch.optim.Optimizer):
     (same shape as the parameter; a None grad becomes zeros; FSDP2's sharded
     gradients are gathered first, so ``step`` is collective there), elsewhere None;
     ``norms`` gets the L2 norm of the whole gradient on every process (for the
-    cross-rank check).
+    cross-rank check). Under DeepSpeed ZeRO call :meth:`attach_engine` after
+    ``prepare``: the engine's optimizer hands ``step`` flat partitions, from
+    which the whole gradient is rebuilt (collective).
 
     Args:
         named_parameters: ``model.named_parameters()`` of the model to watch.
@@ -47,6 +49,22 @@ class GradientCapture(torch.optim.Optimizer):
         self.keep = keep
         self.captured: list = []
         self.norms: list[float] = []
+        self._name_of = {id(p): n for n, p in named}
+        self._zero: dict = {}  # under DeepSpeed ZeRO: the flat partitions its inner steps get (attach_engine)
+        self._pending: dict = {}  # ZeRO: this step's gradients by name, group by group
+
+    def attach_engine(self, engine) -> None:
+        """Under DeepSpeed ZeRO, after ``prepare``: learn which flat partitions the engine's steps will hand over.
+
+        The ZeRO optimizer calls this optimizer's ``step`` once per parameter
+        group with its flat float32 partition instead of the parameters
+        (:func:`accum_kit.compat.zero_flat_partitions`); ``step`` then rebuilds
+        each parameter's whole averaged gradient from every process's partition
+        (collective) and records the optimizer step once every parameter is seen.
+        """
+        from ..compat import zero_flat_partitions
+
+        self._zero, self._pending = zero_flat_partitions(engine), {}
 
     def take(self) -> tuple[list, list]:
         """Return ``(captured, norms)`` since the last call and forget them."""
@@ -60,6 +78,8 @@ class GradientCapture(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        if self._zero:
+            return self._zero_step()
         from torch.distributed.tensor import DTensor
 
         sq, grads = 0.0, {}
@@ -73,6 +93,24 @@ class GradientCapture(torch.optim.Optimizer):
                 grads[name] = g.to("cpu", copy=True)
         self.captured.append(grads if self.keep else None)
         self.norms.append(math.sqrt(sq))
+        return None
+
+    def _zero_step(self) -> None:
+        """One group of a ZeRO step: its parameters' whole gradients; the last group closes the record."""
+        from ..compat import zero_full_gradients
+
+        for group in self.param_groups:
+            for flat in group["params"]:
+                if flat.grad is None:
+                    continue
+                layout, params, zero_optimizer = self._zero[id(flat)]
+                for p, g in zero_full_gradients(flat, layout, params, zero_optimizer):
+                    self._pending[self._name_of[id(p)]] = g
+        if len(self._pending) < len(self.names):
+            return None
+        grads, self._pending = self._pending, {}
+        self.norms.append(math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values())))
+        self.captured.append({n: grads[n].to("cpu", copy=True) for n in self.names} if self.keep else None)
         return None
 
 

@@ -26,6 +26,7 @@ from ..compat import forget_prepared
 from ..loop import train_loop
 from ..loss import causal_lm_loss
 from ..sharding import policy_name
+from ..zero import deepspeed_engine, deepspeed_engine_precision
 from . import batchnorm
 from .accelerator import CompileRecord, resolve_accelerator, resolve_tolerances
 from .capture import EvalMode, GradientCapture
@@ -198,18 +199,24 @@ def _plan(accelerator, K: int, *, model, model_name_or_path, model_preset, seed,
     workload = (token_workload(n, seed, spec["vocab_size"], spec["max_length"], loss_fn) if token_data
                 else user_workload(dataset, n, collate_fn, loss_fn or causal_lm_loss))
     trainer_skip = None
+    if trainer_row and deepspeed_engine_precision(accelerator) is not None:
+        trainer_row, trainer_skip = False, ("under DeepSpeed Trainer would build its own engine from the "
+                                            "launch's config; run it under DDP")
     if trainer_row and (loss_fn is not None or not token_data):
         trainer_row, trainer_skip = False, ("it runs transformers' causal-LM Trainer on verify's own token data; "
                                             "a loss_fn or dataset was given")
-    rtol, atol, normwise = resolve_tolerances(accelerator.mixed_precision, rtol, atol)
+    precision = deepspeed_engine_precision(accelerator) or accelerator.mixed_precision
+    rtol, atol, normwise = resolve_tolerances(precision, rtol, atol)
     settings = RunSettings(
         gradient_accumulation_steps=K, per_device_train_batch_size=per_device_train_batch_size,
         world_size=accelerator.num_processes, partial_micro_batches=r,
         seed=seed, model=spec, partial_window=partial_window, trainer_row=trainer_row,
         loss_normalization=loss_normalization,
         rtol=rtol, atol=atol, dataparallel=dataparallel, device=str(accelerator.device),
-        distributed_type=str(accelerator.distributed_type).split(".")[-1], mixed_precision=accelerator.mixed_precision,
-        normwise=normwise, autocast=bool(getattr(accelerator, "native_amp", False)), workload=workload,
+        distributed_type=str(accelerator.distributed_type).split(".")[-1], mixed_precision=precision,
+        normwise=normwise, workload=workload,
+        # under DeepSpeed the engine casts the model (not Accelerate's autocast): the compute is low precision too
+        autocast=bool(getattr(accelerator, "native_amp", False)) or precision != accelerator.mixed_precision,
         batchnorm_layers=bn_layers, accumulation_policy=policy_name(accelerator))
     return settings, base, trainer_skip
 
@@ -260,6 +267,9 @@ def _capture(accelerator, base, s: RunSettings) -> Captured:
     wl = s.workload
     capture = GradientCapture(base.named_parameters(), keep=accelerator.is_main_process)
     pmodel, popt, ploader = accelerator.prepare(base, capture, wl.loader(B))
+    engine = deepspeed_engine(pmodel)
+    if engine is not None:  # ZeRO hands the capture flat partitions, not the parameters
+        capture.attach_engine(engine)
     runs = {}  # row name -> (captured grads per window (main) / None, norms per window, indices per window)
     passes = [("tokens", "tokens", EvalMode(pmodel)), ("mean-of-means", "mean", EvalMode(pmodel))]
     if s.batchnorm_layers and K * W > 1:  # (K = W = 1: each window is one forward, the big batch itself)
@@ -270,19 +280,8 @@ def _capture(accelerator, base, s: RunSettings) -> Captured:
             raise RuntimeError(f"expected {K + r} micro-batches per process after sharding, got {len(ploader)}")
         for name, mode, modes in passes[:2]:
             runs[name] = _loop_pass(accelerator, pmodel, popt, ploader, capture, wl, mode, modes)
-        # reduction="sum": plain backward inside accumulate; only DDP stands between it and the big batch.
-        rec, window = IndexRecorder(wl.loss_fn), 0
-        pmodel.eval()
-        for batch in ploader:
-            with accelerator.accumulate(pmodel):
-                rec.window = window
-                summed, _ = rec(pmodel, batch)
-                summed.backward()
-                if accelerator.sync_gradients:
-                    popt.step()
-                    popt.zero_grad()
-                    window += 1
-        runs["sum"] = (*capture.take(), rec.windows)
+        if engine is None:
+            runs["sum"] = _sum_pass(accelerator, pmodel, popt, ploader, capture, wl)
         for name, mode, modes in passes[2:]:
             runs[name] = _loop_pass(accelerator, pmodel, popt, ploader, capture, wl, mode, modes)
     finally:
@@ -296,6 +295,23 @@ def _capture(accelerator, base, s: RunSettings) -> Captured:
     norms = accelerator.gather(torch.tensor([x for run in runs.values() for x in run[1]],
                                             dtype=torch.float64, device=accelerator.device)).cpu().view(W, -1)
     return Captured(grads={name: run[0] for name, run in runs.items()}, examples=ran, norms=norms, workload=wl)
+
+
+def _sum_pass(accelerator, pmodel, popt, ploader, capture, wl: Workload) -> tuple:
+    """The ``sum`` row (not under DeepSpeed, whose backward must go through its engine)."""
+    # reduction="sum": plain backward inside accumulate; only DDP stands between it and the big batch.
+    rec, window = IndexRecorder(wl.loss_fn), 0
+    pmodel.eval()
+    for batch in ploader:
+        with accelerator.accumulate(pmodel):
+            rec.window = window
+            summed, _ = rec(pmodel, batch)
+            summed.backward()
+            if accelerator.sync_gradients:
+                popt.step()
+                popt.zero_grad()
+                window += 1
+    return (*capture.take(), rec.windows)
 
 
 def _loop_pass(accelerator, pmodel, popt, ploader, capture, wl: Workload, mode: str, modes) -> tuple:

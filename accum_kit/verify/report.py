@@ -115,8 +115,8 @@ class VerifyReport:
     rtol: float
     atol: float
     selected: str  # --loss_normalization value: "tokens" or "mean"
-    ddp_sum_ratio: float
-    ddp_sum_residual: float
+    ddp_sum_ratio: float | None  # None: no sum row (DeepSpeed)
+    ddp_sum_residual: float | None
     dataparallel_sum_ratio: float | None = None
     oracle: dict = field(default_factory=dict)
     seconds: float = 0.0
@@ -160,11 +160,15 @@ class VerifyReport:
     @property
     def reducer(self) -> str:
         """What averages the gradients over processes: FSDP2's reduce-scatter or DDP's all-reduce."""
-        return "FSDP2's reduce-scatter" if self.distributed_type == "FSDP" else "DDP"
+        return {"FSDP": "FSDP2's reduce-scatter", "DEEPSPEED": "DeepSpeed's ZeRO reduction"}.get(
+            self.distributed_type, "DDP")
 
     def ddp_statement(self) -> str:
         """One sentence: what DDP does to a sum loss, with the measured ratio."""
         w, r = self.world_size, self.ddp_sum_ratio
+        if r is None:
+            return (f"DeepSpeed's engine divides each micro-batch's loss by K={self.gradient_accumulation_steps} "
+                    f"and averages over the {w} processes (no sum row)")
         if w == 1:
             return (f"1 process, no DDP: sum-loss gradient = big-batch sum gradient x 1 "
                     f"(measured ratio {r:.4f}, residual {self.ddp_sum_residual:.1e})")
@@ -183,7 +187,7 @@ class VerifyReport:
             f"  processes {W} ({self.distributed_type}, accumulation policy {self.accumulation_policy}), "
             f"gradient_accumulation_steps K={K}, "
             f"per_device_train_batch_size {B}, seed {self.seed}",
-            f"  model: {m['description']}, {m['parameters']:,} parameters, float32, {self._compute()}, "
+            f"  model: {m['description']}, {m['parameters']:,} parameters, {self._weights()}{self._compute()}, "
             "dropout off (eval mode)",
             f"  data: {self.data.get('description', '')}",
         ]
@@ -220,9 +224,16 @@ class VerifyReport:
         """What N counts: "target tokens" (verify's token data) or "items" (a user's loss_fn)."""
         return self.data.get("items", "target tokens")
 
+    def _weights(self) -> str:
+        """"float32, " unless DeepSpeed casts the model itself (then :meth:`_compute` says to what)."""
+        return "" if self.distributed_type == "DEEPSPEED" and self.mixed_precision != "no" else "float32, "
+
     def _compute(self) -> str:
         if self.mixed_precision == "no":
             return "float32 compute"
+        if self.distributed_type == "DEEPSPEED":
+            return (f"{self.mixed_precision} weights, activations and gradients (DeepSpeed casts the model; its "
+                    "optimizer keeps float32 master weights)")
         if not self.autocast:
             return f"--mixed_precision {self.mixed_precision} but no autocast on {self.oracle.get('device')} (float32 compute)"
         return f"{self.mixed_precision} autocast"
@@ -288,7 +299,7 @@ class VerifyReport:
         why = (f"  why: tokens divides the summed loss by the window's {items} over all processes (exact); "
                f"mean-of-means weights micro-batches with fewer {items} more and still divides a partial window by K")
         lines.append(why + (f"; sum is {W}x too small because {self.reducer} averages over {W} processes"
-                            if W > 1 else ""))
+                            if W > 1 and self.ddp_sum_ratio is not None else ""))
         if self.batchnorm is not None:
             lines += finding_lines(self.batchnorm, self.gradient_accumulation_steps,
                                    self.per_device_train_batch_size, W, self.rtol)

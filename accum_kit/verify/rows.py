@@ -69,8 +69,15 @@ def evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
         row.conclude(s.rtol)
         rows.append(row)
 
-    ratio = sum(c["dot"] for *_, c in sum_pairs) / sum(c["want_sq"] for *_, c in sum_pairs)
-    residual = scaled_residual([(g, o) for g, o, _ in sum_pairs], ratio)
+    ratio = residual = None
+    if sum_pairs:
+        ratio = sum(c["dot"] for *_, c in sum_pairs) / sum(c["want_sq"] for *_, c in sum_pairs)
+        residual = scaled_residual([(g, o) for g, o, _ in sum_pairs], ratio)
+    else:  # DeepSpeed: its engine divides every backward's loss by K and averages over the processes itself
+        skipped = Row("sum", HOW["sum"][0], HOW["sum"][1])
+        skipped.skipped = ("under DeepSpeed every backward goes through the engine, which divides the loss by K "
+                           "and averages over the processes: there is no plain loss.backward() to measure")
+        rows.append(skipped)
 
     n_gpu = torch.cuda.device_count()
     dp_row = Row("sum (DataParallel)", "reduction=sum loss, nn.DataParallel, one process", "big-batch sum")

@@ -143,6 +143,13 @@ class IndexRecorder(LoopCallback):
     def on_micro_batch_begin(self, state: LoopState) -> None:  # called before loss_fn
         self.window = state.step
 
+    @property
+    def count_items(self):
+        """The wrapped loss function's item counter on a batch's ``batch`` part (DeepSpeed counts each window
+        ahead, :class:`accum_kit.zero.LookaheadNormalizer`); None when the loss function has none."""
+        counter = getattr(self.loss_fn, "count_items", None)
+        return None if counter is None else (lambda batch: counter(batch["batch"]))
+
     def __call__(self, model, batch):
         """Record ``batch["index"]`` under the current window; return ``loss_fn(model, batch["batch"])``."""
         while len(self.windows) <= self.window:
