@@ -33,7 +33,7 @@ Launched with accelerate_configs/cpu_fsdp.yaml the model is sharded with FSDP2:
 the worker then counts, per micro-batch, the calls and bytes of ``torch.distributed``'s
 reduce-scatter and all-gather (the collectives FSDP2 issues, wrapped here, not
 in accum_kit), runs accum_kit's CommProfiler and HeldMemory beside that count
-(their records go into ``rank<r>.json`` as ``profiler_calls``, ``profiler_summary``,
+(their records go into ``rank<r>.json`` as ``profiler_calls``, ``profiler_post_backwards``, ``profiler_summary``,
 ``memory`` and ``predicted_memory``), saves full (gathered) parameters after each step, and for each
 step ``s`` in ``resume_from`` (the run saves a checkpoint after every step)
 trains again in a fresh Accelerator from ``step_<s>`` into ``resumed_<s>/``.
@@ -291,6 +291,8 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         info["profiler_calls"] = [{"kind": c.kind, "micro_batch": c.micro_batch - rec.offset, "unit": c.unit,
                                    "bytes": c.bytes, "seconds": c.seconds, "group": c.group}
                                   for c in profiler.collective_calls]
+        info["profiler_post_backwards"] = [{"micro_batch": r.micro_batch - rec.offset, "unit": r.unit,
+                                            "reduced": r.reduced} for r in profiler.collectives.post_backwards]
         info["profiler_summary"] = profiler.local_summary()
         info["profiler_summary_from_records"] = profiler.local_summary(from_records=True)
         info["memory"] = held.local()

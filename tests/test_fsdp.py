@@ -170,6 +170,28 @@ def test_profiler_sees_every_collective_the_independent_count_sees(runs, policy)
           f"{s['all_gather_calls']} ({s['all_gather_bytes']} B) on rank 0, equal to the independent count")
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_post_backward_timed_once_per_unit_and_marked_where_it_reduced(runs, policy):
+    """The estimate's timing (each unit's post-backward hook): one record per unit per micro-batch, units counted
+    from the config; marked ``reduced`` in exactly the micro-batches where the independent count saw
+    reduce-scatters, one per unit then; under no_sync the deferred micro-batches carry unreduced records only."""
+    units = len(_layout().resharded) + len(_layout().kept)
+    for info in runs[f"tok_k3_{policy}"]["ranks"]:
+        for m_index, m in enumerate(info["micro"]):
+            mine = [r for r in info["profiler_post_backwards"] if r["micro_batch"] == m_index]
+            assert sorted(r["unit"] for r in mine) == list(range(units)), f"{policy} micro-batch {m_index}"
+            reduced = sum(r["reduced"] for r in mine)
+            assert reduced == m["reduce_scatter_calls"] == (units if m["boundary"] or policy == "sync_each_batch"
+                                                            else 0), f"{policy} micro-batch {m_index}: {mine}"
+        s = info["profiler_summary"]
+        assert s["post_backward_sync_seconds"] > 0
+        if policy == "sync_each_batch":  # every micro-batch reduces: windows of 3 and 2 have adding ones
+            assert s["post_backward_adding_seconds"] is not None and s["shard_add_source"] == "measured"
+        else:
+            assert s["post_backward_adding_seconds"] is None and s["post_backward_no_sync_seconds"] is not None
+            assert s["shard_add_source"] == "assumed: accumulation / S"
+
+
 def test_units_counted_from_the_config_are_fsdp2s_units(runs):
     measured = runs["tok_k3_no_sync"]["ranks"][0]["profiler_summary"]["fsdp_units"]
     layout = _layout()

@@ -16,7 +16,8 @@ import pytest
 from accum_kit.profiler.aggregates import IntervalUnion, RunningAggregates
 from accum_kit.profiler.figures import busy_seconds, from_records
 from accum_kit.profiler.quantiles import QuantileSketch
-from accum_kit.profiler.records import BucketCall, CollectiveCall, MicroBatchTimes, ProfileRecords, StepTimes
+from accum_kit.profiler.records import (BucketCall, CollectiveCall, MicroBatchTimes, PostBackwardTime, ProfileRecords,
+                                      StepTimes)
 
 
 def synthetic_run(rng: random.Random, steps: int, k: int, units: int = 3, tag=None, mode="no_sync",
@@ -45,8 +46,12 @@ def synthetic_run(rng: random.Random, steps: int, k: int, units: int = 3, tag=No
                                                               "replicate"))
                         t += a
                 sync0 += 1
+            for u in range(units):  # each unit's post-backward hook: longer where it reduced
+                s = rng.uniform(0.001, 0.002) + (0.004 if sync else 0.0)
+                rec.post_backwards.append(PostBackwardTime(step, micro, mode, tag, u, sync, t, s, s * rng.uniform(0.5, 1)))
+                t += s
             t += fwd + bwd
-            rec.micro_batches.append(MicroBatchTimes(step, micro, sync, mode, tag, fwd, bwd))
+            rec.micro_batches.append(MicroBatchTimes(step, micro, sync, mode, tag, fwd, bwd, bwd * rng.uniform(0.5, 1)))
             micro += 1
         rec.steps.append(StepTimes(step, mode, tag, rng.uniform(0.001, 0.002), rng.uniform(0.2, 0.3)))
     return rec
@@ -54,9 +59,9 @@ def synthetic_run(rng: random.Random, steps: int, k: int, units: int = 3, tag=No
 
 def feed(agg: RunningAggregates, rec: ProfileRecords) -> None:
     """In arrival order: by start time, a micro-batch's record after its collectives, a step after its micro-batches."""
-    events = [(c.start, 0, c) for c in rec.collectives] + [(c.start, 0, c) for c in rec.calls]
+    events = [(c.start, 0, c) for c in rec.collectives + rec.calls + rec.post_backwards]
     ends = {}
-    for c in rec.collectives + rec.calls:
+    for c in rec.collectives + rec.calls + rec.post_backwards:
         ends[c.micro_batch] = max(ends.get(c.micro_batch, 0.0), c.start + c.seconds)
     last, step_end = 0.0, {}
     for m in rec.micro_batches:
@@ -116,8 +121,7 @@ def test_aggregates_give_the_figures_of_every_record():
     for rec in (a, b, e):
         feed(agg, rec)
     every = ProfileRecords(*(x + y + z for x, y, z in zip(
-        (a.calls, a.micro_batches, a.steps, a.collectives), (b.calls, b.micro_batches, b.steps, b.collectives),
-        (e.calls, e.micro_batches, e.steps, e.collectives))))
+        *((r.calls, r.micro_batches, r.steps, r.collectives, r.post_backwards) for r in (a, b, e)))))
     for mode, tag in ((None, None), ("no_sync", None), ("no_sync", "a"), ("no_sync", "b"), ("sync_each_batch", "b")):
         got, want = vars(agg.figures(mode=mode, tag=tag)), vars(from_records(every.select(mode=mode, tag=tag)))
         for key, w in want.items():
@@ -131,6 +135,12 @@ def test_aggregates_give_the_figures_of_every_record():
     assert {(r["kind"], r["mode"], r["tag"], r["group"]) for r in rows} >= {
         ("all_gather", "no_sync", "a", "shard"), ("reduce_scatter", "sync_each_batch", "b", "shard"),
         ("allreduce", "no_sync", "b", "world"), ("all_reduce", "sync_each_batch", "b", "replicate")}
+    counts = vars(agg.figures(mode="sync_each_batch", tag="b"))  # 2 windows of 2: a storing and an adding sync each
+    assert (counts["pb_sync_micro_batches"], counts["pb_sync_adding_micro_batches"], counts["pb_no_sync_micro_batches"]) \
+        == (2, 2, 0)
+    counts = vars(agg.figures(mode="no_sync", tag="a"))  # 6 windows of 4: one sync, three deferred each
+    assert (counts["pb_sync_micro_batches"], counts["pb_sync_adding_micro_batches"], counts["pb_no_sync_micro_batches"]) \
+        == (6, 0, 18)
     assert sum(r["calls"] for r in rows if r["kind"] == "all_gather") == sum(
         c.kind == "all_gather" for c in every.collectives)
 

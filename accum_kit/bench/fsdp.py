@@ -75,7 +75,12 @@ SUMMARY_KEYS = ("reduce_scatter_calls_per_step", "reduce_scatter_bytes_per_step"
                 "all_reduce_calls_per_step", "all_reduce_bytes_per_step", "by_group", "syncs",
                 "skipped_syncs", "compute_seconds", "accumulation_seconds", "exposed_comm_seconds",
                 "exposed_all_gather_seconds_per_step",
-                "optimizer_seconds", "ideal_seconds_per_step", "estimated_seconds_saved_per_step")
+                "optimizer_seconds", "ideal_seconds_per_step", "estimated_seconds_saved_per_step",
+                "post_backward_sync_seconds", "post_backward_no_sync_seconds", "post_backward_adding_seconds",
+                "shard_add_seconds", "shard_add_source", "saved_per_skipped_sync_seconds",
+                "estimated_cpu_seconds_saved_per_step", "saved_per_skipped_sync_cpu_seconds",
+                "accumulation_cpu_seconds", "shard_add_cpu_seconds", "post_backward_sync_cpu_seconds",
+                "post_backward_no_sync_cpu_seconds", "post_backward_adding_cpu_seconds")
 
 
 def apply_policy(accelerator, model, policy: str, fsdp_defaults: list) -> None:
@@ -151,7 +156,8 @@ def pooled_summaries(prof, cfg: BenchConfig, world: int, order: list[str]) -> di
         for policy in order:
             tags = {f"{policy}/K{K}/r{rep}" for rep in range(cfg.repeats)}
             mine = ProfileRecords(*([r for r in records if r.tag in tags] for records in
-                                    (every.calls, every.micro_batches, every.steps, every.collectives)))
+                                    (every.calls, every.micro_batches, every.steps, every.collectives,
+                                     every.post_backwards)))
             summary = sharded_summary(mine, shard_size=prof.shard_size, replicate_size=prof.replicate_size, units=units)
             out[f"K{K}/{policy}"] = {k: summary.get(k) for k in SUMMARY_KEYS}
     return out
@@ -224,11 +230,12 @@ def bench_fsdp_preset(cfg: BenchConfig, preset: str, accelerator, bar) -> tuple[
             prof.mode = MODE[policy]  # the profiler summarises the records of its current mode
             s = prof.local_summary(tag)
             mine = [(w, pk) for w, pk in zip(rotation.windows, peaks) if w["policy"] == policy]
-            steps = {x.step: x.step_seconds for x in prof.records(tag=tag).steps}
+            steps = {x.step: x for x in prof.records(tag=tag).steps}
             records.append({
                 "preset": preset, "K": K, "policy": policy, "repeat": rep, "position": i, "run_wall_seconds": wall,
                 "losses": result.train_loss, "cycles": [w["cycle"] for w, _ in mine],
-                "step_seconds": [steps[w["step"]] for w, _ in mine], "optimizer_steps": len(mine),
+                "step_seconds": [steps[w["step"]].step_seconds for w, _ in mine], "optimizer_steps": len(mine),
+                "step_cpu_seconds": [steps[w["step"]].cpu_seconds for w, _ in mine],
                 "peak_rss_mb": max((pk for _, pk in mine), default=None) if memory.method else None,
                 "gradient_bytes": mem[i, 0].item(), "gathered_parameter_bytes": mem[i, 1].item(),
                 **{k: s.get(k) for k in SUMMARY_KEYS}})

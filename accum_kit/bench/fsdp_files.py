@@ -14,7 +14,8 @@ CSV_FIELDS = (
     "predicted_gradient_mb", "gradient_measured_over_predicted", "gathered_parameter_mb_peak",
     "predicted_gathered_mb", "memory_added_mb", "peak_rss_mb", "own_ideal_s", "over_ideal", "ideal_s",
     "over_shared_ideal", "estimated_saved_s",
-    "estimated_over_measured",
+    "estimated_over_measured", "cpu_seconds_saved_per_step", "cpu_saved_ci_low", "cpu_saved_ci_high",
+    "estimated_cpu_saved_s", "estimated_over_measured_cpu",
 )
 COLORS = {"sync_each_batch": "tab:red", "no_sync": "tab:blue", "no_sync_no_reshard_after_backward": "tab:orange",
           "no_sync_no_reshard": "tab:green"}

@@ -151,3 +151,34 @@ def fsdp_comm_interfaces() -> tuple:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
     return AllGather, ReduceScatter
+
+
+def fsdp_unit_reduces_gradients(group) -> bool:
+    """Whether the unit's next post-backward reduces its gradients: ``FSDPParamGroup.reduce_grads`` (torch 2.13).
+
+    ``FSDPModule.set_requires_gradient_sync(False)`` (what Accelerate's ``no_sync`` calls) sets it off for
+    every unit; True when the attribute is missing (a torch whose groups always reduce).
+    """
+    return bool(getattr(group, "reduce_grads", True))
+
+
+def wrap_fsdp_post_backward(group, make_wrapper) -> bool:
+    """Replace the unit's post-backward hook by ``make_wrapper(inner)`` (same signature), on this group only.
+
+    FSDP2 reaches it as ``ctx.param_group.post_backward()`` from its autograd function and from the root's
+    final backward callback (torch 2.13's ``RegisterPostBackwardFunction`` and
+    ``FSDPState._root_post_backward_final_callback``), both attribute look-ups on the group, so an instance
+    attribute takes the class method's place. Returns False, changing nothing, when the group has no
+    ``post_backward`` method (another torch layout) or already carries a wrapper; undo with
+    :func:`unwrap_fsdp_post_backward`.
+    """
+    inner = getattr(group, "post_backward", None)
+    if not callable(inner) or "post_backward" in vars(group):
+        return False
+    group.post_backward = make_wrapper(inner)
+    return True
+
+
+def unwrap_fsdp_post_backward(group) -> None:
+    """Give the unit its own post-backward hook back (drop the instance attribute :func:`wrap_fsdp_post_backward` set)."""
+    vars(group).pop("post_backward", None)

@@ -34,7 +34,7 @@ from .aggregates import RunningAggregates
 from .buckets import BucketRecorder, allreduce_mean_hook
 from .collectives import CollectiveRecorder
 from .phases import PhaseTimer
-from .records import COLLECTIVES, KEEP_RECORDS, MODES, BucketCall, CollectiveCall, Labels, MicroBatchTimes, ProfileRecords, StepTimes
+from .records import COLLECTIVES, KEEP_RECORDS, MODES, BucketCall, CollectiveCall, Labels, MicroBatchTimes, PostBackwardTime, ProfileRecords, StepTimes
 from .report import format_table, local_summary, summarize_processes
 from .sharded import sharded_summary
 from .zero import ZeroRecorder, zero_summary
@@ -275,8 +275,8 @@ class CommProfiler(LoopCallback):
 
     def records(self, *, mode: str | None = None, tag: str | None = None) -> ProfileRecords:
         """The raw records kept (the last ``keep_records`` of each kind), or those of one ``mode`` and / or ``tag``."""
-        return ProfileRecords(self.calls, self.micro_batches, self.step_records,
-                              self.collective_calls).select(mode=mode, tag=tag)
+        return ProfileRecords(self.calls, self.micro_batches, self.step_records, self.collective_calls,
+                              self.collectives.post_backwards).select(mode=mode, tag=tag)
 
     def local_summary(self, tag: str | None = None, *, from_records: bool = False) -> dict:
         """This process's figures for the records of the current ``mode`` (and of ``tag``, if given), whole run.

@@ -8,6 +8,9 @@ aggregates keep, per (mode, tag):
   ``"all_reduce"`` (HSDP's across replicas):
   calls, and bytes and seconds as :class:`QuantileSketch` (count / sum / min /
   max exact, quantiles exact up to ``exact_limit`` calls, then estimated);
+- FSDP2's post-backward hooks: per micro-batch, the units' hook seconds
+  summed, sorted by what the micro-batch did (see :class:`Figures`'s
+  ``pb_*``);
 - what :class:`accum_kit.profiler.figures.Figures` needs: sketches of the
   phase times and of the per-sync and per-micro-batch figures, the busy time
   of the all-gathers, per-unit all-gather counts and seconds.
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 
 from .figures import Figures
 from .quantiles import EXACT_LIMIT, RELATIVE_ACCURACY, QuantileSketch
-from .records import BucketCall, CollectiveCall, MicroBatchTimes, StepTimes
+from .records import BucketCall, CollectiveCall, MicroBatchTimes, PostBackwardTime, StepTimes
 
 #: The ``group`` of a record made over the whole world (every process).
 WORLD = "world"
@@ -95,6 +98,10 @@ class _Open:
     rs_seconds: float = 0.0
     ar_calls: int = 0
     ar_seconds: float = 0.0
+    pb_calls: int = 0
+    pb_reduced: int = 0
+    pb_seconds: float = 0.0
+    pb_cpu: float | None = 0.0  # None once a record came without CPU time
 
 
 class _Bin:
@@ -102,7 +109,8 @@ class _Bin:
 
     NAMES = ("busy_per_sync", "calls_per_sync", "forward", "backward_sync", "backward_no_sync", "backward_first",
              "backward_later", "optimizer", "step", "rs_per_sync", "rs_calls_per_sync", "ag_per_micro",
-             "compute_no_sync", "compute_all", "ar_per_micro")
+             "compute_no_sync", "compute_all", "ar_per_micro", "pb_sync", "pb_sync_adding", "pb_no_sync",
+             "pb_sync_cpu", "pb_sync_adding_cpu", "pb_no_sync_cpu", "backward_first_cpu", "backward_later_cpu")
 
     def __init__(self, sketch):
         self.sketch = sketch
@@ -114,7 +122,7 @@ class _Bin:
         self.ag_busy = IntervalUnion()
         self.ag_units: dict[int, QuantileSketch] = {}
         self.call_steps = self.collective_steps = 0
-        self._last_call_step = self._last_collective_step = self._window = None
+        self._last_call_step = self._last_collective_step = self._window = self._synced_window = None
 
     def kind(self, kind: str, group: str) -> tuple[QuantileSketch, QuantileSketch]:
         if (kind, group) not in self.kinds:
@@ -152,6 +160,12 @@ class RunningAggregates:
                 self._add_call(b, record)
             elif isinstance(record, CollectiveCall):
                 self._add_collective(b, record)
+            elif isinstance(record, PostBackwardTime):
+                o = self._open(b, record.micro_batch)
+                o.pb_calls += 1
+                o.pb_reduced += record.reduced
+                o.pb_seconds += record.seconds
+                o.pb_cpu = None if (o.pb_cpu is None or record.cpu_seconds is None) else o.pb_cpu + record.cpu_seconds
             elif isinstance(record, MicroBatchTimes):
                 self._add_micro_batch(b, record)
             elif isinstance(record, StepTimes):
@@ -182,11 +196,7 @@ class RunningAggregates:
         seconds.add(c.seconds)
         if c.step != b._last_collective_step:
             b.collective_steps, b._last_collective_step = b.collective_steps + 1, c.step
-        o = b.open_micro.get(c.micro_batch)
-        if o is None:
-            o = b.open_micro[c.micro_batch] = _Open()
-            while len(b.open_micro) > self.open_limit:  # never closed by a micro-batch record
-                self._close_micro(b, b.open_micro.pop(next(iter(b.open_micro))))
+        o = self._open(b, c.micro_batch)
         o.both.add(c.start, c.start + c.seconds)
         if c.kind == "all_gather":
             o.all_gather.add(c.start, c.start + c.seconds)
@@ -199,6 +209,14 @@ class RunningAggregates:
         else:
             o.rs_calls += 1
             o.rs_seconds += c.seconds
+
+    def _open(self, b: _Bin, micro_batch: int) -> _Open:
+        o = b.open_micro.get(micro_batch)
+        if o is None:
+            o = b.open_micro[micro_batch] = _Open()
+            while len(b.open_micro) > self.open_limit:  # never closed by a micro-batch record
+                self._close_micro(b, b.open_micro.pop(next(iter(b.open_micro))))
+        return o
 
     @staticmethod
     def _close_micro(b: _Bin, o: _Open, m: MicroBatchTimes | None = None) -> None:
@@ -213,6 +231,14 @@ class RunningAggregates:
             b.s["compute_all"].add(work - o.both.total())
             if not m.sync:
                 b.s["compute_no_sync"].add(work - o.all_gather.total())
+            if o.pb_calls:  # a reduction adds to the shard held when the window already reduced once
+                adding = bool(o.pb_reduced) and b._synced_window == m.step
+                name = "pb_sync_adding" if adding else "pb_sync" if o.pb_reduced else "pb_no_sync"
+                b.s[name].add(o.pb_seconds)
+                if o.pb_cpu is not None:
+                    b.s[f"{name}_cpu"].add(o.pb_cpu)
+                if o.pb_reduced:
+                    b._synced_window = m.step
 
     def _add_micro_batch(self, b: _Bin, m: MicroBatchTimes) -> None:
         b.s["forward"].add(m.forward_seconds)
@@ -221,6 +247,8 @@ class RunningAggregates:
         b._window = m.step
         if not m.sync:
             b.s["backward_first" if first else "backward_later"].add(m.backward_seconds)
+            if m.backward_cpu_seconds is not None:
+                b.s["backward_first_cpu" if first else "backward_later_cpu"].add(m.backward_cpu_seconds)
         self._close_micro(b, b.open_micro.pop(m.micro_batch, None) or _Open(), m)
 
     # ---- reading -----------------------------------------------------------------------
@@ -273,6 +301,10 @@ class RunningAggregates:
             out.ag_calls_per_micro_batch = s["ag_per_micro"].median()
             out.ag_per_unit = {u: (sk.count, sk.median()) for u, sk in units.items()}
             out.ar_micro_batches, out.ar_seconds_per_micro = s["ar_per_micro"].count, s["ar_per_micro"].median()
+            for name in ("pb_sync", "pb_sync_adding", "pb_no_sync",
+             "pb_sync_cpu", "pb_sync_adding_cpu", "pb_no_sync_cpu", "backward_first_cpu", "backward_later_cpu"):
+                setattr(out, f"{name}_micro_batches", s[name].count)
+                setattr(out, name, s[name].median())
             return out
 
     def table(self) -> list[dict]:

@@ -18,6 +18,13 @@ while it is registered and records the calls made on a unit's replicate
 group (the loop's own all-reduces run on the whole world and pass through
 unrecorded).
 
+Each unit's post-backward hook (FSDP2's whole gradient reduction path:
+copy-in, divide, reduce-scatter, storing or adding the new shard into the
+sharded gradient, HSDP's all-reduce) is timed as well, one
+:class:`PostBackwardTime` per unit and backward, marked ``reduced`` when the
+unit reduced its gradients; the estimated saving of ``no_sync``
+(:mod:`.sharded`) is built on it.
+
 Timing: on CPU (gloo) FSDP2 calls both collectives synchronously
 (``async_op=False``): the call returns when the data is there, so the
 seconds are those of the call. An asynchronous call's completion is taken
@@ -32,7 +39,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .records import KEEP_RECORDS, CollectiveCall, Labels, recent
+from .records import KEEP_RECORDS, CollectiveCall, Labels, PostBackwardTime, recent
 
 
 def _nbytes(tensor) -> int:
@@ -128,7 +135,8 @@ class _ReplicateAllReduce(_Recording):
 
 
 class CollectiveRecorder:
-    """Records one :class:`CollectiveCall` per FSDP2 all-gather and reduce-scatter of a model (and HSDP all-reduce).
+    """Records one :class:`CollectiveCall` per FSDP2 all-gather and reduce-scatter of a model (and HSDP all-reduce),
+    and one :class:`PostBackwardTime` per unit and backward.
 
     Args:
         labels: the shared :class:`Labels` stamped on every record; with
@@ -146,6 +154,7 @@ class CollectiveRecorder:
     def __init__(self, labels: Labels, keep_records: int | None = KEEP_RECORDS, sink=None):
         self.labels, self.sink = labels, sink
         self._calls = recent(keep_records)
+        self._post_backwards = recent(keep_records)
         self._pending: list = []  # CUDA: (fields, begin event, end event)
         self._lock = threading.Lock()
         self._groups: list = []
@@ -158,7 +167,7 @@ class CollectiveRecorder:
         Raises:
             ValueError: ``model`` has no FSDP2 unit.
         """
-        from ..compat import fsdp_replicate_process_group, fsdp_unit_comms, fsdp_units
+        from ..compat import fsdp_replicate_process_group, fsdp_unit_comms, fsdp_units, wrap_fsdp_post_backward
 
         units = fsdp_units(model)
         if not units:
@@ -168,10 +177,29 @@ class CollectiveRecorder:
             gather, scatter = fsdp_unit_comms(group)
             module.set_custom_all_gather(recording_all_gather(gather, self, index))
             module.set_custom_reduce_scatter(recording_reduce_scatter(scatter, self, index))
+            wrap_fsdp_post_backward(group, lambda inner, index=index, group=group: self._timed(inner, index, group))
         self._groups = [group for _, group in units]
         self._replicate_groups = [g for g in map(fsdp_replicate_process_group, self._groups) if g is not None]
         self.hook_all_reduce()
         return len(units)
+
+    def _timed(self, inner, unit: int, group):
+        """``inner`` (a unit's post-backward hook), recording one :class:`PostBackwardTime` per call."""
+        from ..compat import fsdp_unit_reduces_gradients
+
+        def post_backward(*args, **kwargs):
+            lab = self.labels
+            if not lab.enabled:
+                return inner(*args, **kwargs)
+            reduced = fsdp_unit_reduces_gradients(group)  # read before: the hook does not change it
+            start, cpu = time.perf_counter(), time.process_time()
+            out = inner(*args, **kwargs)
+            self.add(PostBackwardTime(step=lab.step, micro_batch=lab.micro_batch, mode=lab.mode, tag=lab.tag,
+                                      unit=unit, reduced=reduced, start=start, seconds=time.perf_counter() - start,
+                                      cpu_seconds=time.process_time() - cpu))
+            return out
+
+        return post_backward
 
     def hook_all_reduce(self) -> None:
         """Under HSDP, wrap ``torch.distributed.all_reduce`` to record the replicate-group calls (idempotent)."""
@@ -196,10 +224,10 @@ class CollectiveRecorder:
         return [{"name": fsdp_unit_name(g), "parameters": fsdp_unit_parameters(g),
                  "reshard_after_forward": fsdp_reshards_after_forward(g)} for g in self._groups]
 
-    def add(self, call: CollectiveCall) -> None:
-        """Keep ``call`` among the recent records and pass it to the sink."""
+    def add(self, call: CollectiveCall | PostBackwardTime) -> None:
+        """Keep ``call`` among the recent records (of its kind) and pass it to the sink."""
         with self._lock:
-            self._calls.append(call)
+            (self._post_backwards if isinstance(call, PostBackwardTime) else self._calls).append(call)
         if self.sink is not None:
             self.sink(call)
 
@@ -217,3 +245,9 @@ class CollectiveRecorder:
             self.add(CollectiveCall(**fields, seconds=begin.elapsed_time(end) / 1000))
         with self._lock:
             return list(self._calls)
+
+    @property
+    def post_backwards(self) -> list[PostBackwardTime]:
+        """The most recent post-backward hook records (``keep_records`` of them; a copy)."""
+        with self._lock:
+            return list(self._post_backwards)

@@ -51,7 +51,14 @@ class Figures:
     all micro-batches, minus all their collectives). HSDP's all-reduces across
     replicas: ``ar_calls``, ``ar_bytes``, ``ar_seconds``; ``ar_micro_batches``
     (micro-batches with one) and ``ar_seconds_per_micro`` (median of their
-    all-reduce seconds).
+    all-reduce seconds). FSDP2's post-backward hooks, the units' seconds summed
+    per micro-batch (medians; with their counts ``*_micro_batches``):
+    ``pb_sync`` (micro-batches whose units reduced, the first of their window
+    to do so: the new shard is stored), ``pb_sync_adding`` (reduced after an
+    earlier micro-batch of the window did: the new shard is added to the one
+    held, ``sync_each_batch``), ``pb_no_sync`` (no unit reduced); each also
+    in CPU seconds of the process (``*_cpu``), with ``backward_first_cpu`` /
+    ``backward_later_cpu`` (None where not measured).
     """
 
     allreduce_calls: int = 0
@@ -92,6 +99,17 @@ class Figures:
     ar_seconds: float = 0.0
     ar_micro_batches: int = 0
     ar_seconds_per_micro: float | None = None
+    pb_sync: float | None = None
+    pb_sync_adding: float | None = None
+    pb_no_sync: float | None = None
+    pb_sync_micro_batches: int = 0
+    pb_sync_adding_micro_batches: int = 0
+    pb_no_sync_micro_batches: int = 0
+    pb_sync_cpu: float | None = None
+    pb_sync_adding_cpu: float | None = None
+    pb_no_sync_cpu: float | None = None
+    backward_first_cpu: float | None = None
+    backward_later_cpu: float | None = None
 
 
 def _ddp_part(calls: list[BucketCall]) -> dict:
@@ -112,12 +130,14 @@ def _phase_part(mbs, steps) -> dict:
         first_of_window[key] = min(first_of_window.get(key, m.micro_batch), m.micro_batch)
     no_sync = [m for m in mbs if not m.sync]
     first = [m.micro_batch == first_of_window[(m.tag, m.step)] for m in no_sync]
+    cpu = [(m.backward_cpu_seconds, f) for m, f in zip(no_sync, first) if m.backward_cpu_seconds is not None]
     return dict(optimizer_steps=len(steps), micro_batches=len(mbs), no_sync_micro_batches=len(no_sync),
                 forward=median(m.forward_seconds for m in mbs),
                 backward_sync=median(m.backward_seconds for m in mbs if m.sync),
                 backward_no_sync=median(m.backward_seconds for m in no_sync),
                 backward_first=median(m.backward_seconds for m, f in zip(no_sync, first) if f),
                 backward_later=median(m.backward_seconds for m, f in zip(no_sync, first) if not f),
+                backward_first_cpu=median(c for c, f in cpu if f), backward_later_cpu=median(c for c, f in cpu if not f),
                 optimizer=median(s.optimizer_seconds for s in steps), step=median(s.step_seconds for s in steps))
 
 
@@ -156,6 +176,33 @@ def _sharded_part(collectives, mbs) -> dict:
                 ar_micro_batches=len(ar_per_micro), ar_seconds_per_micro=median(ar_per_micro.values()))
 
 
+def _post_backward_part(post_backwards, mbs) -> dict:
+    per_micro: dict = defaultdict(lambda: [0.0, False, 0.0])
+    for r in post_backwards:
+        entry = per_micro[(r.tag, r.micro_batch)]
+        entry[0] += r.seconds
+        entry[1] = entry[1] or r.reduced
+        entry[2] = None if (entry[2] is None or r.cpu_seconds is None) else entry[2] + r.cpu_seconds
+    kinds: dict = {"pb_sync": [], "pb_sync_adding": [], "pb_no_sync": []}
+    cpu: dict = {name: [] for name in kinds}
+    synced = set()  # (tag, step) windows that already reduced
+    for m in sorted(mbs, key=lambda m: (str(m.tag), m.micro_batch)):
+        if (m.tag, m.micro_batch) not in per_micro:
+            continue
+        seconds, reduced, cpu_seconds = per_micro[(m.tag, m.micro_batch)]
+        window = (m.tag, m.step)
+        name = "pb_sync_adding" if reduced and window in synced else "pb_sync" if reduced else "pb_no_sync"
+        kinds[name].append(seconds)
+        if cpu_seconds is not None:
+            cpu[name].append(cpu_seconds)
+        if reduced:
+            synced.add(window)
+    out = {name: median(v) for name, v in kinds.items()}
+    out.update({f"{name}_micro_batches": len(v) for name, v in kinds.items()})
+    out.update({f"{name}_cpu": median(v) for name, v in cpu.items()})
+    return out
+
+
 def from_records(records: ProfileRecords) -> Figures:
     """The :class:`Figures` of a selection of records, computed from every record (exact).
 
@@ -163,4 +210,5 @@ def from_records(records: ProfileRecords) -> Figures:
     told apart by (tag, micro-batch) and windows by (tag, step).
     """
     return Figures(**_ddp_part(records.calls), **_phase_part(records.micro_batches, records.steps),
-                   **_sharded_part(records.collectives, records.micro_batches))
+                   **_sharded_part(records.collectives, records.micro_batches),
+                   **_post_backward_part(records.post_backwards, records.micro_batches))

@@ -59,6 +59,7 @@ class PhaseTimer(LoopCallback):
     def on_forward_end(self, state):
         if self.labels.enabled:
             self._t["forward"] = self.now()
+            self._t["forward_cpu"] = time.process_time()
 
     def on_backward_end(self, state):
         if not self.labels.enabled:
@@ -67,7 +68,8 @@ class PhaseTimer(LoopCallback):
         self._add(self.micro_batches, MicroBatchTimes(
             step=state.step, micro_batch=state.micro_step, sync=bool(state.sync), mode=self.labels.mode,
             tag=self.labels.tag, forward_seconds=self._t["forward"] - self._t["begin"],
-            backward_seconds=end - self._t["forward"]))
+            backward_seconds=end - self._t["forward"],
+            backward_cpu_seconds=time.process_time() - self._t["forward_cpu"]))
 
     def on_step_begin(self, state):
         if self.labels.enabled:

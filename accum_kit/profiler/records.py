@@ -1,10 +1,11 @@
 """The profiler's plain records, and the labels every new record is stamped with.
 
-Four kinds of record, one per event the profiler sees (all times in seconds,
+Five kinds of record, one per event the profiler sees (all times in seconds,
 from ``time.perf_counter``; sizes in bytes):
 
 - :class:`BucketCall`: one gradient bucket's all-reduce (the DDP comm hook);
 - :class:`CollectiveCall`: one FSDP2 all-gather or reduce-scatter (a unit's collective);
+- :class:`PostBackwardTime`: one FSDP2 unit's post-backward hook (its gradient reduction path);
 - :class:`MicroBatchTimes`: forward and backward of one micro-batch;
 - :class:`StepTimes`: one optimizer step.
 
@@ -129,8 +130,46 @@ class CollectiveCall:
 
 
 @dataclass
+class PostBackwardTime:
+    """One FSDP2 unit's post-backward hook in one backward: the whole gradient reduction path of that unit.
+
+    FSDP2 calls ``FSDPParamGroup.post_backward`` once per unit and backward. When the unit reduces
+    gradients (``reduced``: a sync micro-batch) it copies the unsharded gradients into the reduce-scatter
+    input, divides, reduce-scatters (the :class:`CollectiveCall` inside it), then stores the shard or ADDS it
+    to the sharded gradient already held (every synchronised micro-batch after a window's first under
+    ``sync_each_batch``), and under HSDP all-reduces it across replicas; when it does not (a deferred
+    micro-batch under ``no_sync``) it only reshards. ``seconds``: the hook's wall time on the calling thread
+    (on CUDA the reduction runs on side streams and this is the CPU time of launching it).
+
+    Attributes:
+        step, micro_batch, mode, tag: see :class:`Labels`.
+        unit: index of the unit in :func:`accum_kit.compat.fsdp_units` order.
+        reduced: the unit reduced its gradients in this call (``FSDPParamGroup.reduce_grads``).
+        start: ``perf_counter`` seconds when the hook was entered.
+        seconds: until it returned.
+        cpu_seconds: the CPU time this process (all its threads, gloo's included) used meanwhile
+            (``time.process_time``; None when not measured).
+    """
+
+    step: int
+    micro_batch: int
+    mode: str
+    tag: str | None
+    unit: int
+    reduced: bool
+    start: float
+    seconds: float
+    cpu_seconds: float | None = None
+
+
+@dataclass
 class MicroBatchTimes:
-    """Forward and backward seconds of one micro-batch; ``sync``: its backward all-reduced."""
+    """Forward and backward seconds of one micro-batch; ``sync``: its backward all-reduced.
+
+    ``backward_cpu_seconds``: the CPU time this process (all its threads) used during the backward
+    (``time.process_time``; None when not measured): the work, without waiting for other processes or
+    for the cores other jobs hold.
+    """
 
     step: int
     micro_batch: int
@@ -139,6 +178,7 @@ class MicroBatchTimes:
     tag: str | None
     forward_seconds: float
     backward_seconds: float
+    backward_cpu_seconds: float | None = None
 
 
 @dataclass
@@ -163,12 +203,14 @@ class StepTimes:
 
 @dataclass
 class ProfileRecords:
-    """The records of one process: bucket calls, micro-batches, optimizer steps, FSDP2 collectives."""
+    """The records of one process: bucket calls, micro-batches, optimizer steps, FSDP2 collectives and
+    FSDP2 post-backward hooks."""
 
     calls: list[BucketCall] = field(default_factory=list)
     micro_batches: list[MicroBatchTimes] = field(default_factory=list)
     steps: list[StepTimes] = field(default_factory=list)
     collectives: list[CollectiveCall] = field(default_factory=list)
+    post_backwards: list[PostBackwardTime] = field(default_factory=list)
 
     def select(self, *, mode: str | None = None, tag: str | None = None) -> "ProfileRecords":
         """The records of one ``mode`` and / or one ``tag``; None keeps every value of that field."""
@@ -176,4 +218,5 @@ class ProfileRecords:
             return (mode is None or r.mode == mode) and (tag is None or r.tag == tag)
 
         return ProfileRecords([r for r in self.calls if keep(r)], [r for r in self.micro_batches if keep(r)],
-                              [r for r in self.steps if keep(r)], [r for r in self.collectives if keep(r)])
+                              [r for r in self.steps if keep(r)], [r for r in self.collectives if keep(r)],
+                              [r for r in self.post_backwards if keep(r)])

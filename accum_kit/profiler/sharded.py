@@ -45,13 +45,41 @@ Definitions (seconds, bytes; "per step" divides by the optimizer steps recorded)
   seconds of one that did;
 - estimated saving per step against syncing every micro-batch with the same
   reshard settings (what :class:`accum_kit.profiler.ABSwitch` alternates
-  with): skipped syncs per step x (exposed reduce-scatter per sync minus the
-  accumulation per micro-batch), plus, per unit, the all-gathers syncing
-  every micro-batch would make (K per step, 2K for a unit that reshards after
-  forward) minus those recorded, times that unit's median seconds per
-  all-gather. (A window of K micro-batches: the first allocates the gradient,
-  the K - 2 other no-sync ones and the boundary add to it; syncing each would instead pay the
-  reduce-scatter K - 1 more times and the accumulation K - 1 fewer times.)
+  with)::
+
+      skipped syncs per step x (R - H + A - G) + all-gathers term
+
+  A window of K micro-batches under ``no_sync`` reduces once (the last) and
+  accumulates K - 1 times into the unsharded gradient; syncing each reduces K
+  times, and K - 1 of those reductions add the new shard into the one already
+  held. So per skipped sync:
+
+  * R, measured: FSDP2's post-backward hooks of a sync micro-batch (all units
+    summed; median): the whole reduction path, i.e. copy into the
+    reduce-scatter input, division, reduce-scatter, storing the shard (HSDP:
+    the all-reduce across replicas);
+  * H, measured: the same hooks in a deferred micro-batch (reshard only);
+  * A, the add of the new shard into the held one that syncing each
+    micro-batch pays and ``no_sync`` never does: measured as R of the
+    micro-batches that added minus R when the records hold both (a
+    ``sync_each_batch`` selection); otherwise ASSUMED to be G / S, the
+    accumulation below scaled to the 1/S of the elements a shard holds
+    (both are one elementwise add over fp32 gradients: memory-bound);
+  * G, measured: accumulation per micro-batch, the backward of later no-sync
+    micro-batches minus that of a window's first (the add into the unsharded
+    gradient held, which happens in autograd, outside the hooks).
+
+  Without post-backward records R - H is replaced by the exposed
+  reduce-scatter per sync (backward difference) and A by 0.
+  ``estimated_cpu_seconds_saved_per_step`` is the first term again with R,
+  H, A and G in the process's CPU seconds (``time.process_time`` around the
+  hooks and the backwards): the work saved, without the waits a loaded
+  machine adds; compare it with the measured CPU seconds per step.
+  The all-gathers term: per unit, the all-gathers syncing every micro-batch
+  would make (K per step, 2K for a unit that reshards after forward) minus
+  those recorded, times that unit's median seconds per all-gather. Assumed
+  throughout: the rest of a micro-batch (forward, backward compute, the
+  optimizer step) costs the same under both settings.
 """
 
 from __future__ import annotations
@@ -93,7 +121,8 @@ def sharded_summary(records: ProfileRecords | Figures, *, shard_size: int, units
     ``accumulation_seconds`` (per micro-batch; 0 without a window of 3 or more),
     ``compute_seconds`` (per micro-batch), ``ideal_seconds_per_step``,
     ``seconds_per_step_over_ideal``, ``estimated_seconds_saved``,
-    ``estimated_seconds_saved_per_step``, ``overlap_fraction``, ``fsdp_units`` (``units``),
+    ``estimated_seconds_saved_per_step`` and its terms (:func:`saved_per_skipped_sync`),
+    ``estimated_cpu_seconds_saved_per_step``, ``overlap_fraction``, ``fsdp_units`` (``units``),
     ``mesh`` (``dp_replicate_size``, ``dp_shard_size``) and ``by_group`` (:func:`by_group`). Under HSDP
     ``all_reduce_*`` as ``reduce_scatter_*``, and the reduce-scatter per sync and its exposed time
     include the all-reduce that follows it in the backward.
@@ -126,7 +155,8 @@ def sharded_summary(records: ProfileRecords | Figures, *, shard_size: int, units
             baseline = k * (2 if unit.get("reshard_after_forward") else 1)
             if per_call is not None:
                 ag_saved += max(baseline - calls / n_steps, 0.0) * per_call
-    saved_per_step = skipped / n_steps * (exposed_rs - accumulation) + ag_saved + ar_saved
+    per_skip = saved_per_skipped_sync(f, exposed_rs, accumulation, shard_size)
+    saved_per_step = skipped / n_steps * per_skip["saved_per_skipped_sync_seconds"] + ag_saved + ar_saved
     rs_alg, rs_bus = _bandwidths(f.rs_calls, f.rs_bytes, f.rs_seconds, n)
     ag_alg, ag_bus = _bandwidths(f.ag_calls, f.ag_bytes, f.ag_seconds, n)
     hsdp = {} if replicate_size < 2 else {
@@ -168,10 +198,61 @@ def sharded_summary(records: ProfileRecords | Figures, *, shard_size: int, units
         "compute_seconds": compute,
         "ideal_seconds_per_step": ideal,
         "seconds_per_step_over_ideal": step / ideal if (step and ideal) else None,
+        **per_skip,
+        "estimated_cpu_seconds_saved_per_step": (skipped / n_steps * per_skip["saved_per_skipped_sync_cpu_seconds"]
+                                                 if per_skip["saved_per_skipped_sync_cpu_seconds"] is not None
+                                                 else None),
         "estimated_seconds_saved": saved_per_step * n_steps,
         "estimated_seconds_saved_per_step": saved_per_step,
         "fsdp_units": units,
     }
+
+
+def saved_per_skipped_sync(f: Figures, exposed_rs: float, accumulation: float, shard_size: int) -> dict:
+    """The estimated seconds one skipped sync saves, R - H + A - G, and its terms (see the module docstring).
+
+    Keys: ``post_backward_sync_seconds`` (R), ``post_backward_no_sync_seconds`` (H),
+    ``post_backward_adding_seconds`` (R of micro-batches that added to a held shard; None without),
+    ``reduction_seconds_per_sync`` (R - H, or the exposed reduce-scatter without hook records),
+    ``shard_add_seconds`` (A) and ``shard_add_source`` (``"measured"``, ``"assumed: accumulation / S"``
+    or ``"none"``), ``estimate_source``, ``saved_per_skipped_sync_seconds``; in the process's CPU
+    seconds: ``post_backward_{sync,no_sync,adding}_cpu_seconds``, ``accumulation_cpu_seconds``,
+    ``shard_add_cpu_seconds`` and ``saved_per_skipped_sync_cpu_seconds`` (R, H, A and G all in CPU time;
+    None without CPU records): what the work costs whatever else holds the cores, the figure to compare
+    on a loaded machine with the measured CPU seconds per step.
+    """
+    out = _terms(f.pb_sync, f.pb_no_sync, f.pb_sync_adding, exposed_rs, accumulation, shard_size)
+    g_cpu = (f.backward_later_cpu - f.backward_first_cpu
+             if None not in (f.backward_later_cpu, f.backward_first_cpu) else 0.0)
+    cpu = (_terms(f.pb_sync_cpu, f.pb_no_sync_cpu, f.pb_sync_adding_cpu, None, g_cpu, shard_size)
+           if f.pb_sync_cpu is not None else None)
+    return {"post_backward_sync_seconds": f.pb_sync, "post_backward_no_sync_seconds": f.pb_no_sync,
+            "post_backward_adding_seconds": f.pb_sync_adding, "reduction_seconds_per_sync": out["reduction"],
+            "shard_add_seconds": out["add"], "shard_add_source": out["add_source"], "estimate_source": out["source"],
+            "saved_per_skipped_sync_seconds": out["saved"],
+            "post_backward_sync_cpu_seconds": f.pb_sync_cpu, "post_backward_no_sync_cpu_seconds": f.pb_no_sync_cpu,
+            "post_backward_adding_cpu_seconds": f.pb_sync_adding_cpu,
+            "accumulation_cpu_seconds": g_cpu if cpu is not None else None,
+            "shard_add_cpu_seconds": cpu["add"] if cpu is not None else None,
+            "saved_per_skipped_sync_cpu_seconds": cpu["saved"] if cpu is not None else None}
+
+
+def _terms(r, h, adding, exposed_rs, accumulation: float, shard_size: int) -> dict:
+    """R - H + A - G from its medians (wall or CPU seconds); which of them the records gave decides the sources."""
+    if r is not None and h is not None:
+        reduction, source = r - h, "post-backward hooks: sync minus deferred micro-batches"
+    elif r is not None and adding is not None:  # sync_each_batch: every micro-batch reduces
+        reduction, source = r, "post-backward hooks of sync micro-batches"
+    else:
+        reduction, source = exposed_rs or 0.0, "exposed reduce-scatter (no post-backward records)"
+    if r is not None and adding is not None:
+        add, add_source = max(adding - r, 0.0), "measured"
+    elif r is not None:
+        add, add_source = accumulation / max(shard_size, 1), "assumed: accumulation / S"
+    else:
+        add, add_source = 0.0, "none"
+    return {"reduction": reduction, "source": source, "add": add, "add_source": add_source,
+            "saved": reduction + add - accumulation}
 
 
 def _replicate_all_reduce(f: Figures, n_steps: int, from_backwards: bool) -> tuple[float, float]:
