@@ -293,6 +293,10 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
                                   for c in profiler.collective_calls]
         info["profiler_post_backwards"] = [{"micro_batch": r.micro_batch - rec.offset, "unit": r.unit,
                                             "reduced": r.reduced} for r in profiler.collectives.post_backwards]
+        info["profiler_accumulations"] = profiler.accumulation.calls if profiler.accumulation is not None else None
+        info["profiler_micro_batches"] = [{"accumulate_seconds": m.accumulate_seconds, "backward_seconds": m.backward_seconds}
+                                          for m in profiler.micro_batches]
+        info["parameters_with_grad"] = sum(p.requires_grad for p in model.parameters())
         info["profiler_summary"] = profiler.local_summary()
         info["profiler_summary_from_records"] = profiler.local_summary(from_records=True)
         info["memory"] = held.local()

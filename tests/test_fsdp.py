@@ -192,6 +192,20 @@ def test_post_backward_timed_once_per_unit_and_marked_where_it_reduced(runs, pol
             assert s["shard_add_source"] == "assumed: accumulation / S"
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_autograd_accumulation_timed_once_per_parameter_per_micro_batch(runs, policy):
+    """G's timing: the hooks around autograd's accumulation fire once per parameter (counted from the model)
+    per recorded micro-batch, every micro-batch record carries a part of its backward, and the summary's G
+    comes from them rather than from differences of whole backwards."""
+    for info in runs[f"tok_k3_{policy}"]["ranks"]:
+        mbs = info["profiler_micro_batches"]
+        assert info["profiler_accumulations"] == info["parameters_with_grad"] * len(mbs) > 0
+        assert all(0 <= m["accumulate_seconds"] <= m["backward_seconds"] for m in mbs), mbs
+        s = info["profiler_summary"]
+        want = "timed around autograd's accumulation" if policy != "sync_each_batch" else "none"
+        assert s["accumulation_source"] == want, s["accumulation_source"]
+
+
 def test_units_counted_from_the_config_are_fsdp2s_units(runs):
     measured = runs["tok_k3_no_sync"]["ranks"][0]["profiler_summary"]["fsdp_units"]
     layout = _layout()

@@ -51,7 +51,9 @@ def synthetic_run(rng: random.Random, steps: int, k: int, units: int = 3, tag=No
                 rec.post_backwards.append(PostBackwardTime(step, micro, mode, tag, u, sync, t, s, s * rng.uniform(0.5, 1)))
                 t += s
             t += fwd + bwd
-            rec.micro_batches.append(MicroBatchTimes(step, micro, sync, mode, tag, fwd, bwd, bwd * rng.uniform(0.5, 1)))
+            acc = rng.uniform(0.0005, 0.001) + (0.003 if i else 0.0)  # autograd's add: not in a window's first
+            rec.micro_batches.append(MicroBatchTimes(step, micro, sync, mode, tag, fwd, bwd, bwd * rng.uniform(0.5, 1),
+                                                     acc, acc * rng.uniform(0.5, 1)))
             micro += 1
         rec.steps.append(StepTimes(step, mode, tag, rng.uniform(0.001, 0.002), rng.uniform(0.2, 0.3)))
     return rec

@@ -63,6 +63,7 @@ from .fsdp_files import write_fsdp_outputs
 from .fsdp_report import evaluate_targets, format_fsdp_table, format_targets, summarize_fsdp_preset
 from .memory import PeakMemory
 from .runs import reset_training_state
+from .saving_parts import window_parts
 
 MB = 2**20
 
@@ -73,7 +74,7 @@ MODE = {name: "sync_each_batch" if p.sync_each_batch else "no_sync" for name, p 
 SUMMARY_KEYS = ("reduce_scatter_calls_per_step", "reduce_scatter_bytes_per_step", "reduce_scatter_busbw_GBps",
                 "all_gather_calls_per_step", "all_gather_bytes_per_step", "all_gather_busbw_GBps",
                 "all_reduce_calls_per_step", "all_reduce_bytes_per_step", "by_group", "syncs",
-                "skipped_syncs", "compute_seconds", "accumulation_seconds", "exposed_comm_seconds",
+                "skipped_syncs", "compute_seconds", "accumulation_seconds", "accumulation_source", "exposed_comm_seconds",
                 "exposed_all_gather_seconds_per_step",
                 "optimizer_seconds", "ideal_seconds_per_step", "estimated_seconds_saved_per_step",
                 "post_backward_sync_seconds", "post_backward_no_sync_seconds", "post_backward_adding_seconds",
@@ -147,7 +148,8 @@ def pooled_summaries(prof, cfg: BenchConfig, world: int, order: list[str]) -> di
     reduce-scatter (one synchronised backward per window) several times the
     samples of one run. Read with FSDP2's own reshard settings in force, so the
     all-gathers the estimated saving compares with are those of the real
-    ``sync_each_batch``.
+    ``sync_each_batch``. Each also has ``window_parts``
+    (:func:`accum_kit.bench.saving_parts.window_parts`).
     """
     units = prof.collectives.unit_info()
     every = prof.records()
@@ -159,7 +161,7 @@ def pooled_summaries(prof, cfg: BenchConfig, world: int, order: list[str]) -> di
                                     (every.calls, every.micro_batches, every.steps, every.collectives,
                                      every.post_backwards)))
             summary = sharded_summary(mine, shard_size=prof.shard_size, replicate_size=prof.replicate_size, units=units)
-            out[f"K{K}/{policy}"] = {k: summary.get(k) for k in SUMMARY_KEYS}
+            out[f"K{K}/{policy}"] = {**{k: summary.get(k) for k in SUMMARY_KEYS}, "window_parts": window_parts(mine)}
     return out
 
 

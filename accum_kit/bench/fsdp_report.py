@@ -38,9 +38,15 @@ Per (K, policy) row (seconds per optimizer step; MB = 2**20 bytes):
   see :mod:`accum_kit.profiler.sharded`) and ``estimated_over_measured``;
   its terms per skipped sync, ``estimate_terms``: ``R`` and ``H`` (post-backward
   hooks of a sync and of a deferred micro-batch), ``A`` (the shard add, and
-  ``A_source``), ``G`` (accumulation), and ``A_measured``: the same add measured
+  ``A_source``), ``G`` (autograd's add into the unsharded gradient, and ``G_source``),
+  and ``A_measured``: the same add measured
   in this K's ``sync_each_batch`` windows (hooks of a micro-batch that added to
   a held shard minus those of one that stored it), a check on the assumed ``A``;
+- ``saving_parts``: the measured saving split by part of the step (means per
+  window of the cell's pooled records, ``sync_each_batch`` minus the policy:
+  forward, post-backward hooks, autograd (the backwards without the hooks),
+  of it the timed accumulation, optimizer, rest; see
+  :mod:`accum_kit.bench.saving_parts`), the measured side of each term;
 - the same comparison in process 0's CPU seconds (``time.process_time``, all
   threads): ``cpu_seconds_saved_per_step`` (paired differences of the
   windows' CPU seconds, with ``cpu_saved_ci_low`` / ``cpu_saved_ci_high``),
@@ -59,6 +65,7 @@ import statistics
 
 from ..planning.fsdp import ShardedModel, policy_costs
 from ..stats import interval_verdict, mean_interval, median, quartiles, ratio_interval
+from .saving_parts import format_parts, saving_parts
 from .tables import fmt_ratio
 
 MB = 2**20
@@ -122,7 +129,7 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
             adding, storing = base_pool.get("post_backward_adding_seconds"), base_pool.get("post_backward_sync_seconds")
             terms = {"R": pooled.get("post_backward_sync_seconds"), "H": pooled.get("post_backward_no_sync_seconds"),
                      "A": pooled.get("shard_add_seconds"), "A_source": pooled.get("shard_add_source"),
-                     "G": pooled.get("accumulation_seconds"),
+                     "G": pooled.get("accumulation_seconds"), "G_source": pooled.get("accumulation_source"),
                      "A_measured": adding - storing if None not in (adding, storing) else None}
             rows.append({
                 "preset": preset, "K": K, "policy": policy, "n_steps": len(steps), "n_pairs": len(ratios),
@@ -151,6 +158,7 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
                 "estimated_saved_s": est,
                 "estimated_over_measured": est / saved if (est is not None and saved) else None,
                 "estimate_terms": terms,
+                "saving_parts": saving_parts(base_pool.get("window_parts"), pooled.get("window_parts")),
                 "cpu_seconds_saved_per_step": cpu_saved, "cpu_saved_ci_low": cpu_lo, "cpu_saved_ci_high": cpu_hi,
                 "estimated_cpu_saved_s": est_cpu,
                 "estimated_over_measured_cpu": est_cpu / cpu_saved if (est_cpu is not None and cpu_saved) else None,
@@ -211,7 +219,9 @@ def evaluate_targets(rows: list[dict], presets: dict, K: int = 8) -> list[dict]:
                 abs(ns["estimated_over_measured"] - 1) <= 0.20,
                 f"estimated {ns['estimated_saved_s']:.3f} s / measured {ns['seconds_saved_per_step']:.3f} s per step "
                 f"(95% CI [{_f(ns['saved_ci_low'])}, {_f(ns['saved_ci_high'])}]) = {ns['estimated_over_measured']:.3f}"
-                + _terms(ns.get("estimate_terms") or {}))
+                + _terms(ns.get("estimate_terms") or {})
+                + (f"; measured saving by part (s per step): {format_parts(ns['saving_parts'])}"
+                   if ns.get("saving_parts") else ""))
         if ns and ns.get("estimated_over_measured_cpu") is not None:
             add(f"K={K}: profiler's no_sync saving in CPU seconds within 20% of the measured one",
                 abs(ns["estimated_over_measured_cpu"] - 1) <= 0.20,
@@ -226,7 +236,7 @@ def _terms(t: dict) -> str:
     if t.get("R") is None:
         return ""
     return (f"; per skipped sync R {_f(t['R'])} - H {_f(t['H'])} + A {_f(t['A'])} ({t['A_source']}; measured in "
-            f"sync_each_batch windows {_f(t['A_measured'])}) - G {_f(t['G'])} s")
+            f"sync_each_batch windows {_f(t['A_measured'])}) - G {_f(t['G'])} s ({t.get('G_source') or 'n/a'})")
 
 
 def _f(v, fmt="{:.3f}") -> str:

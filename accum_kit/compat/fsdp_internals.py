@@ -153,6 +153,18 @@ def fsdp_comm_interfaces() -> tuple:
     return AllGather, ReduceScatter
 
 
+def fsdp_unsharded_parameters(group) -> list:
+    """The unit's unsharded parameters, the leaves autograd accumulates gradients into under ``no_sync``.
+
+    FSDP2 makes each ``FSDPParam._unsharded_param`` at the unit's first
+    all-gather and keeps that tensor for the run, freeing and refilling its
+    storage (torch 2.13). Returns those made so far (empty before the first
+    forward, or under another torch layout).
+    """
+    params = (getattr(fp, "_unsharded_param", None) for fp in getattr(group, "fsdp_params", ()))
+    return [p for p in params if p is not None]
+
+
 def fsdp_unit_reduces_gradients(group) -> bool:
     """Whether the unit's next post-backward reduces its gradients: ``FSDPParamGroup.reduce_grads`` (torch 2.13).
 

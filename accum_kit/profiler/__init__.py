@@ -30,6 +30,7 @@ from .. import checks
 from ..callbacks import LoopCallback
 from ..compat import sync_each_batch
 from ..hsdp import run_mesh
+from .accumulation import GradAccumulationTimer
 from .aggregates import RunningAggregates
 from .buckets import BucketRecorder, allreduce_mean_hook
 from .collectives import CollectiveRecorder
@@ -140,7 +141,11 @@ class CommProfiler(LoopCallback):
         self.collectives = CollectiveRecorder(self.labels, keep_records=keep_records, sink=sink)
         if synchronize is None:
             synchronize = accelerator.device.type == "cuda"
-        self.phases = PhaseTimer(self.labels, synchronize=synchronize, keep_records=keep_records, sink=sink)
+        # FSDP2 on CPU: autograd's add into the unsharded gradients, a term of the no_sync estimate
+        self.accumulation = (GradAccumulationTimer(lambda: self.labels.enabled)
+                             if self.sharded and accelerator.device.type == "cpu" else None)
+        self.phases = PhaseTimer(self.labels, synchronize=synchronize, keep_records=keep_records, sink=sink,
+                                 accumulation=self.accumulation)
         self.trace = StepTrace(accelerator, trace_dir, trace_steps, trace_wait) if trace_dir else None
         self.zero = ZeroRecorder(self.labels, keep_records) if self.deepspeed else None
         if self.zero is not None:  # the engine's ZeRO optimizer: its reduction path is timed too
@@ -232,6 +237,8 @@ class CommProfiler(LoopCallback):
         self.phases.on_micro_batch_begin(state)
 
     def on_forward_end(self, state):
+        if self.accumulation is not None and self._attached:  # the units' unsharded parameters exist from now
+            self.accumulation.install(self.collectives.groups)
         self.phases.on_forward_end(state)
 
     def on_backward_end(self, state):

@@ -110,7 +110,8 @@ class _Bin:
     NAMES = ("busy_per_sync", "calls_per_sync", "forward", "backward_sync", "backward_no_sync", "backward_first",
              "backward_later", "optimizer", "step", "rs_per_sync", "rs_calls_per_sync", "ag_per_micro",
              "compute_no_sync", "compute_all", "ar_per_micro", "pb_sync", "pb_sync_adding", "pb_no_sync",
-             "pb_sync_cpu", "pb_sync_adding_cpu", "pb_no_sync_cpu", "backward_first_cpu", "backward_later_cpu")
+             "pb_sync_cpu", "pb_sync_adding_cpu", "pb_no_sync_cpu", "backward_first_cpu", "backward_later_cpu",
+             "accumulate_first", "accumulate_later", "accumulate_first_cpu", "accumulate_later_cpu")
 
     def __init__(self, sketch):
         self.sketch = sketch
@@ -249,6 +250,10 @@ class RunningAggregates:
             b.s["backward_first" if first else "backward_later"].add(m.backward_seconds)
             if m.backward_cpu_seconds is not None:
                 b.s["backward_first_cpu" if first else "backward_later_cpu"].add(m.backward_cpu_seconds)
+            if m.accumulate_seconds is not None:
+                which = "first" if first else "later"
+                b.s[f"accumulate_{which}"].add(m.accumulate_seconds)
+                b.s[f"accumulate_{which}_cpu"].add(m.accumulate_cpu_seconds)
         self._close_micro(b, b.open_micro.pop(m.micro_batch, None) or _Open(), m)
 
     # ---- reading -----------------------------------------------------------------------
@@ -294,7 +299,8 @@ class RunningAggregates:
             out.optimizer_steps, out.micro_batches = s["step"].count, s["forward"].count
             out.no_sync_micro_batches = s["backward_no_sync"].count
             for name in ("forward", "backward_sync", "backward_no_sync", "backward_first", "backward_later",
-                         "optimizer", "step", "compute_no_sync", "compute_all"):
+                         "optimizer", "step", "compute_no_sync", "compute_all", "accumulate_first", "accumulate_later",
+                         "accumulate_first_cpu", "accumulate_later_cpu"):
                 setattr(out, name, s[name].median())
             out.rs_syncs, out.rs_seconds_per_sync = s["rs_per_sync"].count, s["rs_per_sync"].median()
             out.rs_calls_per_sync = s["rs_calls_per_sync"].median()

@@ -217,6 +217,11 @@ class CollectiveRecorder:
             dist.all_reduce = self._all_reduce.inner
         self._all_reduce = None
 
+    @property
+    def groups(self) -> list:
+        """The FSDP2 units' parameter groups (``FSDPParamGroup``), in module order; empty before :meth:`register`."""
+        return list(self._groups)
+
     def unit_info(self) -> list[dict]:
         """Per unit: ``name``, ``parameters`` (elements, unsharded), ``reshard_after_forward`` (now)."""
         from ..compat import fsdp_reshards_after_forward, fsdp_unit_name, fsdp_unit_parameters

@@ -58,7 +58,10 @@ class Figures:
     earlier micro-batch of the window did: the new shard is added to the one
     held, ``sync_each_batch``), ``pb_no_sync`` (no unit reduced); each also
     in CPU seconds of the process (``*_cpu``), with ``backward_first_cpu`` /
-    ``backward_later_cpu`` (None where not measured).
+    ``backward_later_cpu`` (None where not measured). Autograd's accumulation into FSDP2's
+    unsharded gradients (:mod:`.accumulation`), medians over the same two kinds of
+    no-sync micro-batches: ``accumulate_first`` / ``accumulate_later`` and ``*_cpu``
+    (None where not timed).
     """
 
     allreduce_calls: int = 0
@@ -110,6 +113,10 @@ class Figures:
     pb_no_sync_cpu: float | None = None
     backward_first_cpu: float | None = None
     backward_later_cpu: float | None = None
+    accumulate_first: float | None = None
+    accumulate_later: float | None = None
+    accumulate_first_cpu: float | None = None
+    accumulate_later_cpu: float | None = None
 
 
 def _ddp_part(calls: list[BucketCall]) -> dict:
@@ -131,6 +138,8 @@ def _phase_part(mbs, steps) -> dict:
     no_sync = [m for m in mbs if not m.sync]
     first = [m.micro_batch == first_of_window[(m.tag, m.step)] for m in no_sync]
     cpu = [(m.backward_cpu_seconds, f) for m, f in zip(no_sync, first) if m.backward_cpu_seconds is not None]
+    acc = [(m.accumulate_seconds, m.accumulate_cpu_seconds, f) for m, f in zip(no_sync, first)
+           if m.accumulate_seconds is not None]
     return dict(optimizer_steps=len(steps), micro_batches=len(mbs), no_sync_micro_batches=len(no_sync),
                 forward=median(m.forward_seconds for m in mbs),
                 backward_sync=median(m.backward_seconds for m in mbs if m.sync),
@@ -138,6 +147,9 @@ def _phase_part(mbs, steps) -> dict:
                 backward_first=median(m.backward_seconds for m, f in zip(no_sync, first) if f),
                 backward_later=median(m.backward_seconds for m, f in zip(no_sync, first) if not f),
                 backward_first_cpu=median(c for c, f in cpu if f), backward_later_cpu=median(c for c, f in cpu if not f),
+                accumulate_first=median(a for a, _, f in acc if f), accumulate_later=median(a for a, _, f in acc if not f),
+                accumulate_first_cpu=median(c for _, c, f in acc if f),
+                accumulate_later_cpu=median(c for _, c, f in acc if not f),
                 optimizer=median(s.optimizer_seconds for s in steps), step=median(s.step_seconds for s in steps))
 
 

@@ -22,10 +22,13 @@ class PhaseTimer(LoopCallback):
         keep_records: records of each kind kept in ``micro_batches`` and
             ``steps``, the most recent (None: all).
         sink: called with every new record (the profiler's running aggregates), or None.
+        accumulation: a :class:`accum_kit.profiler.accumulation.GradAccumulationTimer` whose
+            seconds go into each micro-batch's record, or None.
     """
 
-    def __init__(self, labels: Labels, synchronize: bool = False, keep_records: int | None = KEEP_RECORDS, sink=None):
-        self.labels, self.synchronize, self.sink = labels, synchronize, sink
+    def __init__(self, labels: Labels, synchronize: bool = False, keep_records: int | None = KEEP_RECORDS, sink=None,
+                 accumulation=None):
+        self.labels, self.synchronize, self.sink, self.accumulation = labels, synchronize, sink, accumulation
         self.micro_batches = recent(keep_records)
         self.steps = recent(keep_records)
         self._t: dict[str, float] = {}
@@ -53,6 +56,8 @@ class PhaseTimer(LoopCallback):
 
     def on_micro_batch_begin(self, state):
         self.labels.step, self.labels.micro_batch = state.step, state.micro_step
+        if self.accumulation is not None:
+            self.accumulation.take()  # what ran between micro-batches belongs to none
         if self.labels.enabled:
             self._t["begin"] = self.now()
 
@@ -65,11 +70,13 @@ class PhaseTimer(LoopCallback):
         if not self.labels.enabled:
             return
         end = self.now()
+        acc, acc_cpu = self.accumulation.take() if self.accumulation is not None else (None, None)
         self._add(self.micro_batches, MicroBatchTimes(
             step=state.step, micro_batch=state.micro_step, sync=bool(state.sync), mode=self.labels.mode,
             tag=self.labels.tag, forward_seconds=self._t["forward"] - self._t["begin"],
             backward_seconds=end - self._t["forward"],
-            backward_cpu_seconds=time.process_time() - self._t["forward_cpu"]))
+            backward_cpu_seconds=time.process_time() - self._t["forward_cpu"],
+            accumulate_seconds=acc, accumulate_cpu_seconds=acc_cpu))
 
     def on_step_begin(self, state):
         if self.labels.enabled:

@@ -168,7 +168,9 @@ class MicroBatchTimes:
 
     ``backward_cpu_seconds``: the CPU time this process (all its threads) used during the backward
     (``time.process_time``; None when not measured): the work, without waiting for other processes or
-    for the cores other jobs hold.
+    for the cores other jobs hold. ``accumulate_seconds`` / ``accumulate_cpu_seconds``: the part of the
+    backward autograd spent accumulating into FSDP2's unsharded gradients
+    (:mod:`accum_kit.profiler.accumulation`; None when not timed: DDP, CUDA).
     """
 
     step: int
@@ -179,6 +181,8 @@ class MicroBatchTimes:
     forward_seconds: float
     backward_seconds: float
     backward_cpu_seconds: float | None = None
+    accumulate_seconds: float | None = None
+    accumulate_cpu_seconds: float | None = None
 
 
 @dataclass

@@ -65,9 +65,13 @@ Definitions (seconds, bytes; "per step" divides by the optimizer steps recorded)
     ``sync_each_batch`` selection); otherwise ASSUMED to be G / S, the
     accumulation below scaled to the 1/S of the elements a shard holds
     (both are one elementwise add over fp32 gradients: memory-bound);
-  * G, measured: accumulation per micro-batch, the backward of later no-sync
-    micro-batches minus that of a window's first (the add into the unsharded
-    gradient held, which happens in autograd, outside the hooks).
+  * G, measured: the add into the unsharded gradient held, which happens in
+    autograd, outside the hooks (:func:`accumulation_seconds`): timed around
+    autograd's accumulation on CPU, per micro-batch, later no-sync
+    micro-batches minus a window's first; elsewhere the backward of later
+    no-sync micro-batches minus that of a window's first, which also carries
+    what else sets a window's first backward apart (on a 2-core CPU machine
+    as much as the add: it follows the optimizer step).
 
   Without post-backward records R - H is replaced by the exposed
   reduce-scatter per sync (backward difference) and A by 0.
@@ -118,7 +122,8 @@ def sharded_summary(records: ProfileRecords | Figures, *, shard_size: int, units
     ``seconds_per_sync`` (reduce-scatter seconds per sync, median), ``exposed_comm_seconds``
     (exposed reduce-scatter per sync), ``exposed_reduce_scatter_source``,
     ``exposed_all_gather_seconds_per_step``, ``exposed_comm_seconds_per_step``,
-    ``accumulation_seconds`` (per micro-batch; 0 without a window of 3 or more),
+    ``accumulation_seconds`` (G per micro-batch; 0 without a window of 3 or more) and
+    ``accumulation_source``,
     ``compute_seconds`` (per micro-batch), ``ideal_seconds_per_step``,
     ``seconds_per_step_over_ideal``, ``estimated_seconds_saved``,
     ``estimated_seconds_saved_per_step`` and its terms (:func:`saved_per_skipped_sync`),
@@ -139,8 +144,7 @@ def sharded_summary(records: ProfileRecords | Figures, *, shard_size: int, units
         exposed_rs, source = max(bwd_sync - bwd_nosync, 0.0), "backward of sync minus no-sync micro-batches"
     else:
         exposed_rs, source = (rs_per_sync, "reduce-scatter seconds per sync") if f.rs_calls else (0.0, "no reduce-scatter")
-    bwd_first, bwd_later = f.backward_first, f.backward_later
-    accumulation = bwd_later - bwd_first if (bwd_first is not None and bwd_later is not None) else 0.0
+    accumulation, accumulation_source = accumulation_seconds(f)
     syncs, skipped = f.rs_syncs, no_sync
     ag_exposed = f.ag_busy_seconds / n_steps
     ar_extra, ar_saved = _replicate_all_reduce(f, n_steps, from_backwards=bool(no_sync and f.rs_calls))
@@ -195,6 +199,7 @@ def sharded_summary(records: ProfileRecords | Figures, *, shard_size: int, units
         "exposed_comm_seconds_per_step": syncs / n_steps * exposed_rs + ar_extra + ag_exposed,
         "overlap_fraction": max(0.0, 1 - exposed_rs / rs_per_sync) if rs_per_sync and no_sync and f.rs_calls else None,
         "accumulation_seconds": accumulation,
+        "accumulation_source": accumulation_source,
         "compute_seconds": compute,
         "ideal_seconds_per_step": ideal,
         "seconds_per_step_over_ideal": step / ideal if (step and ideal) else None,
@@ -206,6 +211,28 @@ def sharded_summary(records: ProfileRecords | Figures, *, shard_size: int, units
         "estimated_seconds_saved_per_step": saved_per_step,
         "fsdp_units": units,
     }
+
+
+def accumulation_seconds(f: Figures, cpu: bool = False) -> tuple[float, str]:
+    """G, the seconds (``cpu``: CPU seconds) a no-sync micro-batch spends adding into the held unsharded
+    gradient, and where it came from.
+
+    Timed around autograd's accumulation (:mod:`.accumulation`) where the
+    records have it: the median over later no-sync micro-batches minus that
+    over a window's first (which hands its gradient over without an add, as
+    every micro-batch does when syncing each one). Otherwise the difference
+    of the same two backwards' medians, which also carries whatever else
+    sets a window's first backward apart. 0 without a window of 2 no-sync
+    micro-batches.
+    """
+    suffix = "_cpu" if cpu else ""
+    first, later = getattr(f, f"accumulate_first{suffix}"), getattr(f, f"accumulate_later{suffix}")
+    if first is not None and later is not None:
+        return later - first, "timed around autograd's accumulation"
+    first, later = getattr(f, f"backward_first{suffix}"), getattr(f, f"backward_later{suffix}")
+    if first is not None and later is not None:
+        return later - first, "backward of later minus first no-sync micro-batches"
+    return 0.0, "none"
 
 
 def saved_per_skipped_sync(f: Figures, exposed_rs: float, accumulation: float, shard_size: int) -> dict:
@@ -222,8 +249,7 @@ def saved_per_skipped_sync(f: Figures, exposed_rs: float, accumulation: float, s
     on a loaded machine with the measured CPU seconds per step.
     """
     out = _terms(f.pb_sync, f.pb_no_sync, f.pb_sync_adding, exposed_rs, accumulation, shard_size)
-    g_cpu = (f.backward_later_cpu - f.backward_first_cpu
-             if None not in (f.backward_later_cpu, f.backward_first_cpu) else 0.0)
+    g_cpu, _ = accumulation_seconds(f, cpu=True)
     cpu = (_terms(f.pb_sync_cpu, f.pb_no_sync_cpu, f.pb_sync_adding_cpu, None, g_cpu, shard_size)
            if f.pb_sync_cpu is not None else None)
     return {"post_backward_sync_seconds": f.pb_sync, "post_backward_no_sync_seconds": f.pb_no_sync,
