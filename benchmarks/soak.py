@@ -23,6 +23,8 @@ Printed and written to ``<output_dir>/soak.json`` (rank 0):
   is cut into 10 parts, the median step of each part of the last block over
   that of the same part of the first gives 10 ratios, summarised by their geometric mean and a 95 %
   t-interval on the logs (:func:`accum_kit.stats.ratio_interval`);
+- the median step time of every block and their least-squares trend, % of
+  the first block per 10,000 steps with a 95 % interval (``step_time_trend``);
 - checkpoint save seconds and bytes (first and last save), ``loop_state.json``
   bytes over the run; the profiler's records kept and calls counted.
 
@@ -48,7 +50,7 @@ from accum_kit.errors import UsageError
 from accum_kit.memory import proc_status_kb
 from accum_kit.models import build_model
 from accum_kit.profiler import CommProfiler
-from accum_kit.stats import ratio_interval
+from accum_kit.stats import ratio_interval, t_quantile
 from accum_kit.tracking import TrackerLogger
 
 
@@ -130,6 +132,33 @@ def step_time_ratio(step_seconds: list, block: int) -> dict:
     return out
 
 
+def block_trend(step_seconds: list, block: int) -> dict | None:
+    """Median step time of each block of ``block`` steps (the last ending at the run's end), and their trend.
+
+    ``block_median_ms``: one median per whole block; ``percent_per_10000_steps``: the fitted slope over
+    those medians, in % of the first block's median per 10,000 steps, with its 95 % t-interval
+    (``low``, ``high``; the textbook slope standard error, ``s / sqrt(Sxx)`` with n - 2 degrees of
+    freedom). A slow machine-wide drift moves single blocks by more than a real trend over the run
+    would; the slope over every block shows a trend the first and last blocks alone cannot. None
+    with fewer than 3 blocks.
+    """
+    n = (len(step_seconds) - 1) // block
+    start = len(step_seconds) - n * block  # whole blocks, the last ending at the last step, step 1 left out
+    medians = [statistics.median(step_seconds[start + i * block:start + (i + 1) * block]) * 1e3 for i in range(n)]
+    if len(medians) < 3:
+        return None
+    xs = [(i + 0.5) * block for i in range(len(medians))]
+    b = slope_per_step(list(zip(xs, medians)))
+    mx, my = statistics.fmean(xs), statistics.fmean(medians)
+    resid = [y - (my + b * (x - mx)) for x, y in zip(xs, medians)]
+    sxx = sum((x - mx) ** 2 for x in xs)
+    se = (sum(r * r for r in resid) / (len(xs) - 2) / sxx) ** 0.5
+    t = t_quantile(0.975, len(xs) - 2)
+    scale = 1e4 * 100 / medians[0]
+    return {"block_steps": block, "block_median_ms": medians, "percent_per_10000_steps": b * scale,
+            "low": (b - t * se) * scale, "high": (b + t * se) * scale}
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
@@ -172,6 +201,7 @@ def main(argv=None) -> int:
         "rss_mb_per_10000_steps": None if slope is None else slope * 10000,
         "step_time_last_over_first": step_time_ratio(result.step_seconds, args.block_steps),
         "step_cpu_last_over_first": step_time_ratio(cpu.seconds, args.block_steps),
+        "step_time_trend": block_trend(result.step_seconds, args.block_steps),
         "checkpoint_saves": ckpt.timings, "samples": sampler.samples,
         "profiler_calls_counted": None if comm is None else {
             k: comm.get(k) for k in ("allreduce_calls", "all_gather_calls", "reduce_scatter_calls", "micro_batches",
@@ -185,6 +215,10 @@ def main(argv=None) -> int:
           f"({len(after)} samples, {after[0][1]:.1f} -> {after[-1][1]:.1f} MB)")
     print(f"  step time, last {args.block_steps} over first: {r['geometric_mean']:.3f} [{r['low']:.3f}, {r['high']:.3f}] "
           f"({r['first_median_s'] * 1e3:.2f} -> {r['last_median_s'] * 1e3:.2f} ms)")
+    trend = report["step_time_trend"]
+    if trend is not None:
+        print(f"  step time trend over {len(trend['block_median_ms'])} blocks: {trend['percent_per_10000_steps']:+.2f} % "
+              f"per 10,000 steps [{trend['low']:+.2f}, {trend['high']:+.2f}] of the first block's median")
     c = report["step_cpu_last_over_first"]
     print(f"  step CPU time (rank 0), last over first: {c['geometric_mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}] "
           f"({c['first_median_s'] * 1e3:.2f} -> {c['last_median_s'] * 1e3:.2f} ms)")
