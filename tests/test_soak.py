@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import job_helpers as jh
 
 STEPS, K, KEEP, EVERY, SAMPLE = 40, 4, 20, 10, 10
@@ -40,3 +42,33 @@ def test_short_soak_keeps_bounded_records_and_a_constant_loop_state(tmp_path, fs
     kept = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert kept == [f"step_{STEPS - EVERY}", f"step_{STEPS}"]
     assert len(list((out / "checkpoints" / f"step_{STEPS}" / "history").iterdir())) == STEPS // EVERY
+
+
+def test_step_time_trend_is_the_least_squares_slope_with_a_t_interval():
+    """The soak's trend over block medians against numpy's polyfit (slope) and a textbook t-interval."""
+    import importlib.util
+
+    import numpy as np
+
+    from accum_kit.stats import t_quantile
+
+    spec = importlib.util.spec_from_file_location("soak_script", jh.REPO / "benchmarks" / "soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    rng = np.random.default_rng(0)
+    block, n = 100, 7
+    # step 1 is left out; then 7 blocks whose medians rise 1 ms a block around 50 ms, with noise
+    times = [9.0] + [0.050 + 0.001 * (i // block) + rng.normal(0, 2e-4) for i in range(n * block)]
+    got = soak.block_trend(times, block)
+    med = np.array([np.median(times[1 + i * block:1 + (i + 1) * block]) * 1e3 for i in range(n)])
+    x = (np.arange(n) + 0.5) * block
+    slope, icept = np.polyfit(x, med, 1)
+    resid = med - (slope * x + icept)
+    se = np.sqrt(resid @ resid / (n - 2) / ((x - x.mean()) ** 2).sum())
+    scale = 1e6 / med[0]
+    assert np.allclose(got["block_median_ms"], med)
+    assert got["percent_per_10000_steps"] == pytest.approx(slope * scale, rel=1e-9)
+    half = t_quantile(0.975, n - 2) * se * scale
+    assert (got["low"], got["high"]) == pytest.approx((slope * scale - half, slope * scale + half), rel=1e-9)
+    assert got["low"] > 0  # a rise of 2 % a block is found
+    assert soak.block_trend(times[:2 * block + 1], block) is None  # fewer than 3 blocks

@@ -22,9 +22,12 @@ PARTS = ("forward", "hooks", "autograd", "accumulation", "optimizer", "rest", "s
 
 
 def window_parts(records: ProfileRecords) -> dict[str, float] | None:
-    """Mean seconds per window of each of :data:`PARTS` (``autograd``: backwards minus their post-backward hooks,
-    ``accumulation`` included; ``accumulation``: None-free sum of the timed part, 0 where not timed; ``rest``:
-    step minus forward, backward and optimizer); None without a whole window in ``records``."""
+    """Mean seconds per window of each of :data:`PARTS`, from one selection of a profiler's raw records.
+
+    ``autograd``: the backwards minus their post-backward hooks (``accumulation`` is part of it);
+    ``accumulation``: autograd's timed add into the unsharded gradients (0 where not timed); ``rest``: the
+    step minus forwards, backwards and optimizer. None without a whole window in ``records``.
+    """
     hooks: dict = defaultdict(float)
     for p in records.post_backwards:
         hooks[(p.tag, p.micro_batch)] += p.seconds
