@@ -33,8 +33,18 @@ from collections import defaultdict
 from pathlib import Path
 
 import accum_kit.bench.fsdp as fsdp_bench
-from accum_kit.cli import main
+from accum_kit.bench.config import BenchConfig
+from accum_kit.cli import main, parse
 from accum_kit.profiler import CommProfiler
+
+
+def parse_args(argv: list[str]) -> BenchConfig:
+    """The bench's flags (:class:`accum_kit.bench.config.BenchConfig`).
+
+    Raises:
+        accum_kit.cli.ArgumentError, accum_kit.errors.UsageError: as ``accum-kit bench`` does.
+    """
+    return parse(BenchConfig, argv, prog="page_faults.py")
 
 
 def minor_faults() -> int:
@@ -81,9 +91,7 @@ if __name__ == "__main__":
     fsdp_bench.CommProfiler = FaultCountingProfiler  # the bench builds its profiler from this name
     code = main(["bench"] + sys.argv[1:])
     if code == 0 and os.environ.get("RANK", "0") == "0":  # set by accelerate launch
-        args = sys.argv[1:]
-        output_dir = args[args.index("--output_dir") + 1] if "--output_dir" in args else "runs/bench"
-        for policy, f in report(output_dir)["faults"].items():
+        for policy, f in report(parse_args(sys.argv[1:]).output_dir)["faults"].items():
             print(f"{policy}: {f['forward_mean']:.0f} minor faults per forward, {f['backward_mean']:.0f} per backward "
                   f"({f['micro_batches']} micro-batches)")
     sys.exit(code)
