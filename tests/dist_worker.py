@@ -80,7 +80,7 @@ import accum_kit
 import accum_kit.compiling
 import accum_kit.memory
 import accum_kit.profiler
-from job_helpers import pad_collate  # the worker runs as a script from tests/
+from job_helpers import fresh_process_group, pad_collate  # the worker runs as a script from tests/
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs
 from accum_kit.checkpoint import Checkpointer
@@ -306,24 +306,6 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
     accelerator.free_memory()
 
 
-def fresh_process_group(run: int) -> None:
-    """Form the default process group again if a previous command destroyed it (the train job's end_training).
-
-    The launcher's TCPStore outlives the group; a second rendezvous under the
-    first one's key prefix could read a peer's stale address, so every run
-    gets a prefix of its own (the reason accum_kit.launch.init_restartable_process_group
-    prefixes restart attempts).
-    """
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    assert os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True", "needs torchrun's shared store"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"dist_worker/cli_run{run}/", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-
-
 def run_cli_commands(runs: list, out_dir: Path) -> int:
     """Run ``spec["cli_runs"]`` in order, each as if in a fresh process; the first non-zero exit code stops it."""
     import shutil
@@ -335,7 +317,7 @@ def run_cli_commands(runs: list, out_dir: Path) -> int:
     codes = []
     code = 0
     for i, entry in enumerate(runs):
-        fresh_process_group(i)
+        fresh_process_group(f"dist_worker/cli_run{i}/")
         reset_accelerate_state()
         torch._dynamo.reset()
         code = cli_run(entry["command"], [str(a) for a in entry["argv"]])

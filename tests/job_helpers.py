@@ -370,3 +370,20 @@ def tensorboard_scalars(log_dir) -> dict:
             out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
     return out
 
+
+def fresh_process_group(prefix: str) -> None:
+    """Inside a launched worker: form the default process group again if an earlier command destroyed it
+    (the train job's ``end_training``).
+
+    The launcher's TCPStore outlives the group; a second rendezvous under the first one's key prefix could
+    read a peer's stale address, so every caller passes a ``prefix`` of its own (the reason
+    accum_kit.launch.init_restartable_process_group prefixes restart attempts).
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    assert os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True", "needs torchrun's shared store"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))

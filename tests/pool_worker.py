@@ -33,6 +33,8 @@ import time
 import traceback
 from pathlib import Path
 
+from job_helpers import fresh_process_group  # the worker runs as a script from tests/
+
 POLL_S = 0.05  # waiting for the next command: a stat per poll, no CPU to speak of
 IDLE_TIMEOUT_S = 3600  # a pool nobody stops (its test session died) ends by itself
 
@@ -44,22 +46,6 @@ def wait_for(path: Path) -> dict:
             raise TimeoutError(f"no command {path.name} within {IDLE_TIMEOUT_S} s")
         time.sleep(POLL_S)
     return json.loads(path.read_text())
-
-
-def fresh_process_group(i: int) -> None:
-    """Form the default process group again if a previous command destroyed it (``end_training``).
-
-    The launcher's TCPStore outlives the group; a second rendezvous under the first one's key
-    prefix could read a peer's stale address, so every command gets a prefix of its own.
-    """
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    assert os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True", "needs torchrun's shared store"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"pool_worker/command{i}/", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 @contextlib.contextmanager
@@ -112,7 +98,7 @@ def run_one(i: int, entry: dict, queue: Path, rank: str) -> int:
     from accum_kit.compat import reset_accelerate_state
 
     if i > 0:  # the first command forms its group as under a fresh launch
-        fresh_process_group(i)
+        fresh_process_group(f"pool_worker/command{i}/")
     reset_accelerate_state()
     torch._dynamo.reset()
     # the launch's stderr is every command's: these lines let a test cut out its own command's part

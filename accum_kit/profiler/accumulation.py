@@ -39,17 +39,11 @@ class GradAccumulationTimer:
     def __init__(self, enabled):
         self._enabled = enabled
         self._hooked: set[int] = set()
-        self._handles: list = []
         self._groups_done = 0
         self.seconds = 0.0
         self.cpu_seconds = 0.0
         self.calls = 0  #: accumulations timed over the run (one per parameter per backward)
         self._start = (0.0, 0.0)
-
-    @property
-    def installed(self) -> bool:
-        """Whether at least one parameter carries the hooks."""
-        return bool(self._hooked)
 
     def install(self, groups: list) -> None:
         """Hook every unsharded parameter of the FSDP2 ``groups`` (``FSDPParamGroup`` list) not hooked yet."""
@@ -63,8 +57,8 @@ class GradAccumulationTimer:
             for p in params:
                 if id(p) not in self._hooked and p.requires_grad:
                     self._hooked.add(id(p))
-                    self._handles.append(p.register_hook(self._before))
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._after))
+                    p.register_hook(self._before)  # they stay: disabled, they only check the flag
+                    p.register_post_accumulate_grad_hook(self._after)
             done += bool(params)
         self._groups_done = done
 
@@ -85,9 +79,3 @@ class GradAccumulationTimer:
         out = (self.seconds, self.cpu_seconds) if self._hooked else (None, None)
         self.seconds = self.cpu_seconds = 0.0
         return out
-
-    def remove(self) -> None:
-        """Take the hooks off every parameter."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._hooked, self._groups_done = [], set(), 0
