@@ -19,6 +19,9 @@ quickly, while ``from accum_kit import train_loop`` works as usual.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -26,29 +29,87 @@ __version__ = "0.1.0"
 #: Public name -> the submodule that defines it.
 _EXPORTS = {
     "AccumKitError": "errors",
-    "LoopCallback": "callbacks",
-    "LoopResult": "loop",
-    "LoopState": "callbacks",
+    "LoopCallback": "core.callbacks",
+    "LoopResult": "core.loop",
+    "LoopState": "core.callbacks",
     "ProcessCountError": "errors",
     "UsageError": "errors",
-    "WindowNormalizer": "loss",
+    "WindowNormalizer": "core.loss",
     "build_accelerator": "launch",
-    "causal_lm_loss": "loss",
-    "classification_loss": "loss",
+    "causal_lm_loss": "core.loss",
+    "classification_loss": "core.loss",
     "check_process_count": "launch",
     "optimizer_steps_per_epoch": "planning",
-    "seq2seq_loss": "loss",
-    "train_loop": "loop",
+    "seq2seq_loss": "core.loss",
+    "train_loop": "core.loop",
 }
 
 __all__ = sorted(_EXPORTS)
 
+#: Modules that moved when the package was laid out by role (old name -> new name, under ``accum_kit.``).
+#: ``import accum_kit.data`` and ``from accum_kit.zero import ...`` keep working: :class:`_MovedModules`
+#: answers the old name with the module itself (one object under both names, so patching either patches both).
+MOVED_MODULES = {
+    "batchnorm": "core.batchnorm",
+    "callbacks": "core.callbacks",
+    "checkpoint": "core.checkpoint",
+    "checkpoint_engine": "engines.checkpoint_tag",
+    "checkpoint_files": "core.checkpoint_files",
+    "clm_flags": "job.clm_flags",
+    "compiling": "engines.compiling",
+    "config": "job.config",
+    "data": "job.data",
+    "data_cursor": "core.data_cursor",
+    "ddp_options": "engines.ddp",
+    "evaluation": "job.evaluation",
+    "faults": "core.faults",
+    "hsdp": "engines.mesh",
+    "loop": "core.loop",
+    "loop_history": "core.loop_history",
+    "loss": "core.loss",
+    "manual_allreduce": "reference.manual_allreduce",
+    "memory": "profiler.held_memory",
+    "models": "job.models",
+    "policies": "engines.policies",
+    "raw_ddp": "reference.raw_ddp",
+    "schedule": "core.window_schedule",
+    "settings": "core.settings",
+    "sharding": "engines.fsdp2",
+    "tracking": "job.tracking",
+    "train": "job.train",
+    "zero": "engines.deepspeed",
+    "planning.fsdp": "engines.costs",
+    "planning.schedule": "core.accumulation_schedule",
+    "planning.lr": "core.lr_scaling",
+    "profiler.zero": "profiler.deepspeed_comm",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Import hook (PEP 451 finder and loader) that resolves a moved module's old name to its new module."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        new = MOVED_MODULES.get(fullname.partition(".")[2]) if fullname.startswith(__name__ + ".") else None
+        return importlib.util.spec_from_loader(fullname, self) if new is not None else None
+
+    def create_module(self, spec):
+        module = importlib.import_module(f"{__name__}.{MOVED_MODULES[spec.name.partition('.')[2]]}")
+        spec.loader_state = module.__spec__  # the import system overwrites it with the old name's spec next
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = module.__spec__.loader_state
+
+
+if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+    sys.meta_path.insert(0, _MovedModules())
+
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on demand
-    from .callbacks import LoopCallback, LoopState
+    from .core.callbacks import LoopCallback, LoopState
     from .errors import AccumKitError, ProcessCountError, UsageError
     from .launch import build_accelerator, check_process_count
-    from .loop import LoopResult, train_loop
-    from .loss import WindowNormalizer, causal_lm_loss, classification_loss, seq2seq_loss
+    from .core.loop import LoopResult, train_loop
+    from .core.loss import WindowNormalizer, causal_lm_loss, classification_loss, seq2seq_loss
     from .planning import optimizer_steps_per_epoch
 
 

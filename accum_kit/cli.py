@@ -23,7 +23,7 @@ import sys
 from .errors import AccumKitError
 
 COMMANDS = {
-    "train": ("accum_kit.train", "train a causal LM with exact, no_sync gradient accumulation"),
+    "train": ("accum_kit.job.train", "train a causal LM with exact, no_sync gradient accumulation"),
     "plan": ("accum_kit.planning", "effective batch size, steps per epoch, learning-rate scaling, K for a target batch"),
     "bench": ("accum_kit.bench", "step time, communication and memory of sync_each_batch vs no_sync vs raw DDP over K, with the ideal"),
     "nodes": ("accum_kit.multinode", "print the accelerate launch line of every machine of a multi-node job (or this SLURM node's)"),

@@ -30,10 +30,10 @@ from accelerate.utils import (DistributedDataParallelKwargs, GradientAccumulatio
 from . import checks
 from .compat import enable_deepspeed_on_cpu, enable_fsdp_on_cpu, enable_hsdp_on_cpu, parallelism_config_from_env_off
 from .errors import ProcessCountError, UsageError
-from .hsdp import resolve_parallelism_config
+from .engines.mesh import resolve_parallelism_config
 # The default-K rule lives in the torch-free settings module (``accum-kit plan`` uses it too);
 # re-exported here for callers of ``accum_kit.launch.resolve_accumulation_steps``.
-from .settings import DEFAULT_GRADIENT_ACCUMULATION_STEPS, resolve_accumulation_steps  # noqa: F401
+from .core.settings import DEFAULT_GRADIENT_ACCUMULATION_STEPS, resolve_accumulation_steps  # noqa: F401
 
 
 def launcher_world_size() -> int:
@@ -184,7 +184,7 @@ def _check_deepspeed_fits(fsdp: bool, ddp_kwargs, compile_requested) -> None:
         raise UsageError("--use_deepspeed", "DeepSpeed and FSDP were both requested", "launch with one config: "
                          "accelerate_configs/cpu_deepspeed.yaml or cpu_fsdp.yaml")
     if ddp_kwargs:
-        from .ddp_options import flag_of
+        from .engines.ddp import flag_of
         raise UsageError(flag_of(next(iter(ddp_kwargs))), "is a DDP setting and has no effect under DeepSpeed",
                          "drop it, or launch with a DDP config (accelerate_configs/cpu_ddp.yaml)")
     if compile_requested:
@@ -216,10 +216,10 @@ def build_accelerator(
         sync_each_batch: all-reduce gradients on every micro-batch instead of
             only on the window's boundary (Accelerate's ``GradientAccumulationPlugin``
             option of the same name); the same as ``accumulation_policy="sync_each_batch"``.
-        accumulation_policy: one of :data:`accum_kit.policies.POLICIES`
+        accumulation_policy: one of :data:`accum_kit.engines.policies.POLICIES`
             (``no_sync``, the default; ``sync_each_batch``; under FSDP2 also
             ``no_sync_no_reshard_after_backward`` and ``no_sync_no_reshard``;
-            under HSDP also ``reduce_scatter_each_batch``), see :mod:`accum_kit.policies`.
+            under HSDP also ``reduce_scatter_each_batch``), see :mod:`accum_kit.engines.policies`.
         cpu: force CPU; None means "CPU when several processes were launched
             and no GPU exists", which is what makes gloo DDP work.
         ddp_timeout: seconds any collective (and the initial rendezvous) may
@@ -231,7 +231,7 @@ def build_accelerator(
             torch 2.13: "Timed out waiting 5000ms for recv operation").
         ddp_kwargs: DDP constructor settings by DDP's names (``bucket_cap_mb``,
             ``gradient_as_bucket_view``, ``static_graph``, ``find_unused_parameters``;
-            see :func:`accum_kit.ddp_options.ddp_kwargs`), passed as
+            see :func:`accum_kit.engines.ddp.ddp_kwargs`), passed as
             ``DistributedDataParallelKwargs`` (updating one given in ``kwargs_handlers``).
         torch_compile, torch_compile_backend, torch_compile_mode: compile the
             model in ``prepare`` (transformers' names; a backend or a mode
@@ -239,7 +239,7 @@ def build_accelerator(
             through Accelerate's ``TorchDynamoPlugin``: the whole model under
             DDP, per block under FSDP2; without them an accelerate config's
             ``dynamo_config`` is checked and used the same way (see
-            :func:`accum_kit.compiling.dynamo_plugin_for`).
+            :func:`accum_kit.engines.compiling.dynamo_plugin_for`).
         torch_compile_dynamic: ``torch.compile``'s ``dynamic`` (True: shapes
             are symbolic from the first call; None: torch's default).
         max_grad_norm: the run's gradient clipping (None: none). Used only under
@@ -253,7 +253,7 @@ def build_accelerator(
     (``ACCELERATE_USE_DEEPSPEED=true``, e.g. accelerate_configs/cpu_deepspeed.yaml)
     or a ``deepspeed_plugin`` is passed, the plugin's K and clipping come from
     ``gradient_accumulation_steps`` and ``max_grad_norm``
-    (:func:`accum_kit.zero.deepspeed_plugin_for`) and, on a machine without a
+    (:func:`accum_kit.engines.deepspeed.deepspeed_plugin_for`) and, on a machine without a
     GPU, DeepSpeed is switched on for the gloo group
     (:func:`accum_kit.compat.enable_deepspeed_on_cpu`; Accelerate alone would
     see one process, or train DDP with ``cpu=True``).
@@ -262,13 +262,13 @@ def build_accelerator(
     or the launch flags ``--parallelism_config_dp_replicate_size R
     --parallelism_config_dp_shard_size S``) or ``parallelism_config=ParallelismConfig(...)``
     in ``accelerator_kwargs`` gives FSDP2 the 2-D mesh (replicate x shard) on CPU
-    and GPU alike; checked by :func:`accum_kit.hsdp.resolve_parallelism_config`,
+    and GPU alike; checked by :func:`accum_kit.engines.mesh.resolve_parallelism_config`,
     applied on CPU by :func:`accum_kit.compat.enable_hsdp_on_cpu`.
 
     FSDP2: when ``accelerate launch`` ran with an FSDP config
     (``ACCELERATE_USE_FSDP=true``, e.g. accelerate_configs/cpu_fsdp.yaml) or a
     ``fsdp_plugin`` is passed, the plugin is checked and completed by
-    :func:`accum_kit.sharding.fsdp_plugin_for` and, on a machine without a
+    :func:`accum_kit.engines.fsdp2.fsdp_plugin_for` and, on a machine without a
     GPU, FSDP2 is switched on for the gloo group
     (:func:`accum_kit.compat.enable_fsdp_on_cpu`; Accelerate itself would
     silently fall back to DDP there).
@@ -277,7 +277,7 @@ def build_accelerator(
     formed by :func:`init_restartable_process_group` first (Accelerate reuses it);
     in every multi-process run a failed collective is described by one
     ``error: rank N: <collective> ...`` line
-    (:func:`accum_kit.faults.install_collective_failure_hook`).
+    (:func:`accum_kit.core.faults.install_collective_failure_hook`).
 
     Returns:
         The Accelerator, already checked with :func:`check_process_count`.
@@ -287,7 +287,7 @@ def build_accelerator(
             unknown policy, an FSDP-only policy without FSDP, an HSDP-only policy
             without a replicate group, FSDP1, FSDP on CPU with one process,
             ``ddp_kwargs`` under FSDP, a parallelism config that cannot work
-            (see :func:`accum_kit.hsdp.resolve_parallelism_config`), an unknown
+            (see :func:`accum_kit.engines.mesh.resolve_parallelism_config`), an unknown
             compile backend or mode, a backend whose compiler is missing, DDP
             buckets below 1 MB with compilation; under DeepSpeed: the package
             missing (naming the extra), a config contradicting K or ``max_grad_norm``,
@@ -295,10 +295,10 @@ def build_accelerator(
         ProcessCountError: launched and visible process counts differ.
         TypeError: a ``ddp_kwargs`` key that ``DistributedDataParallelKwargs`` does not have.
     """
-    from .faults import install_collective_failure_hook
-    from .policies import resolve_policy
-    from .sharding import AccumulationAccelerator, fsdp_plugin_for, fsdp_requested
-    from .zero import deepspeed_plugin_for, deepspeed_requested
+    from .core.faults import install_collective_failure_hook
+    from .engines.policies import resolve_policy
+    from .engines.fsdp2 import AccumulationAccelerator, fsdp_plugin_for, fsdp_requested
+    from .engines.deepspeed import deepspeed_plugin_for, deepspeed_requested
 
     steps = resolve_accumulation_steps(gradient_accumulation_steps)
     policy = resolve_policy(accumulation_policy, sync_each_batch)
@@ -316,7 +316,7 @@ def build_accelerator(
         accelerator_kwargs["fsdp_plugin"] = fsdp_plugin_for(policy, accelerator_kwargs.get("fsdp_plugin"),
                                                             accelerator_kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION"))
     if "dynamo_plugin" not in accelerator_kwargs and "dynamo_backend" not in accelerator_kwargs:
-        from .compiling import dynamo_plugin_for
+        from .engines.compiling import dynamo_plugin_for
         plugin = dynamo_plugin_for(torch_compile, torch_compile_backend, torch_compile_mode, fsdp=fsdp,
                                    dynamic=torch_compile_dynamic)
         if plugin is not None:
@@ -324,12 +324,12 @@ def build_accelerator(
     handlers, timeout = _with_timeout(list(accelerator_kwargs.pop("kwargs_handlers", None) or []), ddp_timeout)
     handlers = _with_ddp_kwargs(handlers, ddp_kwargs)
     if accelerator_kwargs.get("dynamo_plugin") is not None:
-        from .compiling import check_ddp_buckets
+        from .engines.compiling import check_ddp_buckets
         check_ddp_buckets(accelerator_kwargs["dynamo_plugin"], handlers)
     if cpu is None:
         cpu = launcher_world_size() > 1 and not _has_gpu()
     if fsdp and ddp_kwargs:
-        from .ddp_options import flag_of
+        from .engines.ddp import flag_of
         raise UsageError(flag_of(next(iter(ddp_kwargs))), "is a DDP setting and has no effect under FSDP2",
                          "drop it, or launch with a DDP config (accelerate_configs/cpu_ddp.yaml)")
     if (fsdp or deepspeed) and launcher_world_size() < 2 and (cpu or not _has_gpu()):

@@ -45,13 +45,13 @@ import torch
 from torch.utils.data import DataLoader
 
 import accum_kit
-from accum_kit.checkpoint import Checkpointer, latest_checkpoint
+from accum_kit.core.checkpoint import Checkpointer, latest_checkpoint
 from accum_kit.errors import UsageError
-from accum_kit.memory import proc_status_kb
-from accum_kit.models import build_model
+from accum_kit.profiler.held_memory import proc_status_kb
+from accum_kit.job.models import build_model
 from accum_kit.profiler import CommProfiler
 from accum_kit.stats import ratio_interval, t_quantile
-from accum_kit.tracking import TrackerLogger
+from accum_kit.job.tracking import TrackerLogger
 
 
 def parse_args(argv) -> argparse.Namespace:

@@ -3,7 +3,7 @@
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml examples/train.py --output_dir runs/demo
 
 Takes the flags of transformers' run_clm_no_trainer.py (see --help). The job
-itself is accum_kit/train.py; to write your own loop around the same pieces,
+itself is accum_kit/job/train.py; to write your own loop around the same pieces,
 see examples/custom_loop.py.
 """
 

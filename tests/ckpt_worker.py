@@ -31,8 +31,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, get_scheduler
 
 import accum_kit
 import job_helpers as jh  # the worker runs as a script from tests/
-from accum_kit.checkpoint import Checkpointer
-from accum_kit.planning.schedule import scheduled_steps
+from accum_kit.core.checkpoint import Checkpointer
+from accum_kit.core.accumulation_schedule import scheduled_steps
 
 
 class Steps(accum_kit.LoopCallback):

@@ -31,10 +31,10 @@ from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import accum_kit
-import accum_kit.memory
+import accum_kit.profiler.held_memory
 import accum_kit.profiler
 from job_helpers import pad_collate  # the worker runs as a script from tests/
-from accum_kit.checkpoint import Checkpointer
+from accum_kit.core.checkpoint import Checkpointer
 
 # torch.distributed function -> (kind, how to find the tensor whose size is counted: position, keyword)
 WRAPPED = {
@@ -126,7 +126,7 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
     counter.start()
     saver = StepSaver(model, keep=accelerator.is_main_process)
     profiler = accum_kit.profiler.CommProfiler(accelerator, model) if spec.get("profile") else None
-    held = accum_kit.memory.HeldMemory(accelerator, model) if spec.get("profile") else None
+    held = accum_kit.profiler.held_memory.HeldMemory(accelerator, model) if spec.get("profile") else None
     d = out_dir / sc["name"] / (f"resumed_{resume_from}" if resume_from is not None else "")
     ckpts = out_dir / sc["name"] / "ckpts"
     checkpointer = None
@@ -141,7 +141,7 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
     if accelerator.is_main_process:
         torch.save(init, d / "init.pt")
         torch.save(saver.steps, d / "steps.pt")
-    from accum_kit.sharding import predicted_memory
+    from accum_kit.engines.fsdp2 import predicted_memory
 
     info = {
         "rank": rank, "num_processes": accelerator.num_processes,

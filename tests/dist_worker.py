@@ -24,9 +24,9 @@ missing keys mean 1, None, None, None. With a schedule, ``K`` is the Accelerator
 ``mixed_precision`` goes to the Accelerator, missing means "no"; ``policy`` is
 ``build_accelerator(accumulation_policy=...)``; ``torch_compile_backend`` compiles the model through
 ``build_accelerator(torch_compile_backend=...)`` (``bucket_cap_mb``, default 0.01, must then be
-at least 1: see :func:`accum_kit.compiling.check_ddp_buckets`), with ``torch_compile_dynamic`` as
+at least 1: see :func:`accum_kit.engines.compiling.check_ddp_buckets`), with ``torch_compile_dynamic`` as
 ``torch.compile``'s ``dynamic`` (missing: True), and ``rank<r>.json`` then holds the
-:class:`accum_kit.compiling.CompileWatch` summary as ``compile``. ``pad_to`` pads every
+:class:`accum_kit.engines.compiling.CompileWatch` summary as ``compile``. ``pad_to`` pads every
 micro-batch to at least that many tokens, so that all have one shape.)
 
 Launched with accelerate_configs/cpu_fsdp.yaml the model is sharded with FSDP2:
@@ -77,13 +77,13 @@ from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import accum_kit
-import accum_kit.compiling
-import accum_kit.memory
+import accum_kit.engines.compiling
+import accum_kit.profiler.held_memory
 import accum_kit.profiler
 from job_helpers import fresh_process_group, pad_collate  # the worker runs as a script from tests/
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs
-from accum_kit.checkpoint import Checkpointer
+from accum_kit.core.checkpoint import Checkpointer
 
 
 def full_state_dict(model) -> dict:
@@ -225,14 +225,14 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
     restore = rec.count_fsdp_collectives() if accelerator.is_fsdp2 else (lambda: None)
     # Under FSDP2 accum_kit's own profiler and memory measurement run too, to be checked against the counts above.
     profiler = accum_kit.profiler.CommProfiler(accelerator, model) if accelerator.is_fsdp2 else None
-    held = accum_kit.memory.HeldMemory(accelerator, model) if accelerator.is_fsdp2 else None
+    held = accum_kit.profiler.held_memory.HeldMemory(accelerator, model) if accelerator.is_fsdp2 else None
     d = out_dir / sc["name"] / (f"resumed_{resume_from}" if resume_from is not None else "")
     checkpointer = None
     if sc.get("resume_from") and resume_from is None:  # the uninterrupted run saves after every step
         checkpointer = Checkpointer(accelerator, out_dir / sc["name"] / "ckpts", checkpointing_steps=1, signals=())
     watch = None
     if sc.get("torch_compile_backend"):
-        from accum_kit.compiling import CompileWatch
+        from accum_kit.engines.compiling import CompileWatch
 
         watch = CompileWatch(warmup_steps=1)
     result = accum_kit.train_loop(
@@ -283,10 +283,10 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
     }
     if watch is not None:
         info["compile"] = watch.summary()
-        info["compile_settings"] = accum_kit.compiling.compile_settings(accelerator)
+        info["compile_settings"] = accum_kit.engines.compiling.compile_settings(accelerator)
         watch.close()
     if profiler is not None:
-        from accum_kit.sharding import predicted_memory
+        from accum_kit.engines.fsdp2 import predicted_memory
 
         info["profiler_calls"] = [{"kind": c.kind, "micro_batch": c.micro_batch - rec.offset, "unit": c.unit,
                                    "bytes": c.bytes, "seconds": c.seconds, "group": c.group}

@@ -260,7 +260,7 @@ def test_c_and_a_from_phase_times_and_ideal_arithmetic(bench):
 
 def _gradient_bytes(preset: str) -> int:
     """Bytes of all trainable parameters, from a model built here (tied weights counted once)."""
-    from accum_kit.models import build_model
+    from accum_kit.job.models import build_model
 
     model = build_model(preset, VOCAB, BLOCK, seed=0)
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -406,7 +406,7 @@ def test_every_ratio_has_the_t_interval_of_its_per_repeat_ratios(bench):
 
 def test_manual_allreduce_modes_count_one_collective_per_parameter_tensor_and_match_no_sync(bench):
     """Per-parameter mode: one all-reduce per parameter tensor of the model (built here); flat: one in all."""
-    from accum_kit.models import build_model
+    from accum_kit.job.models import build_model
 
     js = bench["json"]
     for p in PRESETS:

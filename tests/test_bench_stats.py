@@ -253,8 +253,8 @@ def test_ddp_flags_reach_the_accelerators_ddp_kwargs(accelerator):
     from accum_kit import build_accelerator
     from accum_kit.bench.config import BenchConfig
     from accum_kit.cli import parse
-    from accum_kit.config import TrainConfig
-    from accum_kit.ddp_options import ddp_kwargs
+    from accum_kit.job.config import TrainConfig
+    from accum_kit.engines.ddp import ddp_kwargs
 
     argv = ["--ddp_bucket_cap_mb", "5", "--gradient_as_bucket_view", "true", "--static_graph", "true",
             "--ddp_find_unused_parameters", "true"]

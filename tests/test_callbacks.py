@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from accum_kit.callbacks import HOOKS, CallbackList, LoopCallback, LoopState
-from accum_kit.loss import scale_grads_
+from accum_kit.core.callbacks import HOOKS, CallbackList, LoopCallback, LoopState
+from accum_kit.core.loss import scale_grads_
 
 
 class Counting(LoopCallback):

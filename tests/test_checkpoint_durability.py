@@ -5,7 +5,7 @@ system calls that makes it safe (each file and directory ``fsync``ed before
 the marker that publishes them is written, the marker and its folder entry
 synced before the rename, the parent directory synced after it and before an
 older checkpoint is deleted), recorded in-process around real
-:class:`accum_kit.checkpoint.Checkpointer` saves of a prepared model.
+:class:`accum_kit.core.checkpoint.Checkpointer` saves of a prepared model.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import job_helpers as jh
 from accum_kit import train_loop
-from accum_kit.checkpoint import COMPLETE, Checkpointer
+from accum_kit.core.checkpoint import COMPLETE, Checkpointer
 
 
 def test_every_file_and_folder_is_synced_before_the_marker_and_the_rename(accelerator, tmp_path, monkeypatch):

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 
 import job_helpers as jh
-from accum_kit.checkpoint import CRASH_HOOK, PREEMPTED_EXIT_CODE, complete_checkpoints, latest_checkpoint
-from accum_kit.loop_history import read_history
+from accum_kit.core.checkpoint import CRASH_HOOK, PREEMPTED_EXIT_CODE, complete_checkpoints, latest_checkpoint
+from accum_kit.core.loop_history import read_history
 
 K, B, SAMPLES, STEPS_PER_EPOCH, EPOCHS = 3, 2, 200, 17, 3
 STEPS = EPOCHS * STEPS_PER_EPOCH

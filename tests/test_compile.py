@@ -124,7 +124,7 @@ def compile_floor(backend: str = BACKEND) -> float:
     """Largest |parameter| difference after one SGD step on one process: compiled vs eager, same padded batch."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from accum_kit.loss import causal_lm_loss
+    from accum_kit.core.loss import causal_lm_loss
 
     batch = jh.pad_collate(ex.PAD_ID, PAD_TO)([e for micro in ex.windows_for(1, 3)[0] for e in micro])
     params = []
@@ -315,7 +315,7 @@ def test_no_recompile_after_warmup_when_resumed_from_a_checkpoint(runs):
 def _verify_report_checks(rep, world):
     """A compiled verify report: compiled by dynamo, passes as an eager one does, its norms recomputed here."""
     import test_verify as tv
-    from accum_kit.models import build_model
+    from accum_kit.job.models import build_model
 
     comp = rep["compile"]
     assert comp is not None and comp["backend"] == "eager" and comp["dynamic"] is True and not comp["regional"]

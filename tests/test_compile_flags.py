@@ -27,7 +27,7 @@ def test_unknown_backend_or_mode_exits_2_naming_the_flag(tmp_path, capsys, argv,
 def test_a_backend_without_its_compiler_says_what_to_install(monkeypatch):
     import shutil
 
-    from accum_kit.compiling import check_backend_available
+    from accum_kit.engines.compiling import check_backend_available
     from accum_kit.errors import UsageError
 
     with pytest.raises(UsageError, match="pip install apache-tvm"):
@@ -40,7 +40,7 @@ def test_a_backend_without_its_compiler_says_what_to_install(monkeypatch):
 def test_ddp_buckets_below_one_mb_are_refused_when_compiling(monkeypatch):
     from accelerate.utils import DistributedDataParallelKwargs
 
-    from accum_kit.compiling import check_ddp_buckets, dynamo_plugin_for
+    from accum_kit.engines.compiling import check_ddp_buckets, dynamo_plugin_for
     from accum_kit.errors import UsageError
 
     monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
@@ -51,7 +51,7 @@ def test_ddp_buckets_below_one_mb_are_refused_when_compiling(monkeypatch):
 
 
 def test_flags_build_accelerates_dynamo_plugin(monkeypatch):
-    from accum_kit.compiling import dynamo_plugin_for
+    from accum_kit.engines.compiling import dynamo_plugin_for
 
     monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
     assert dynamo_plugin_for() is None

@@ -15,7 +15,7 @@ import pytest
 
 import job_helpers as jh
 from accum_kit import UsageError
-from accum_kit.data import first_invalid_utf8, json_problem, load_raw_datasets
+from accum_kit.job.data import first_invalid_utf8, json_problem, load_raw_datasets
 
 
 @pytest.fixture
@@ -125,10 +125,10 @@ def test_malformed_jsonl_exits_2_naming_file_line_and_column(offline, capsys):
 ])
 @pytest.mark.parametrize("precheck", [True, False], ids=["every_process_at_start", "where_it_fails_to_load"])
 def test_malformed_json_names_the_position(offline, monkeypatch, name, content, where, precheck):
-    import accum_kit.data
+    import accum_kit.job.data
 
     if not precheck:  # a file above the start-up check's size: the error comes from the failed load
-        monkeypatch.setattr(accum_kit.data, "_PRECHECK_JSON_BYTES", 0)
+        monkeypatch.setattr(accum_kit.job.data, "_PRECHECK_JSON_BYTES", 0)
     path = offline / name
     path.write_text(content)
     with pytest.raises(UsageError) as info:
@@ -139,7 +139,7 @@ def test_malformed_json_names_the_position(offline, monkeypatch, name, content, 
 
 def test_small_json_is_checked_when_the_flags_are_parsed(tmp_path):
     """Every process parses the flags before any collective: all of them stop with the same error."""
-    from accum_kit.config import TrainConfig
+    from accum_kit.job.config import TrainConfig
 
     bad = tmp_path / "malformed.jsonl"
     bad.write_text(JSONL_BAD_LINE_3)

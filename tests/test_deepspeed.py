@@ -170,7 +170,7 @@ def test_collectives_per_window_follow_the_stage_formulas(runs, stage):
     """zero_costs (torch-free) per window, full and partial, against the independent count. ZeRO-1
     sends nothing inside the window; ZeRO-2 all-reduces and ZeRO-3 reduce-scatters on every micro-batch.
     ZeRO-3's all-gathers are not predicted (they depend on which parameters stay resident)."""
-    from accum_kit.planning.fsdp import zero_costs
+    from accum_kit.engines.costs import zero_costs
 
     run = runs[f"zero{stage}"]
     for info in run["ranks"]:
@@ -247,7 +247,7 @@ def test_gradient_memory_held_is_what_the_stage_predicts(runs, stage):
 
 def _tiny_parameters():
     """The tiny preset's parameters, counted on the plain model (the oracle of P and of the largest tensor)."""
-    from accum_kit.models import build_model
+    from accum_kit.job.models import build_model
 
     model = build_model("tiny", 384, 64, seed=0)
     return sum(p.numel() for p in model.parameters()), max(p.numel() for p in model.parameters())
@@ -430,7 +430,7 @@ def test_what_contradicts_the_run_is_refused_before_anything_is_built(ds_env, tm
 
 @needs_deepspeed
 def test_config_values_that_agree_or_say_auto_are_filled_from_the_flags(ds_env, tmp_path):
-    from accum_kit.zero import deepspeed_plugin_for
+    from accum_kit.engines.deepspeed import deepspeed_plugin_for
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 4,
@@ -451,7 +451,7 @@ def test_what_a_built_deepspeed_run_cannot_do_is_refused():
     import torch
 
     from accum_kit import UsageError
-    from accum_kit.zero import check_batch_sizes, check_constant_k, check_engine_clipping, count_items
+    from accum_kit.engines.deepspeed import check_batch_sizes, check_constant_k, check_engine_clipping, count_items
 
     fake = SimpleNamespace(num_processes=2, deepspeed_plugin=SimpleNamespace(deepspeed_config={
         "gradient_accumulation_steps": 3, "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 4,
@@ -526,7 +526,7 @@ def bf16_floor(verify_reports):
     difference between the same model's gradient in bf16 and in float64, one process, one big batch."""
     import torch
 
-    from accum_kit.models import build_model
+    from accum_kit.job.models import build_model
 
     rep = verify_reports["zero1_no"]
     m = rep["model"]
@@ -637,7 +637,7 @@ def test_sigterm_saves_at_the_next_window_and_latest_resumes_equal_to_the_uninte
     checkpoint saved at the first window boundary after the signal, workers exit 75 (accelerate launch itself
     exits non-zero); ``latest`` continues from it, and the losses and the final evaluation loss equal the
     uninterrupted run's (the worker's, same flags) bit for bit."""
-    from accum_kit.checkpoint import PREEMPTED_EXIT_CODE, complete_checkpoints
+    from accum_kit.core.checkpoint import PREEMPTED_EXIT_CODE, complete_checkpoints
 
     root, preempted, latest = launched
     assert preempted.returncode != 0, preempted.describe()
@@ -677,7 +677,7 @@ def test_the_engine_check_leaves_ddp_and_fsdp_checkpoints_alone(tmp_path):
     """Only DeepSpeed on either side is checked: DDP and FSDP2 resume as before; an old DeepSpeed checkpoint
     without the loop state's ``engine`` is recognised by its ZeRO files."""
     from accum_kit import UsageError
-    from accum_kit.checkpoint import check_engine
+    from accum_kit.core.checkpoint import check_engine
 
     check_engine(tmp_path, {"engine": "multi_cpu"}, "fsdp")
     check_engine(tmp_path, {}, "multi_cpu")

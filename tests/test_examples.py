@@ -72,9 +72,9 @@ def test_raw_ddp_loop_equals_one_process_big_batch(example_results, grad_sync):
 
     import torch
 
-    from accum_kit.data import build_tokenizer
-    from accum_kit.loss import causal_lm_loss
-    from accum_kit.models import build_model
+    from accum_kit.job.data import build_tokenizer
+    from accum_kit.core.loss import causal_lm_loss
+    from accum_kit.job.models import build_model
     from conftest import RAW_DDP_STEPS
 
     r0, r1 = ok(example_results["raw_ddp_loop" if grad_sync == "ddp" else f"raw_ddp_loop_{grad_sync}"])
@@ -122,8 +122,8 @@ def test_profile_comm_counts_every_gradient_once_per_sync(example_results):
     """
     import torch.distributed as dist
 
-    from accum_kit.data import build_tokenizer
-    from accum_kit.models import build_model
+    from accum_kit.job.data import build_tokenizer
+    from accum_kit.job.models import build_model
     from conftest import PROFILE_COMM_STEPS
 
     r0, r1 = ok(example_results["profile_comm"])

@@ -68,7 +68,7 @@ def _job_flags(out):
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     """Start all five launches at once, fire each signal when its job is ready, time what follows."""
-    from accum_kit.checkpoint import latest_checkpoint
+    from accum_kit.core.checkpoint import latest_checkpoint
 
     root = tmp_path_factory.mktemp("faults")
     env = jh.clean_env(HF_DATASETS_CACHE=str(root / "hf"))
@@ -243,7 +243,7 @@ def test_restartable_group_only_under_a_restart_capable_launch(no_launcher):
 
 
 def test_describe_collective_failure_reads_gloo_messages():
-    from accum_kit.faults import describe_collective_failure
+    from accum_kit.core.faults import describe_collective_failure
 
     timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete")
     assert "timed out after 3 s" in describe_collective_failure(timeout)

@@ -140,7 +140,7 @@ def _model_parameters() -> int:
 
 def _layout():
     """The test model's FSDP2 units counted from its config alone (torch-free formulas)."""
-    from accum_kit.planning.fsdp import gpt2_units_for
+    from accum_kit.engines.costs import gpt2_units_for
 
     c = ex.MODEL_CONFIG
     return gpt2_units_for(c["n_layer"], c["n_embd"], c["vocab_size"], c["n_positions"])
@@ -218,7 +218,7 @@ def test_units_counted_from_the_config_are_fsdp2s_units(runs):
 def test_cost_formulas_give_the_collectives_counted_in_every_window(runs, policy):
     """policy_costs (torch-free) per window, full (K=3) and partial (2 micro-batches), against the independent
     count of calls and bytes (nccl-tests' S: the gathered output, the reduce-scattered input)."""
-    from accum_kit.planning.fsdp import policy_costs
+    from accum_kit.engines.costs import policy_costs
 
     for w in jh.windows_of(runs[f"tok_k3_{policy}"]["ranks"][0]["micro"]):
         c = policy_costs(policy, _layout(), world_size=W, accumulation_steps=len(w))
@@ -289,7 +289,7 @@ def test_fsdp_bench_sweeps_every_policy_and_writes_its_files(bench):
 def test_fsdp_bench_counts_and_memory_follow_the_formulas(bench):
     """Collectives per step and gradient bytes held in the bench's table equal the cost formulas for the tiny
     preset's units (counted from its config, not from the run)."""
-    from accum_kit.planning.fsdp import gpt2_units, policy_costs
+    from accum_kit.engines.costs import gpt2_units, policy_costs
 
     result, _, _ = bench
     layout = gpt2_units("tiny", BENCH_VOCAB, BENCH_BLOCK)
@@ -443,8 +443,8 @@ def test_fsdp_only_policies_are_refused_under_ddp(monkeypatch, policy):
 def test_bf16_gets_an_fp32_reduction_and_the_gathered_policy_its_reshard_setting():
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from accum_kit.policies import POLICIES as P
-    from accum_kit.sharding import fsdp_plugin_for
+    from accum_kit.engines.policies import POLICIES as P
+    from accum_kit.engines.fsdp2 import fsdp_plugin_for
 
     plugin = fsdp_plugin_for(P["no_sync_no_reshard"], FullyShardedDataParallelPlugin(fsdp_version=2), "bf16")
     assert plugin.reshard_after_forward is False

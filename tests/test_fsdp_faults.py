@@ -29,7 +29,7 @@ import time
 import pytest
 
 import job_helpers as jh
-from accum_kit.checkpoint import CRASH_HOOK, complete_checkpoints, latest_checkpoint
+from accum_kit.core.checkpoint import CRASH_HOOK, complete_checkpoints, latest_checkpoint
 
 EVERY = 2  # --checkpointing_steps: the first checkpoint comes early, leaving most of the run to interrupt
 CRASH_AT = "step_4"
@@ -140,7 +140,7 @@ def test_max_restarts_survives_a_killed_worker_and_equals_the_uninterrupted_run(
 
 
 def test_a_crash_during_a_sharded_save_leaves_latest_on_the_previous_checkpoint(runs):
-    from accum_kit.checkpoint_files import check_checkpoint_files
+    from accum_kit.core.checkpoint_files import check_checkpoint_files
 
     root, done, _ = runs
     res, out = done["crashed"], root / "crashed"

@@ -1,6 +1,6 @@
 """The FSDP2 cost formulas and ``accum-kit plan --fsdp``, in-process (no launch).
 
-The closed-form counts of :func:`accum_kit.planning.fsdp.policy_costs` are
+The closed-form counts of :func:`accum_kit.engines.costs.policy_costs` are
 checked against a step-by-step simulation of FSDP2's gather/free rules
 written here (tests/test_fsdp.py checks both against the collectives a real
 2-process FSDP2 run sends); the GPT-2 unit sizes against ``transformers``
@@ -17,9 +17,9 @@ import pytest
 
 from accum_kit import cli
 from accum_kit.errors import UsageError
-from accum_kit.planning.fsdp import ShardedModel, gpt2_units, gpt2_units_for, policy_costs
+from accum_kit.engines.costs import ShardedModel, gpt2_units, gpt2_units_for, policy_costs
 from accum_kit.planning.fsdp_plan import load_fsdp_profile, make_fsdp_plan
-from accum_kit.policies import POLICIES, policies_for
+from accum_kit.engines.policies import POLICIES, policies_for
 
 LAYOUT = ShardedModel(resharded=(1000, 1000, 1000), kept=(300, 50))
 
@@ -82,7 +82,7 @@ def test_memory_between_micro_batches(policy):
 
 @pytest.mark.parametrize("preset", ["tiny", "mini", "small", "comm_heavy"])
 def test_gpt2_units_add_up_to_the_transformers_model(preset):
-    from accum_kit.models import build_model, count_parameters
+    from accum_kit.job.models import build_model, count_parameters
 
     layout = gpt2_units(preset, 384, 128)
     model = build_model(preset, 384, 128)

@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
 
 
 def _layout():
-    from accum_kit.planning.fsdp import gpt2_units_for
+    from accum_kit.engines.costs import gpt2_units_for
 
     c = ex.MODEL_CONFIG
     return gpt2_units_for(c["n_layer"], c["n_embd"], c["vocab_size"], c["n_positions"])
@@ -104,7 +104,7 @@ def test_collectives_per_group_follow_the_policy(runs, policy):
 def test_cost_formulas_give_the_collectives_counted_per_group(runs, policy):
     """policy_costs with the mesh (torch-free) per window, full and partial, against the independent count:
     reduce-scatters and all-gathers in the shard group, all-reduces in the replicate group (calls and bytes)."""
-    from accum_kit.planning.fsdp import policy_costs
+    from accum_kit.engines.costs import policy_costs
 
     for w in jh.windows_of(runs[f"tok_k3_{policy}"]["ranks"][0]["micro"]):
         c = policy_costs(policy, _layout(), world_size=W, accumulation_steps=len(w), replicate_size=R)

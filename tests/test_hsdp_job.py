@@ -50,7 +50,7 @@ def _machines(out: Path, corpus: Path, *extra) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    from accum_kit.checkpoint import latest_checkpoint
+    from accum_kit.core.checkpoint import latest_checkpoint
 
     work = tmp_path_factory.mktemp("hsdp_job")
     corpus = jh.write_corpus(work / "corpus.txt")
@@ -105,7 +105,7 @@ def test_two_machines_resumed_from_latest_equal_the_one_launch_run(jobs):
 def test_the_jobs_comm_block_gives_each_mesh_dimension(jobs):
     """train_summary.json's comm under HSDP: per step, K reduce-scatter rounds in the shard group and one
     all-reduce round across replicas (reduce_scatter_each_batch), each with its bytes, seconds and busbw."""
-    from accum_kit.planning.fsdp import policy_costs, ShardedModel
+    from accum_kit.engines.costs import policy_costs, ShardedModel
 
     comm = _summary(jobs["work"] / "single")["comm"]
     groups = comm["by_group"]

@@ -202,7 +202,7 @@ def test_tag_labels_records_and_filters_summaries():
     """A free-form run label goes to ``tag`` (``mode`` takes only the two modes); summaries filter by it."""
     from types import SimpleNamespace
 
-    from accum_kit.callbacks import LoopState
+    from accum_kit.core.callbacks import LoopState
     from accum_kit.errors import UsageError
     from accum_kit.profiler import CommProfiler
 

@@ -250,7 +250,7 @@ def test_from_config_tokenizer_validation_file_epochs_no_linebreaks(clm, inproc,
 
 
 def test_keep_linebreaks_default_tokenises_the_file_itself(tmp_path):
-    from accum_kit.data import load_raw_datasets
+    from accum_kit.job.data import load_raw_datasets
 
     text = "def f():\n    return 1\n\n\nclass A:\n    pass\n"
     path = tmp_path / "code.txt"
@@ -272,7 +272,7 @@ def test_preprocessing_num_workers_and_overwrite_cache(clm, monkeypatch, tmp_pat
     alone (at most one more block lost); a second call reuses the cache files, --overwrite_cache rewrites them."""
     import datasets
 
-    from accum_kit.data import load_raw_datasets, tokenize_datasets
+    from accum_kit.job.data import load_raw_datasets, tokenize_datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
     raw, _ = load_raw_datasets(train_file=str(clm["sample"]))
@@ -295,7 +295,7 @@ def test_use_slow_tokenizer_asks_transformers_for_use_fast_false(clm, caplog):
     import transformers
     from transformers import AutoTokenizer
 
-    from accum_kit.data import build_tokenizer
+    from accum_kit.job.data import build_tokenizer
 
     path = str(clm["tok_dir"])
     slow = build_tokenizer(path, use_slow_tokenizer=True, flag="--tokenizer_name")
@@ -328,7 +328,7 @@ def custom_code_model(tmp_path):
 
 def test_trust_remote_code_runs_the_model_directory_code(custom_code_model):
     from accum_kit.errors import UsageError
-    from accum_kit.models import load_model, resolve_config
+    from accum_kit.job.models import load_model, resolve_config
 
     path = str(custom_code_model)
     for call in (lambda trust: load_model(path, trust_remote_code=trust),
@@ -359,7 +359,7 @@ def test_job_runs_shipped_code_only_with_the_flag(clm, inproc, capsys, tmp_path,
 def test_low_cpu_mem_usage_loads_the_saved_weights(clm):
     from safetensors.torch import load_file
 
-    from accum_kit.models import load_model
+    from accum_kit.job.models import load_model
 
     saved = load_file(clm["model_dir"] / "model.safetensors")
     for low in (True, False):
@@ -371,7 +371,7 @@ def test_model_type_is_the_default_config_of_that_type(clm):
     from transformers import GPT2Config, LlamaConfig
 
     from accum_kit.errors import UsageError
-    from accum_kit.models import resolve_config
+    from accum_kit.job.models import resolve_config
 
     assert resolve_config(model_type="gpt2").to_dict() == GPT2Config().to_dict()
     assert type(resolve_config(model_type="llama")) is LlamaConfig
@@ -387,7 +387,7 @@ def test_model_type_is_the_default_config_of_that_type(clm):
 def test_embeddings_grow_to_a_larger_tokenizer():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from accum_kit.models import fit_embeddings
+    from accum_kit.job.models import fit_embeddings
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2,
                                        bos_token_id=None, eos_token_id=None))
@@ -409,7 +409,7 @@ def test_embeddings_grow_to_a_larger_tokenizer():
 ])
 def test_steps_and_epochs(argv, steps, epochs):
     from accum_kit.cli import parse
-    from accum_kit.config import TrainConfig
+    from accum_kit.job.config import TrainConfig
 
     cfg = parse(TrainConfig, argv)
     assert (cfg.max_train_steps, cfg.num_train_epochs) == (steps, epochs)

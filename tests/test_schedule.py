@@ -13,7 +13,7 @@ import pytest
 
 import job_helpers as jh
 from accum_kit import train_loop
-from accum_kit.checkpoint import check_resumable
+from accum_kit.core.checkpoint import check_resumable
 from accum_kit.errors import UsageError
 from accum_kit.outputs import atomic_write_json
 

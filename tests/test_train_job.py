@@ -1,4 +1,4 @@
-"""The train job end to end: ``accelerate launch ... -m accum_kit train`` and ``accum_kit.train.main``.
+"""The train job end to end: ``accelerate launch ... -m accum_kit train`` and ``accum_kit.job.train.main``.
 
 Data: a small ``--train_file`` made of real CPython standard-library sources
 (the job's default corpus is the whole stdlib, too slow to tokenise in a test).
@@ -295,7 +295,7 @@ def test_fsdp_job_resumes_from_its_sharded_checkpoint_exactly(fsdp_runs):
 
 
 def test_fsdp_job_preempted_by_sigterm_saves_a_sharded_checkpoint_and_resumes_from_latest_exactly(fsdp_runs):
-    from accum_kit.checkpoint import complete_checkpoints
+    from accum_kit.core.checkpoint import complete_checkpoints
 
     (_, out), _, (preempted, preempted_out), latest = fsdp_runs
     assert preempted.returncode != 0, preempted.describe()  # torchrun re-raises the signal: accelerate launch exits 1

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from accum_kit import cli, verify
 from accum_kit.launch import DEFAULT_GRADIENT_ACCUMULATION_STEPS
-from accum_kit.models import build_model
+from accum_kit.job.models import build_model
 
 K = 3
 B = verify.DEFAULT_BATCH_SIZE
@@ -199,7 +199,7 @@ def test_trainer_row_gpt2_counts_labels_before_the_shift(two_processes):
 
 
 def test_trainer_row_llama_is_exact(two_processes_llama):
-    from accum_kit.models import build_llama_model
+    from accum_kit.job.models import build_llama_model
 
     res, rep = two_processes_llama
     assert rep["model"]["class"] == "LlamaForCausalLM" and rep["model"]["preset"] == "llama_tiny"

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import job_helpers as jh
 from accum_kit import LoopCallback, UsageError, classification_loss, seq2seq_loss, train_loop
-from accum_kit.batchnorm import BatchNormAccumulationWarning
+from accum_kit.core.batchnorm import BatchNormAccumulationWarning
 from accum_kit.verify import verify_accumulation
 
 K, B = 3, 4

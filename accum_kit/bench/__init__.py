@@ -14,7 +14,7 @@ average gradients by hand and two peers), on the same model, data and seed:
 - ``no_sync``: :func:`accum_kit.train_loop` as shipped (all-reduce on the
   window's last micro-batch only);
 - ``raw_ddp``: the loop a user writes without Accelerate
-  (:func:`accum_kit.raw_ddp.train_raw_ddp`), on a fresh copy of the model
+  (:func:`accum_kit.reference.raw_ddp.train_raw_ddp`), on a fresh copy of the model
   wrapped in plain ``torch.nn.parallel.DistributedDataParallel`` with the same
   DDP settings, toggling ``model.require_backward_grad_sync = (micro == K - 1)``
   as nanoGPT does, with the same loss arithmetic (summed token loss, gradients
@@ -24,7 +24,7 @@ average gradients by hand and two peers), on the same model, data and seed:
   on a plain (not DDP-wrapped) copy of the model, averaging the gradients by
   hand after the window's last backward, one ``dist.all_reduce`` per
   parameter as in the PyTorch tutorial or one of all gradients flattened
-  (:mod:`accum_kit.manual_allreduce`); the same update as ``no_sync``;
+  (:mod:`accum_kit.reference.manual_allreduce`); the same update as ``no_sync``;
 - peers, opt-in (:mod:`accum_kit.bench.peers`): ``trainer``
   (``transformers.Trainer`` with ``average_tokens_across_devices``, its
   prefetched windows and ``no_sync``, on a fresh copy of the model) and
@@ -183,9 +183,9 @@ def run_command(cfg: BenchConfig) -> int:
     Under an FSDP2 launch (``accelerate_configs/cpu_fsdp.yaml``) the sweep compares the accumulation
     policies instead (:mod:`accum_kit.bench.fsdp`).
     """
-    from ..hsdp import launched_replicas
-    from ..sharding import fsdp_requested
-    from ..zero import deepspeed_requested
+    from ..engines.mesh import launched_replicas
+    from ..engines.fsdp2 import fsdp_requested
+    from ..engines.deepspeed import deepspeed_requested
 
     cfg.check_hsdp_flags(fsdp_requested() and launched_replicas() > 1)
     if cfg.torch_compile:  # compiled against eager instead of the modes (:mod:`.compiled`)

@@ -9,7 +9,7 @@ and AdamW state are reset, so the two modes compute the same losses up to
 the compiled graph's rounding (``loss_max_abs_diff`` in the output).
 
 Schedule: one compiled window first, whose compiles are timed by
-:class:`accum_kit.compiling.CompileWatch` (``compile_seconds``) and which also
+:class:`accum_kit.engines.compiling.CompileWatch` (``compile_seconds``) and which also
 serves as the unmeasured warm-up of the compiled mode, one eager window as the
 eager mode's warm-up; then for each repeat, for each K, one run per mode in an
 order that alternates from one (repeat, K) to the next, each ``--warmup_steps``
@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from ..compiling import CompileWatch, check_backend_available, resolve_flags
+from ..engines.compiling import CompileWatch, check_backend_available, resolve_flags
 from ..errors import UsageError
 from ..launch import build_accelerator, launcher_world_size
-from ..loop import train_loop
-from ..models import PRESETS, build_model, count_parameters
+from ..core.loop import train_loop
+from ..job.models import PRESETS, build_model, count_parameters
 from ..outputs import atomic_write_json, library_versions
 from ..stats import RATIO_INTERVAL_METHOD, median, ratio_interval
 from .config import BenchConfig

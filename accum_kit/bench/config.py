@@ -5,19 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import checks
-from ..ddp_options import check_ddp_flags, ddp_field, flag_of
-from ..ddp_options import ddp_kwargs as _ddp_kwargs
-from ..compiling import resolve_flags
+from ..engines.ddp import check_ddp_flags, ddp_field, flag_of
+from ..engines.ddp import ddp_kwargs as _ddp_kwargs
+from ..engines.compiling import resolve_flags
 from ..errors import UsageError
-from ..models import PRESETS
+from ..job.models import PRESETS
 from ..outputs import check_output_dir
-from ..hsdp import launched_replicas
-from ..policies import POLICIES, fsdp_launched, policies_for
-from ..zero import deepspeed_requested
+from ..engines.mesh import launched_replicas
+from ..engines.policies import POLICIES, fsdp_launched, policies_for
+from ..engines.deepspeed import deepspeed_requested
 
 #: The three loops the sweep compares by default, in their default order.
 MODES = ("sync_each_batch", "no_sync", "raw_ddp")
-#: Hand-written gradient averaging without DDP (:mod:`accum_kit.manual_allreduce`), opt-in through ``--modes``.
+#: Hand-written gradient averaging without DDP (:mod:`accum_kit.reference.manual_allreduce`), opt-in through ``--modes``.
 MANUAL = ("manual_allreduce", "manual_allreduce_flat")
 #: The peers, opt-in through ``--modes`` (see :mod:`accum_kit.bench.peers`): transformers' Trainer and the
 #: loop of Accelerate's gradient accumulation guide. Kept out of the default: each Trainer run builds a new
@@ -94,7 +94,7 @@ class BenchConfig:
         "help": "Give every row a random number of targets (labels -100 after a random length, at least 1 "
                 "target; same shapes and compute), so micro-batches differ in target tokens and a mean of "
                 "micro-batch means (accelerate_guide) differs from the token mean. Default: every position a target."})
-    # DDP constructor settings (Trainer's flag names), the same for every mode (accum_kit.ddp_options)
+    # DDP constructor settings (Trainer's flag names), the same for every mode (accum_kit.engines.ddp)
     ddp_bucket_cap_mb: float | None = ddp_field("ddp_bucket_cap_mb")
     gradient_as_bucket_view: bool = ddp_field("gradient_as_bucket_view")
     ddp_static_graph: bool = ddp_field("ddp_static_graph")

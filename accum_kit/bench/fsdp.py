@@ -6,7 +6,7 @@ Run it with::
         --model_presets small --accumulation_steps 2 4 8 --repeats 5
 
 Under an FSDP2 launch the bench sweeps ``--accumulation_policies`` (default:
-all four of :data:`accum_kit.policies.POLICIES`) instead of the DDP modes,
+all four of :data:`accum_kit.engines.policies.POLICIES`) instead of the DDP modes,
 on one prepared model (one ``fully_shard`` per layer, per the config).
 
 Schedule: for each repeat and K, one :func:`accum_kit.train_loop` run from
@@ -23,7 +23,7 @@ apart, rather than in runs minutes apart, keeps a shared machine's changing
 load out of the ratios. One unrecorded run comes first (a fresh model's
 first steps pay page faults). A :class:`accum_kit.profiler.CommProfiler`
 records every all-gather and reduce-scatter, a
-:class:`accum_kit.memory.HeldMemory` the bytes held between micro-batches
+:class:`accum_kit.profiler.held_memory.HeldMemory` the bytes held between micro-batches
 per policy, and the process's peak memory is taken per window.
 
 The figures (:mod:`.fsdp_report`) and files (:mod:`.fsdp_files`) are
@@ -46,15 +46,15 @@ from torch.utils.data import DataLoader
 from ..compat import (fsdp_reshard_after_forward_state, keep_fsdp_parameters_after_forward,
                       restore_fsdp_reshard_after_forward, set_sync_each_batch)
 from ..errors import UsageError
-from ..hsdp import EmulatedInterNodeLink, launched_replicas
+from ..engines.mesh import EmulatedInterNodeLink, launched_replicas
 from ..launch import build_accelerator, launcher_world_size
-from ..callbacks import LoopCallback
-from ..loop import train_loop
-from ..memory import HeldMemory
-from ..models import build_model, count_parameters
-from ..policies import POLICIES
+from ..core.callbacks import LoopCallback
+from ..core.loop import train_loop
+from ..profiler.held_memory import HeldMemory
+from ..job.models import build_model, count_parameters
+from ..engines.policies import POLICIES
 from ..profiler import CommProfiler, ProfileRecords, sharded_summary
-from ..sharding import element_bytes, sharded_model
+from ..engines.fsdp2 import element_bytes, sharded_model
 from ..stats import median
 from .config import MODES, BenchConfig
 from .driver import Clock, publish, result_head, sweep_presets

@@ -18,7 +18,7 @@ Per (K, policy) row (seconds per optimizer step; MB = 2**20 bytes):
   the most over processes; median over runs), ``gathered_parameter_mb_peak``,
   ``memory_added_mb`` (both minus ``sync_each_batch``'s at the same K),
   ``predicted_gradient_mb`` / ``predicted_gathered_mb``
-  (:func:`accum_kit.planning.fsdp.policy_costs` with the model's units) and
+  (:func:`accum_kit.engines.costs.policy_costs` with the model's units) and
   ``gradient_measured_over_predicted``; ``peak_rss_mb`` (process peak);
 - the policy's own ideal from its profile, ``own_ideal_s``: the profiler's
   ``ideal_seconds_per_step`` over the cell's records of all repeats pooled
@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..planning.fsdp import ShardedModel, policy_costs
+from ..engines.costs import ShardedModel, policy_costs
 from ..stats import interval_verdict, mean_interval, median, quartiles, ratio_interval
 from .saving_parts import format_parts, saving_parts
 from .tables import fmt_ratio

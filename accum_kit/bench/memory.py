@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memory import proc_status_kb
+from ..profiler.held_memory import proc_status_kb
 
 
 class PeakMemory:

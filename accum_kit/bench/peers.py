@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from ..callbacks import CallbackList, LoopState
+from ..core.callbacks import CallbackList, LoopState
 from ..compat import keep_gradient_plugin, restart_window_counter, set_sync_each_batch
 from ..profiler import CommProfiler
 

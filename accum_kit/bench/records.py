@@ -8,7 +8,7 @@ profiler; the report works on the dicts it returns.
 
 from __future__ import annotations
 
-from ..callbacks import LoopCallback
+from ..core.callbacks import LoopCallback
 
 
 class TagWindows(LoopCallback):

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ..loop import train_loop
+from ..core.loop import train_loop
 
 
 def run_toolkit(accelerator, model, optimizer, dataloader, K: int, steps: int, callbacks) -> list[float]:

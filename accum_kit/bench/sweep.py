@@ -26,11 +26,11 @@ from tqdm.auto import tqdm
 from ..compat import set_sync_each_batch
 from ..errors import UsageError
 from ..launch import build_accelerator, launcher_world_size
-from ..manual_allreduce import MANUAL_MODES
-from ..models import PRESETS, build_model, count_parameters
+from ..reference.manual_allreduce import MANUAL_MODES
+from ..job.models import PRESETS, build_model, count_parameters
 from ..outputs import library_versions
 from ..profiler import CommProfiler
-from ..raw_ddp import train_raw_ddp
+from ..reference.raw_ddp import train_raw_ddp
 from ..stats import median
 from .config import MODES, BenchConfig
 from .data import TokenRows, data_description, raw_batch_indices, synthetic_tokens, variable_target_labels

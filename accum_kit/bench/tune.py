@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from ..compat import set_sync_each_batch
-from ..models import PRESETS, build_model, count_parameters
+from ..job.models import PRESETS, build_model, count_parameters
 from ..profiler import CommProfiler
 from ..stats import median
 from .config import BenchConfig

@@ -33,9 +33,9 @@ Recorded per window: step seconds and the process's CPU seconds in the
 window (``time.process_time``: the work done, which other jobs' load
 barely lengthens; the profiler's, process 0), every
 DeepSpeed collective and the time in each engine's gradient reduction path
-(:class:`accum_kit.profiler.CommProfiler`, :mod:`accum_kit.profiler.zero`),
+(:class:`accum_kit.profiler.CommProfiler`, :mod:`accum_kit.profiler.deepspeed_comm`),
 the gradient and module parameter bytes held between micro-batches
-(:func:`accum_kit.memory.held_bytes`,
+(:func:`accum_kit.profiler.held_memory.held_bytes`,
 :func:`accum_kit.compat.deepspeed_parameter_bytes`; the most over processes)
 and the process's peak. Data are the DDP bench's synthetic tokens.
 """
@@ -51,16 +51,16 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from ..callbacks import LoopCallback
+from ..core.callbacks import LoopCallback
 from ..compat import deepspeed_parameter_bytes, prepare_deepspeed_engine, use_deepspeed_engine
 from ..errors import UsageError
 from ..launch import build_accelerator, launcher_world_size
-from ..loop import train_loop
-from ..memory import GRADIENT_KINDS, held_bytes
-from ..models import build_model, count_parameters
+from ..core.loop import train_loop
+from ..profiler.held_memory import GRADIENT_KINDS, held_bytes
+from ..job.models import build_model, count_parameters
 from ..profiler import CommProfiler
 from ..stats import median
-from ..zero import check_deepspeed_installed, deepspeed_plugin_for
+from ..engines.deepspeed import check_deepspeed_installed, deepspeed_plugin_for
 from .config import BenchConfig
 from .driver import Clock, publish, result_head, sweep_presets
 from .data import TokenRows, synthetic_tokens, variable_target_labels
@@ -69,13 +69,13 @@ from .memory import PeakMemory
 from .zero_report import evaluate_zero_targets, format_zero_table, format_zero_targets, summarize_zero_preset
 from .zero_files import write_zero_outputs
 
-#: Profiler summary keys a run record keeps (see :func:`accum_kit.profiler.zero.zero_summary`).
+#: Profiler summary keys a run record keeps (see :func:`accum_kit.profiler.deepspeed_comm.zero_summary`).
 SUMMARY_KEYS = ("by_kind", "collective_seconds_per_step", "reduction_seconds_per_step", "reduction_calls_per_step",
                 "reduction_path_collectives")
 
 
 def stage_name(stage: int) -> str:
-    """``"zero1"`` ...: the stage's name in records and in :func:`accum_kit.planning.fsdp.zero_costs`."""
+    """``"zero1"`` ...: the stage's name in records and in :func:`accum_kit.engines.costs.zero_costs`."""
     return f"zero{stage}"
 
 

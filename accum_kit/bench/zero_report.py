@@ -15,13 +15,13 @@ Per (K, stage) row (seconds per optimizer step; MB = 2**20 bytes):
   the same for process 0's CPU seconds per window, which a shared machine's
   other jobs barely change (the ratio to compare across runs);
 - per collective kind, calls and bytes per step (medians over repeats of
-  the profiler's per-step figures: :func:`accum_kit.profiler.zero.zero_summary`),
+  the profiler's per-step figures: :func:`accum_kit.profiler.deepspeed_comm.zero_summary`),
   ``collective_s`` (their seconds) and ``reduction_s`` (the seconds inside
   the ZeRO optimizer's gradient reduction path, collectives included);
 - memory held between two micro-batches, the most over processes (median
   over repeats): ``gradient_mb`` and ``parameter_mb`` (the module's
   parameters) beside ``predicted_gradient_mb`` / ``predicted_parameter_mb``
-  (:func:`accum_kit.planning.fsdp.zero_costs`) and their ratios; none at K=1
+  (:func:`accum_kit.engines.costs.zero_costs`) and their ratios; none at K=1
   (no two micro-batches in a window);
 - on the ZeRO-2 row, the profiler's estimate of what ZeRO-1 saves over it:
   ``estimated_saved_s`` = ZeRO-2's ``reduction_s`` minus ZeRO-1's (means over
@@ -32,7 +32,7 @@ Per (K, stage) row (seconds per optimizer step; MB = 2**20 bytes):
 
 from __future__ import annotations
 
-from ..planning.fsdp import zero_costs
+from ..engines.costs import zero_costs
 from ..stats import interval_verdict, mean_interval, median, quartiles, ratio_interval
 from .fsdp_report import _f, _m, _status
 from .tables import fmt_ratio

@@ -158,7 +158,7 @@ def enable_fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
     ``load_state`` and ``get_state_dict`` take their FSDP2 branches (all
     checked on 2 gloo processes, accelerate 1.15, torch 2.13). The mixed
     precision policy is set on the plugin beforehand by
-    :func:`accum_kit.sharding.fsdp_plugin_for`, which the GPU branch would
+    :func:`accum_kit.engines.fsdp2.fsdp_plugin_for`, which the GPU branch would
     otherwise fill in.
 
     Call right after building the Accelerator, before ``prepare``.
@@ -181,7 +181,7 @@ def set_end_of_dataloader(accelerator, value: bool) -> None:
     yields its last batch (it peeks one ahead); ``GradientState.end_of_dataloader``
     reads it from the active dataloader, and ``accumulate()`` then closes the
     window (accelerate 1.15). A loop that reads a whole window ahead (under
-    DeepSpeed, to count its tokens first: :mod:`accum_kit.zero`) sees the flag
+    DeepSpeed, to count its tokens first: :mod:`accum_kit.engines.deepspeed`) sees the flag
     turn on while earlier batches of the window are still to run; it sets the
     flag back per batch so that only the last one closes the window. No-op
     outside a prepared dataloader.

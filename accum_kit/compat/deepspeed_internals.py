@@ -205,7 +205,7 @@ def deepspeed_checkpoint_globals() -> list:
     ``fragment_address`` records and the ``LossScaler`` (DeepSpeed 0.19.8,
     found with ``torch.serialization.get_unsafe_globals_in_checkpoint``). They
     are plain data classes; allowing exactly these keeps the weights-only
-    pre-check of :mod:`accum_kit.checkpoint_files` strict for everything else.
+    pre-check of :mod:`accum_kit.core.checkpoint_files` strict for everything else.
     """
     import importlib.util
 

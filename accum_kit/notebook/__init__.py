@@ -3,7 +3,7 @@
 - :func:`launch` runs a function defined in a notebook cell on N processes that
   form one process group (gloo on CPU, NCCL on GPUs) and returns rank 0's result.
 - :func:`lm_dataloaders`: the default corpus (or a local file) as tokenised
-  train / validation dataloaders; models come from :func:`accum_kit.models.build_model`.
+  train / validation dataloaders; models come from :func:`accum_kit.job.models.build_model`.
 - :func:`ab_compare`: the same windows with and without ``no_sync``, timed side by side.
 - :func:`loss_frame`, :func:`comm_frame`: a :class:`accum_kit.LoopResult` and a
   profiler summary as pandas DataFrames; :func:`plot_loss`, :func:`plot_comm`.

@@ -8,7 +8,7 @@ def lm_dataloaders(accelerator, *, block_size: int = 128, per_device_train_batch
                    train_file: str | None = None, packing: bool = True, seed: int = 0):
     """Tokenised train / validation dataloaders of the default corpus (or ``train_file``), not yet prepared.
 
-    The same pipeline as the train job (:mod:`accum_kit.data`): the Python
+    The same pipeline as the train job (:mod:`accum_kit.job.data`): the Python
     standard library sources by default, byte-level tokenizer, packed blocks of
     ``block_size`` tokens (or one padded example per piece of text with
     ``packing=False``). Tokenisation runs on the main process first and is
@@ -32,8 +32,8 @@ def lm_dataloaders(accelerator, *, block_size: int = 128, per_device_train_batch
     import torch
     from torch.utils.data import DataLoader
 
-    from ..data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
-    from ..tracking import quiet_other_processes
+    from ..job.data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
+    from ..job.tracking import quiet_other_processes
 
     quiet_other_processes(accelerator)  # one set of datasets progress bars
     tokenizer = build_tokenizer()
@@ -78,7 +78,7 @@ def ab_compare(accelerator, model, optimizer, train_dataloader, *, windows: int 
     """
     import pandas as pd
 
-    from ..loop import train_loop
+    from ..core.loop import train_loop
     from ..profiler import ABSwitch, CommProfiler
 
     prof = CommProfiler(accelerator, model)

@@ -31,12 +31,12 @@ Three questions answered before a run, without a GPU (and without importing torc
 and ``--json`` prints the same fields. The command line contract
 (``ARGUMENTS``, ``DESCRIPTION``, ``run_command``) is in :mod:`.command`.
 Without ``--gradient_accumulation_steps``, K follows the one default rule of
-:func:`accum_kit.settings.resolve_accumulation_steps`.
+:func:`accum_kit.core.settings.resolve_accumulation_steps`.
 """
 
 from .batch import BatchPlan, effective_batch_size, optimizer_steps_per_epoch, plan_batch
 from .command import ARGUMENTS, DESCRIPTION, PlanArguments, run_command
-from .lr import (
+from ..core.lr_scaling import (
     LR_RULES,
     SOURCES,
     WARMUP_EPOCHS,
@@ -46,7 +46,7 @@ from .lr import (
     scale_learning_rate,
 )
 from .report import PlanReport, format_plan, make_plan
-from .schedule import (
+from ..core.accumulation_schedule import (
     SchedulePhase,
     accumulation_steps_at,
     check_accumulation_schedule,

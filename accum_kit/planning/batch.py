@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from .. import checks
 from ..errors import UsageError
-from ..settings import resolve_accumulation_steps
+from ..core.settings import resolve_accumulation_steps
 
 
 def optimizer_steps_per_epoch(micro_batches_per_process: int, gradient_accumulation_steps: int) -> int:
@@ -112,7 +112,7 @@ def plan_batch(
         per_device_train_batch_size: ``B``, examples per micro-batch on one process.
         gradient_accumulation_steps: ``K``, micro-batches per optimizer step;
             None: ``$ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, else 4
-            (:func:`accum_kit.settings.resolve_accumulation_steps`); a given
+            (:func:`accum_kit.core.settings.resolve_accumulation_steps`); a given
             ``K`` is used as is.
         num_processes: ``P``, processes over all machines (``accelerate launch
             --num_processes``, i.e. ``WORLD_SIZE``).

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from .. import checks
 from ..errors import UsageError
-from .lr import LEARNING_RATE_FIX, LR_RULES
+from ..core.lr_scaling import LEARNING_RATE_FIX, LR_RULES
 from .report import (check_batch_size_given, check_learning_rate_flags, check_schedule_flags, check_target_flags,
                      format_plan, make_plan)
-from .schedule import parse_accumulation_schedule
+from ..core.accumulation_schedule import parse_accumulation_schedule
 from .fsdp_plan import MIXED_PRECISION, check_fsdp_flags
 from .whatif import DEFAULT_ACCUMULATION_STEPS, DEFAULT_MAX_COMM_SHARE, INTERCONNECTS, check_whatif_flags
 

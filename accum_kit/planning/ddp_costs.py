@@ -1,4 +1,4 @@
-"""DDP read off the one cost table of :mod:`accum_kit.planning.fsdp` (torch-free).
+"""DDP read off the one cost table of :mod:`accum_kit.engines.costs` (torch-free).
 
 DDP is the table's row with a shard group of one process: every process
 holds the whole model (``S = 1``) and all ``W`` processes are replicas
@@ -13,13 +13,13 @@ per sync, and bytes per sync are the whole gradient.
 The what-if planner (:mod:`accum_kit.planning.whatif`) and the bench's
 ideal speedup (:mod:`accum_kit.bench.report`) take their sync counts from
 here and the all-reduce seconds from the table's own
-:func:`~accum_kit.planning.fsdp.all_reduce_seconds`, so that DDP, FSDP2,
+:func:`~accum_kit.engines.costs.all_reduce_seconds`, so that DDP, FSDP2,
 HSDP and ZeRO are priced from the same formulas.
 """
 
 from __future__ import annotations
 
-from .fsdp import PolicyCosts, ShardedModel, policy_costs
+from ..engines.costs import PolicyCosts, ShardedModel, policy_costs
 
 #: The accumulation policies that exist under DDP (the FSDP2 ones keep or free gathered parameters, which DDP never has).
 DDP_POLICIES = ("sync_each_batch", "no_sync")
@@ -38,7 +38,7 @@ def ddp_costs(policy: str, *, world_size: int, accumulation_steps: int, gradient
         reduce_bytes: bytes per gradient element (4: fp32).
 
     Returns:
-        :class:`~accum_kit.planning.fsdp.PolicyCosts` whose ``all_reduce_calls``
+        :class:`~accum_kit.engines.costs.PolicyCosts` whose ``all_reduce_calls``
         are syncs per window and ``all_reduce_bytes`` the bytes they carry.
 
     Raises:

@@ -16,7 +16,7 @@ from tabulate import tabulate
 from .. import checks
 from ..errors import UsageError
 from ..stats import median
-from .fsdp import ShardedModel, comm_seconds, policy_costs
+from ..engines.costs import ShardedModel, comm_seconds, policy_costs
 from .fsdp_plan import predicted_step
 
 BENCH_FIX = ("pass the bench.json of `accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m accum_kit "

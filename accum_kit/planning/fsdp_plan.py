@@ -1,7 +1,7 @@
 """``accum-kit plan --fsdp``: which accumulation policy to run under FSDP2, from memory and communication.
 
-For each policy of :data:`accum_kit.policies.POLICIES` the plan gives what it
-holds per process (:func:`accum_kit.planning.fsdp.policy_costs`), whether
+For each policy of :data:`accum_kit.engines.policies.POLICIES` the plan gives what it
+holds per process (:func:`accum_kit.engines.costs.policy_costs`), whether
 that fits the free memory, its communication per optimizer step in calls,
 bytes and seconds, and the saving against ``sync_each_batch``; it recommends
 the fastest policy that fits and spells out the arithmetic. Torch-free.
@@ -53,8 +53,8 @@ from dataclasses import asdict, dataclass
 
 from .. import checks
 from ..errors import UsageError
-from ..policies import POLICIES, policies_for
-from .fsdp import ShardedModel, comm_seconds, dtype_bytes, gpt2_units, policy_costs
+from ..engines.policies import POLICIES, policies_for
+from ..engines.costs import ShardedModel, comm_seconds, dtype_bytes, gpt2_units, policy_costs
 from .whatif import INTERCONNECTS, profile_number
 
 GB = 1e9

@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass, replace
 from tabulate import tabulate
 
 from ..errors import UsageError
-from ..settings import resolve_accumulation_steps
+from ..core.settings import resolve_accumulation_steps
 from .batch import BatchPlan, plan_batch
-from .schedule import SchedulePhase, schedule_phases
-from .lr import LR_RULES, WARMUP_EPOCHS, WARMUP_MULTIPLIER_THRESHOLD, WARMUP_SOURCE, LearningRateScaling, scale_learning_rate
+from ..core.accumulation_schedule import SchedulePhase, schedule_phases
+from ..core.lr_scaling import LR_RULES, WARMUP_EPOCHS, WARMUP_MULTIPLIER_THRESHOLD, WARMUP_SOURCE, LearningRateScaling, scale_learning_rate
 from .solve import AccumulationSolution, solve_accumulation_steps
 from .whatif import (
     DEFAULT_ACCUMULATION_STEPS,
@@ -155,7 +155,7 @@ def make_plan(
     per-device batch that fits and K is solved for (so K must not be given).
     Without it, K = ``gradient_accumulation_steps``, else
     ``$ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, else 4 (the rule of
-    :func:`accum_kit.settings.resolve_accumulation_steps`, the same as ``train``).
+    :func:`accum_kit.core.settings.resolve_accumulation_steps`, the same as ``train``).
     ``lr_scaling=None`` reports all three rules. ``num_processes=None`` is 1,
     or with ``from_profile`` the profile's world size. ``from_profile`` adds
     the what-if section (:func:`accum_kit.planning.whatif.make_whatif`, which
@@ -163,7 +163,7 @@ def make_plan(
     ``accumulation_schedule`` (``{step: K}``, checked) sets K to its K at step 0
     and adds one row per phase: K, examples (and with ``block_size`` input
     tokens) per step, steps, and with ``num_examples`` micro-batches and epochs
-    over ``num_train_epochs`` epochs (:func:`accum_kit.planning.schedule.schedule_phases`).
+    over ``num_train_epochs`` epochs (:func:`accum_kit.core.accumulation_schedule.schedule_phases`).
     With ``from_profile``, ``per_device_train_batch_size`` and K default to the
     profiled run's (:func:`accum_kit.planning.whatif.settings_from_profile`);
     without it, ``per_device_train_batch_size`` is required.

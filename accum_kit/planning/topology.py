@@ -1,7 +1,7 @@
 """DDP, FSDP2, HSDP or DeepSpeed ZeRO: every engine and policy from the one cost table (torch-free).
 
 The three engines are three meshes of the same W processes on M machines,
-``R`` replicas x ``S`` shards, so :func:`accum_kit.planning.fsdp.policy_costs`
+``R`` replicas x ``S`` shards, so :func:`accum_kit.engines.costs.policy_costs`
 prices all of them:
 
 - DDP: ``R = W, S = 1`` (every process holds everything; one all-reduce of
@@ -12,21 +12,21 @@ prices all of them:
 - HSDP: ``R = M, S = W / M`` (sharded inside a machine, at the intra-node
   bandwidth; the all-reduce across replicas at the inter-node bandwidth);
 - DeepSpeed ZeRO-1/2/3: partitioned over all W (``R = 1, S = W``), every
-  collective over all W processes (:func:`accum_kit.planning.fsdp.zero_costs`;
+  collective over all W processes (:func:`accum_kit.engines.costs.zero_costs`;
   ZeRO-3's parameter all-gathers are not predicted, so its time is a floor).
 
 Memory per process is the table's total: parameter shards + optimizer state
 + gradients held + gathered parameters kept (activations left out), compared
 with ``--gpu_memory_GB``. Time per step is the communication of
-:func:`accum_kit.planning.fsdp.comm_seconds` (every collective exposed), or
+:func:`accum_kit.engines.costs.comm_seconds` (every collective exposed), or
 with a profile the step of :func:`accum_kit.planning.fsdp_plan.predicted_step`.
 The recommendation is the fastest (engine, policy) that fits.
 """
 
 from __future__ import annotations
 
-from ..policies import POLICIES, policies_for
-from .fsdp import ZERO_STAGES, comm_seconds, policy_costs
+from ..engines.policies import POLICIES, policies_for
+from ..engines.costs import ZERO_STAGES, comm_seconds, policy_costs
 from .whatif import INTERCONNECTS
 
 GB = 1e9
@@ -59,7 +59,7 @@ def compare_engines(model, *, world: int, machines: int, K: int, element_bytes: 
     """Every (engine, policy) of W processes on M machines: memory per process, communication, step time.
 
     Args:
-        model: :class:`accum_kit.planning.fsdp.ShardedModel`.
+        model: :class:`accum_kit.engines.costs.ShardedModel`.
         world, machines: W (all machines) and M.
         K: micro-batches per window.
         element_bytes: (b_p, b_c, b_r).

@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass
 from .. import checks
 from ..errors import UsageError
 from .ddp_costs import syncs_per_window
-from .fsdp import all_reduce_seconds as ring_allreduce_seconds  # the cost table's all-reduce, under its old name here
+from ..engines.costs import all_reduce_seconds as ring_allreduce_seconds  # the cost table's all-reduce, under its old name here
 
 GB = 1e9
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 from .. import checks
-from ..callbacks import LoopCallback
+from ..core.callbacks import LoopCallback
 from ..compat import sync_each_batch
-from ..hsdp import run_mesh
+from ..engines.mesh import run_mesh
 from .accumulation import GradAccumulationTimer
 from .aggregates import RunningAggregates
 from .buckets import BucketRecorder, allreduce_mean_hook
@@ -38,7 +38,7 @@ from .phases import PhaseTimer
 from .records import COLLECTIVES, KEEP_RECORDS, MODES, BucketCall, CollectiveCall, Labels, MicroBatchTimes, PostBackwardTime, ProfileRecords, StepTimes
 from .report import format_table, local_summary, summarize_processes
 from .sharded import sharded_summary
-from .zero import ZeroRecorder, zero_summary
+from .deepspeed_comm import ZeroRecorder, zero_summary
 from .switches import ABSwitch, AlternatingWindows, OverheadSwitch
 from .trace import StepTrace
 
@@ -221,7 +221,7 @@ class CommProfiler(LoopCallback):
 
     def record_allreduce(self, nbytes: int, start: float, seconds: float, last: bool) -> None:
         """Record a gradient all-reduce the loop made itself (no DDP); the signature of
-        :data:`accum_kit.manual_allreduce.OnCall`. See :meth:`BucketRecorder.record_call`."""
+        :data:`accum_kit.reference.manual_allreduce.OnCall`. See :meth:`BucketRecorder.record_call`."""
         self.buckets.record_call(nbytes, start, seconds, last)
 
     # ---- loop hooks: the phase timer, with the trace's ranges and steps around it ----------
@@ -298,7 +298,7 @@ class CommProfiler(LoopCallback):
         records = (self.records(mode=self.mode, tag=tag) if from_records
                    else self.aggregates.figures(mode=self.mode, tag=tag))
         out = local_summary(records, mode=self.mode, world_size=self.world_size, distributed=self.distributed)
-        if self.deepspeed:  # DeepSpeed: per kind, from the raw records kept (see accum_kit.profiler.zero)
+        if self.deepspeed:  # DeepSpeed: per kind, from the raw records kept (see accum_kit.profiler.deepspeed_comm)
             for key in ALLREDUCE_KEYS:
                 out.pop(key, None)
             kept = self.records(mode=self.mode, tag=tag)

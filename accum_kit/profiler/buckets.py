@@ -85,7 +85,7 @@ class BucketRecorder:
             return list(self._calls)
 
     def record_call(self, nbytes: int, start: float, seconds: float, last: bool) -> None:
-        """Record one gradient all-reduce that a loop made itself, without DDP (see :mod:`accum_kit.manual_allreduce`).
+        """Record one gradient all-reduce that a loop made itself, without DDP (see :mod:`accum_kit.reference.manual_allreduce`).
 
         Args:
             nbytes: bytes all-reduced by this process.

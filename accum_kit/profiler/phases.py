@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ..callbacks import LoopCallback
+from ..core.callbacks import LoopCallback
 from .records import KEEP_RECORDS, Labels, MicroBatchTimes, StepTimes, recent
 
 

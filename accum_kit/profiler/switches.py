@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..callbacks import LoopCallback
+from ..core.callbacks import LoopCallback
 from ..compat import set_sync_each_batch, sync_each_batch
 from ..stats import median, ratio
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from ..callbacks import LoopCallback
+from ..core.callbacks import LoopCallback
 
 
 class StepTrace(LoopCallback):

@@ -8,7 +8,7 @@ did while the rows ran, for the report.
 
 from __future__ import annotations
 
-from ..compiling import CompileWatch, compile_settings, resolve_flags
+from ..engines.compiling import CompileWatch, compile_settings, resolve_flags
 from ..errors import UsageError
 from ..launch import build_accelerator, resolve_accumulation_steps
 from .compare import DEFAULT_ATOL, DEFAULT_RTOL, mixed_precision_rtol
@@ -92,7 +92,7 @@ class CompileRecord:
     compile settings (``backend``, ``mode``, ``regional``, ``dynamic``) with
     ``compiles``, ``graphs``, ``recompiles``, ``compile_seconds`` and
     ``recompile_reasons`` counted on this process
-    (:class:`accum_kit.compiling.CompileWatch`). Every row reuses the code
+    (:class:`accum_kit.engines.compiling.CompileWatch`). Every row reuses the code
     compiled by the first; a recompile means a guard failed (its reason is
     torch's).
     """

@@ -7,7 +7,7 @@ and every BatchNorm layer normalises each micro-batch with that micro-batch's
 own statistics (per process; SyncBatchNorm: over the processes, still per
 micro-batch). No normalisation of the loss can make that equal to one big
 batch normalised with the statistics of all its examples
-(:mod:`accum_kit.batchnorm`). When the model given to ``verify`` has
+(:mod:`accum_kit.core.batchnorm`). When the model given to ``verify`` has
 BatchNorm layers, one more pass measures it. Their mode in the given model
 does not matter (``from_pretrained`` returns models in eval mode, and
 ``train_loop`` calls ``model.train()`` anyway); a model whose BatchNorm layers
@@ -33,8 +33,8 @@ import types
 
 import torch.nn.functional as F
 
-from ..batchnorm import batchnorm_layers, is_batchnorm
-from ..callbacks import LoopCallback, LoopState
+from ..core.batchnorm import batchnorm_layers, is_batchnorm
+from ..core.callbacks import LoopCallback, LoopState
 
 __all__ = ["FIXES", "BatchNormTrainMode", "big_batch_statistics", "finding_lines", "summarize",
            "batchnorm_layers"]

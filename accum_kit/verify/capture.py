@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from ..callbacks import LoopCallback, LoopState
-from ..loss import causal_lm_loss
+from ..core.callbacks import LoopCallback, LoopState
+from ..core.loss import causal_lm_loss
 
 
 class GradientCapture(torch.optim.Optimizer):

@@ -21,12 +21,12 @@ import warnings
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 
-from ..batchnorm import BatchNormAccumulationWarning
+from ..core.batchnorm import BatchNormAccumulationWarning
 from ..compat import forget_prepared
-from ..loop import train_loop
-from ..loss import causal_lm_loss
-from ..sharding import policy_name
-from ..zero import deepspeed_engine, deepspeed_engine_precision
+from ..core.loop import train_loop
+from ..core.loss import causal_lm_loss
+from ..engines.fsdp2 import policy_name
+from ..engines.deepspeed import deepspeed_engine, deepspeed_engine_precision
 from . import batchnorm
 from .accelerator import CompileRecord, resolve_accelerator, resolve_tolerances
 from .capture import EvalMode, GradientCapture
@@ -122,7 +122,7 @@ def verify_accumulation(
             ``torch.utils.data.default_collate``); the oracle collates a whole
             window with it, so padding must be ignored by the loss.
         accumulation_policy: the policy of the Accelerator this builds
-            (:mod:`accum_kit.policies`; None: ``no_sync``); with ``accelerator``
+            (:mod:`accum_kit.engines.policies`; None: ``no_sync``); with ``accelerator``
             given, its own (a different value is an error). Launched with an
             FSDP2 config, the rows run on sharded copies of the model.
         torch_compile, torch_compile_backend, torch_compile_mode: compile the

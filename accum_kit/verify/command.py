@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 from accelerate import PartialState
 
-from ..compiling import MODES, resolve_flags
+from ..engines.compiling import MODES, resolve_flags
 from ..errors import UsageError
 from ..outputs import atomic_write_json, check_output_dir
-from ..policies import resolve_policy
+from ..engines.policies import resolve_policy
 from .check import verify_accumulation
 from .settings import DEFAULT_BATCH_SIZE, MODEL_PRESETS, validate
 from .compare import DEFAULT_ATOL, DEFAULT_RTOL, MIXED_PRECISIONS
@@ -38,7 +38,7 @@ class VerifyArguments:
     rtol: float | None = field(default=None, metadata={"help": f"Relative tolerance. Default: float32 {DEFAULT_RTOL:g}, pass iff |g - g_oracle| <= atol + rtol |g_oracle| elementwise; bf16/fp16: sqrt(64) x unit roundoff (bf16 2^-5), pass iff ||g - g_oracle|| / ||g_oracle|| <= rtol per window."})
     atol: float | None = field(default=None, metadata={"help": f"Absolute tolerance of the elementwise float32 criterion ({DEFAULT_ATOL:g}), gradient units of the token-mean gradient (x N target tokens for the sum rows); unused under bf16/fp16."})
     mixed_precision: str = field(default="no", metadata={"help": f"Build the Accelerator with this mixed_precision, one of {list(MIXED_PRECISIONS)}; the tolerance switches to the precision's (see --rtol)."})
-    accumulation_policy: str | None = field(default=None, metadata={"help": "Build the Accelerator with this accumulation policy (accum_kit.policies; the FSDP2-only ones need an FSDP2 launch config); default no_sync."})
+    accumulation_policy: str | None = field(default=None, metadata={"help": "Build the Accelerator with this accumulation policy (accum_kit.engines.policies; the FSDP2-only ones need an FSDP2 launch config); default no_sync."})
     torch_compile: bool = field(default=False, metadata={"help": "Compile the rows' model with torch.compile through Accelerate's dynamo plugin (whole model under DDP, each block under FSDP2; the oracle stays eager; docs/compile.md)."})
     torch_compile_backend: str | None = field(default=None, metadata={"help": "torch.compile backend (implies --torch_compile), e.g. inductor (the default), aot_eager, eager."})
     torch_compile_mode: str | None = field(default=None, metadata={"help": f"inductor mode (implies --torch_compile), one of {list(MODES)}."})

@@ -38,7 +38,7 @@ from .data import IGNORE_INDEX, pad_collate
 def summed_token_loss(model, input_ids, attention_mask, labels):
     """Summed next-token cross-entropy (nats) and target-token count of one padded batch.
 
-    Written independently of :func:`accum_kit.loss.causal_lm_loss` for the
+    Written independently of :func:`accum_kit.core.loss.causal_lm_loss` for the
     oracle: logits (batch, seq, vocab) at position t predict labels at t+1;
     labels -100 are ignored. Inputs are (batch, seq) int64 tensors.
 

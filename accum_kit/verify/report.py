@@ -123,7 +123,7 @@ class VerifyReport:
     mixed_precision: str = "no"  # the Accelerator's --mixed_precision
     normwise: bool = False  # tolerance: normwise rel_error <= rtol (autocast) instead of elementwise
     autocast: bool = False  # the forward/backward really ran under autocast
-    accumulation_policy: str = "no_sync"  # accum_kit.policies: what the windows skipped and kept
+    accumulation_policy: str = "no_sync"  # accum_kit.engines.policies: what the windows skipped and kept
     data: dict = field(default_factory=dict)  # description, items (what N counts), token_data
     batchnorm: dict | None = None  # the BatchNorm finding (accum_kit.verify.batchnorm.summarize), None: no such layer
     compile: dict | None = None  # torch.compile settings and this process's counts (verify.accelerator.CompileRecord)

@@ -13,7 +13,7 @@ import torch
 
 from .. import checks
 from ..errors import UsageError
-from ..models import LLAMA_PRESETS, PRESETS, build_llama_model, build_model, load_model
+from ..job.models import LLAMA_PRESETS, PRESETS, build_llama_model, build_model, load_model
 from . import batchnorm
 from .compare import DEFAULT_ATOL, DEFAULT_RTOL, MIXED_PRECISIONS
 from .data import MAX_LENGTH
@@ -71,7 +71,7 @@ class RunSettings:
     mixed_precision: str = "no"  # the Accelerator's: "no", "bf16" or "fp16"
     normwise: bool = False  # tolerance criterion: normwise rel_error <= rtol (autocast) or elementwise
     autocast: bool = False  # the Accelerator really autocasts (no fp16 autocast on CPU)
-    accumulation_policy: str = "no_sync"  # the Accelerator's (accum_kit.policies)
+    accumulation_policy: str = "no_sync"  # the Accelerator's (accum_kit.engines.policies)
     workload: Workload | None = None  # the examples, collate, loss and oracle loss
     batchnorm_layers: tuple = ()  # BatchNorm layers of the given model (the finding runs if any)
 

@@ -29,9 +29,9 @@ from typing import Callable
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from ..callbacks import LoopCallback, LoopState
+from ..core.callbacks import LoopCallback, LoopState
 from ..errors import UsageError
-from ..loss import LossFn, causal_lm_loss
+from ..core.loss import LossFn, causal_lm_loss
 from .data import MIN_LENGTH, make_examples, pad_collate
 from .oracle import token_batch_loss
 
@@ -146,7 +146,7 @@ class IndexRecorder(LoopCallback):
     @property
     def count_items(self):
         """The wrapped loss function's item counter on a batch's ``batch`` part (DeepSpeed counts each window
-        ahead, :class:`accum_kit.zero.LookaheadNormalizer`); None when the loss function has none."""
+        ahead, :class:`accum_kit.engines.deepspeed.LookaheadNormalizer`); None when the loss function has none."""
         counter = getattr(self.loss_fn, "count_items", None)
         return None if counter is None else (lambda batch: counter(batch["batch"]))
 

@@ -402,7 +402,7 @@ def warnings_off():
     """The loop's BatchNorm warning is the subject here: silence it for the table's training runs."""
     import warnings
 
-    from accum_kit.batchnorm import BatchNormAccumulationWarning
+    from accum_kit.core.batchnorm import BatchNormAccumulationWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BatchNormAccumulationWarning)

@@ -19,17 +19,17 @@ from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
 from accum_kit import LoopCallback, build_accelerator, train_loop
-from accum_kit.data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
-from accum_kit.evaluation import evaluate_loss
-from accum_kit.loss import causal_lm_loss
-from accum_kit.models import build_model
+from accum_kit.job.data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
+from accum_kit.job.evaluation import evaluate_loss
+from accum_kit.core.loss import causal_lm_loss
+from accum_kit.job.models import build_model
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--train_file", default=None, help="local .txt/.json/.csv file; default: the Python stdlib sources")
-    p.add_argument("--model_preset", default="tiny", help="accum_kit.models.PRESETS key")
+    p.add_argument("--model_preset", default="tiny", help="accum_kit.job.models.PRESETS key")
     p.add_argument("--per_device_train_batch_size", type=int, default=4, help="examples per micro-batch per process")
     p.add_argument("--gradient_accumulation_steps", type=int, default=4, help="micro-batches per optimizer step (K)")
     p.add_argument("--block_size", type=int, default=128, help="tokens per example")

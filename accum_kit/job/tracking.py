@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 import time
 
-from .callbacks import LoopCallback
-from .errors import UsageError
-from .stats import median
+from ..core.callbacks import LoopCallback
+from ..errors import UsageError
+from ..stats import median
 
 #: ``--report_to`` values: "all" (every tracker library installed) or one of Accelerate's tracker names.
 TRACKERS = ("all", "tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio")  # accelerate 1.15's LoggerType

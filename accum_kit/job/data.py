@@ -18,7 +18,7 @@ import sysconfig
 from itertools import chain
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 DEFAULT_DATASET = "cpython-stdlib"
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}

@@ -34,7 +34,7 @@ _LIBRARIES = (f"{os.sep}torch{os.sep}", f"{os.sep}accelerate{os.sep}")
 
 
 def _which_collective(tb) -> tuple[str, str]:
-    """(collective, caller) from a traceback: e.g. ``("all_reduce", "accum_kit/loss.py:120 in finish")``."""
+    """(collective, caller) from a traceback: e.g. ``("all_reduce", "accum_kit/core/loss.py:120 in finish")``."""
     frames = traceback.extract_tb(tb)
     op = None
     for frame in reversed(frames):  # innermost first
@@ -64,7 +64,7 @@ def describe_collective_failure(exc: BaseException) -> str | None:
             ``sys.excepthook``).
 
     Returns:
-        e.g. ``"rank 0: all_reduce (called at accum_kit/loss.py:120 in finish)
+        e.g. ``"rank 0: all_reduce (called at accum_kit/core/loss.py:120 in finish)
         timed out after 3 s, the process group's timeout (--ddp_timeout): another
         process did not join it (stalled, stopped or dead); torchrun's failure
         report names the rank that failed first"``; None for any

@@ -1,6 +1,6 @@
 """Which engine wrote a checkpoint: DeepSpeed's layout is readable only by DeepSpeed, and by the same ZeRO stage.
 
-Part of :mod:`accum_kit.checkpoint` (import from there). The loop state records
+Part of :mod:`accum_kit.core.checkpoint` (import from there). The loop state records
 ``engine`` (:func:`engine_name`); :func:`check_engine` refuses a resume across
 engines or stages before anything is built or written.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 def engine_name(accelerator) -> str:

@@ -25,10 +25,10 @@ exiting the context"; ``no_sync`` is a context manager that sets the
 
 The same loop also runs without DDP, averaging the gradients by hand after
 the window's last backward (``average_gradients``, see
-:mod:`accum_kit.manual_allreduce`; script flag ``--grad_sync``).
+:mod:`accum_kit.reference.manual_allreduce`; script flag ``--grad_sync``).
 
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml examples/raw_ddp_loop.py
-    torchrun --nproc_per_node 2 -m accum_kit.raw_ddp [--grad_sync manual_allreduce]
+    torchrun --nproc_per_node 2 -m accum_kit.reference.raw_ddp [--grad_sync manual_allreduce]
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import checks
-from .callbacks import CallbackList, LoopCallback, LoopState
-from .compat import ddp_static_graph_unprimed
-from .loss import causal_lm_loss, scale_grads_
+from .. import checks
+from ..core.callbacks import CallbackList, LoopCallback, LoopState
+from ..compat import ddp_static_graph_unprimed
+from ..core.loss import causal_lm_loss, scale_grads_
 
 
 def train_raw_ddp(model, optimizer, batches, gradient_accumulation_steps: int, max_train_steps: int, device,
@@ -67,7 +67,7 @@ def train_raw_ddp(model, optimizer, batches, gradient_accumulation_steps: int, m
         average_gradients: None for a DDP ``model``; for a plain model, a
             function ``average_gradients(parameters)`` that averages every
             ``.grad`` over the processes (e.g.
-            :func:`accum_kit.manual_allreduce.allreduce_per_parameter`), called
+            :func:`accum_kit.reference.manual_allreduce.allreduce_per_parameter`), called
             after the backward of each window's last micro-batch, inside that
             micro-batch's backward phase (so a profiler counts it as backward time).
 
@@ -127,7 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--train_file", default=None, help="local .txt/.json/.csv file; default: the Python stdlib sources")
-    p.add_argument("--model_preset", default="tiny", help="accum_kit.models.PRESETS key")
+    p.add_argument("--model_preset", default="tiny", help="accum_kit.job.models.PRESETS key")
     p.add_argument("--per_device_train_batch_size", type=int, default=4, help="examples per micro-batch per process")
     p.add_argument("--gradient_accumulation_steps", type=int, default=4, help="micro-batches per optimizer step (K)")
     p.add_argument("--block_size", type=int, default=128, help="tokens per example")
@@ -174,9 +174,9 @@ def main(argv=None) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from .data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
-    from .errors import UsageError
-    from .models import build_model
+    from ..job.data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
+    from ..errors import UsageError
+    from ..job.models import build_model
 
     args = parse_args(argv)
     for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_train_steps"):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 
-from . import checks
-from .errors import UsageError
+from .. import checks
+from ..errors import UsageError
 
 #: The environment variable Accelerate itself reads for K in ``Accelerator()``.
 ENV_GRADIENT_ACCUMULATION_STEPS = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"

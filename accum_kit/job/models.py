@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import UsageError
+from ..errors import UsageError
 
 # Architecture only; vocab_size and n_positions come from the tokenizer and --block_size.
 # Dropout is 0 so that the exactness checks compare deterministic gradients.

@@ -1,7 +1,7 @@
 """Where a run is in its data: epoch, micro-batches done, and the RNG that orders the epoch.
 
 :class:`DataCursor` is what lets a checkpoint taken mid-epoch resume on the
-very next micro-batch with the same order (:mod:`accum_kit.checkpoint` saves
+very next micro-batch with the same order (:mod:`accum_kit.core.checkpoint` saves
 its position and :func:`rng_snapshot`).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .compat import shuffle_generators
-from .errors import UsageError
+from ..compat import shuffle_generators
+from ..errors import UsageError
 
 
 def rng_snapshot(dataloader) -> dict:

@@ -25,7 +25,7 @@ import warnings
 import zipfile
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 FLAG = "--resume_from_checkpoint"
 #: Suffixes of the files read by torch's (weights-only) unpickler on resume.
@@ -48,7 +48,7 @@ def _check_one(path: Path) -> str | None:
             mmap = zipfile.is_zipfile(path)  # torch.save's format: map the storages, read only the pickle
             import torch
 
-            from .compat import deepspeed_checkpoint_globals
+            from ..compat import deepspeed_checkpoint_globals
 
             with warnings.catch_warnings(), torch.serialization.safe_globals(deepspeed_checkpoint_globals()):
                 warnings.simplefilter("ignore")  # a foreign pickle's protocol warning: the error below says it all

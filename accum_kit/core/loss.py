@@ -108,14 +108,14 @@ def check_supported(accelerator, mode: str) -> None:
     ``tokens`` rescales the synchronised gradients once per window (``K W c / N``)
     under DDP and FSDP2; under DeepSpeed, whose engine scales and owns the
     gradients, it counts the window first and scales each loss instead
-    (:class:`accum_kit.zero.LookaheadNormalizer`). Kept as the train job's
+    (:class:`accum_kit.engines.deepspeed.LookaheadNormalizer`). Kept as the train job's
     early check so that a future engine without an exact path fails before any work.
 
     Raises:
         UsageError: ``mode`` is not one of :data:`NORMALIZATIONS`.
     """
     if mode not in NORMALIZATIONS:
-        from .errors import UsageError
+        from ..errors import UsageError
 
         raise UsageError("--loss_normalization", f"unknown value {mode!r}", f"use one of {NORMALIZATIONS}")
 
@@ -181,7 +181,7 @@ def seq2seq_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> t
     return summed, (labels != IGNORE_INDEX).sum()
 
 
-# What each loss counts, readable before the forward (DeepSpeed counts a window ahead: accum_kit.zero).
+# What each loss counts, readable before the forward (DeepSpeed counts a window ahead: accum_kit.engines.deepspeed).
 causal_lm_loss.count_items = _causal_lm_items
 classification_loss.count_items = _labelled_items
 seq2seq_loss.count_items = _labelled_items
@@ -230,7 +230,7 @@ class WindowNormalizer:
         self._stats = None
 
     def batches(self, iterable, loss_fn=None):
-        """The batches to run, as they come (DeepSpeed's :class:`accum_kit.zero.LookaheadNormalizer` reads ahead)."""
+        """The batches to run, as they come (DeepSpeed's :class:`accum_kit.engines.deepspeed.LookaheadNormalizer` reads ahead)."""
         return iterable
 
     @property

@@ -1,7 +1,7 @@
 """The loop's per-step history in a checkpoint, in chunks, so that a save costs the same at step 100 and 100,000.
 
 A checkpoint holds the history of every optimizer step so far (loss, target
-tokens, seconds, K: :class:`accum_kit.loop.LoopResult`), which a resumed run
+tokens, seconds, K: :class:`accum_kit.core.loop.LoopResult`), which a resumed run
 takes over. Written whole into ``loop_state.json`` at every save, it grows
 with the step count, and so do the file and the save time. Here it is kept
 in ``history/steps_<first>-<end>.json`` files instead, one per stretch
@@ -20,10 +20,10 @@ import json
 import os
 from pathlib import Path
 
-from .outputs import atomic_write_json
+from ..outputs import atomic_write_json
 
 FOLDER = "history"
-#: The per-step lists of :class:`accum_kit.loop.LoopResult` kept in the chunks.
+#: The per-step lists of :class:`accum_kit.core.loop.LoopResult` kept in the chunks.
 KEYS = ("train_loss", "step_tokens", "step_seconds", "step_accumulation_steps")
 
 

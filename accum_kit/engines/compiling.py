@@ -23,7 +23,7 @@ checks and the same regional rule under FSDP2.
 Nothing the window normalisation computes enters compiled code: the model's
 forward is the compiled region, the loss, its division by the power-of-two
 ``c``, Accelerate's division by K and the boundary rescale run eagerly on its
-output and on ``.grad`` (:mod:`accum_kit.loss`). So no Python number that
+output and on ``.grad`` (:mod:`accum_kit.core.loss`). So no Python number that
 changes from window to window is baked into a graph.
 
 :class:`CompileWatch` counts compiles from torch's own compile callbacks
@@ -42,9 +42,9 @@ import re
 import shutil
 import time
 
-from . import checks
-from .callbacks import LoopCallback
-from .errors import UsageError
+from .. import checks
+from ..core.callbacks import LoopCallback
+from ..errors import UsageError
 
 #: ``torch.compile`` modes (transformers' ``--torch_compile_mode`` choices, plus inductor's ``lite``)
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "lite")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .errors import UsageError
+from ..errors import UsageError
 
 #: The launch flags (and accelerate-config keys) that size the mesh.
 REPLICATE_FLAG = "--parallelism_config_dp_replicate_size"
@@ -160,8 +160,8 @@ class EmulatedInterNodeLink:
     FLAG = "--emulate_inter_node_GBps"
 
     def __init__(self, model, GBps: float):
-        from . import checks
-        from .compat import fsdp_replicate_process_group, fsdp_units
+        from .. import checks
+        from ..compat import fsdp_replicate_process_group, fsdp_units
 
         checks.positive(self.FLAG, GBps, fix="pass the emulated inter-node bus bandwidth in GB/s, e.g. 0.1")
         self.groups = [g for g in (fsdp_replicate_process_group(group) for _, group in fsdp_units(model))

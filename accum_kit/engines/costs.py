@@ -36,7 +36,7 @@ no_sync_no_reshard_after_bwd  U, P b_r               U_0 + (K + 1) U_f      (P_0
 no_sync_no_reshard            U, P b_r               U_0 + U_f              P b_c
 ============================  =====================  =====================  =============================
 
-Under HSDP (``R`` replicas of ``S`` processes, ``W = R S``; :mod:`accum_kit.hsdp`)
+Under HSDP (``R`` replicas of ``S`` processes, ``W = R S``; :mod:`accum_kit.engines.mesh`)
 the reduce-scatters and all-gathers above run in the shard group (``S``
 processes, the formulas unchanged), every synchronised unit's
 reduce-scattered shard is then all-reduced across the replicate group
@@ -76,8 +76,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..errors import UsageError
-from ..models import PRESETS
-from ..policies import POLICIES
+from ..job.models import PRESETS
+from .policies import POLICIES
 
 #: Bytes per element of the dtypes a run can use.
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -146,7 +146,7 @@ def gpt2_units_for(n_layer: int, n_embd: int, vocab_size: int, n_positions: int,
 
 
 def gpt2_units(preset: str, vocab_size: int, n_positions: int) -> ShardedModel:
-    """:func:`gpt2_units_for` of a preset of :data:`accum_kit.models.PRESETS`.
+    """:func:`gpt2_units_for` of a preset of :data:`accum_kit.job.models.PRESETS`.
 
     Raises:
         UsageError: unknown preset (names ``--model_preset``).
@@ -274,7 +274,7 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
     """The costs of ``policy`` per window (communication) and per process (memory), see the module docstring.
 
     Args:
-        policy: a name of :data:`accum_kit.policies.POLICIES`, or a DeepSpeed stage of
+        policy: a name of :data:`accum_kit.engines.policies.POLICIES`, or a DeepSpeed stage of
             :data:`ZERO_STAGES` (then :func:`zero_costs` with the model's P; only
             ``param_bytes`` and ``optimizer_bytes`` apply).
         model: the units (:class:`ShardedModel`).
@@ -405,7 +405,7 @@ def dtype_bytes(mixed_precision: str) -> tuple[int, int, int]:
     """(b_p, b_c, b_r) for ``--mixed_precision`` ``no`` / ``bf16`` / ``fp16`` under accum-kit's FSDP2 plugin.
 
     accum-kit gives low precision ``MixedPrecisionPolicy(param_dtype=<low>,
-    reduce_dtype=float32)`` (:func:`accum_kit.sharding.fsdp_plugin_for`):
+    reduce_dtype=float32)`` (:func:`accum_kit.engines.fsdp2.fsdp_plugin_for`):
     fp32 master parameters, gathered in the low precision, gradients reduced
     and accumulated in fp32.
     """

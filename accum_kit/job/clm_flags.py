@@ -1,6 +1,6 @@
 """What makes ``accum-kit train`` a drop-in for transformers' ``run_clm_no_trainer.py``: checks and defaults.
 
-The flags themselves are fields of :class:`accum_kit.config.TrainConfig`;
+The flags themselves are fields of :class:`accum_kit.job.config.TrainConfig`;
 :func:`resolve_run_clm_flags` gives them run_clm_no_trainer's meaning:
 
 - ``--num_train_epochs N`` alone trains N epochs; ``--max_train_steps``
@@ -12,8 +12,8 @@ The flags themselves are fields of :class:`accum_kit.config.TrainConfig`;
 
 from __future__ import annotations
 
-from . import checks
-from .errors import UsageError
+from .. import checks
+from ..errors import UsageError
 
 #: Optimizer steps when neither --max_train_steps nor --num_train_epochs is given (the README demo).
 DEMO_MAX_TRAIN_STEPS = 100
@@ -28,7 +28,7 @@ def resolve_run_clm_flags(cfg) -> None:
     """Refuse the Hub flags, check the new flags, and settle the step and evaluation counts of ``cfg`` in place.
 
     Args:
-        cfg: a :class:`accum_kit.config.TrainConfig` (called from its ``__post_init__``).
+        cfg: a :class:`accum_kit.job.config.TrainConfig` (called from its ``__post_init__``).
 
     Raises:
         UsageError: a Hub flag given; ``--preprocessing_num_workers`` below 1;

@@ -1,6 +1,6 @@
 """The accumulation policies: what a window skips (gradient reduction) and keeps (gathered FSDP2 parameters).
 
-Torch-free (``accum-kit plan`` uses it); :mod:`accum_kit.sharding` applies them.
+Torch-free (``accum-kit plan`` uses it); :mod:`accum_kit.engines.fsdp2` applies them.
 
 Under FSDP2 every process holds 1/W of each parameter. A micro-batch's
 forward and backward all-gather the parameters of each FSDP unit (a layer,
@@ -34,7 +34,7 @@ communication for memory in two places, and the policies name the choices:
 
 ``reduce_scatter_each_batch`` (HSDP only)
     Under HSDP (a 2-D mesh: sharded inside a shard group, replicated across
-    replicas, see :mod:`accum_kit.hsdp`) a synchronised gradient crosses two
+    replicas, see :mod:`accum_kit.engines.mesh`) a synchronised gradient crosses two
     links: a reduce-scatter inside the shard group and an all-reduce of the
     shard across the replicate group. This policy reduce-scatters on every
     micro-batch but all-reduces across replicas only on the boundary
@@ -53,7 +53,7 @@ micro-batch, and the two no-reshard policies keep parameters gathered.
 Parameters do not change inside a window, so all five give the same update;
 the boundary backward always reshards, so the optimizer step sees sharded
 parameters and the next window gathers the updated ones. What each policy
-costs, per window and per process, is :func:`accum_kit.planning.fsdp.policy_costs`
+costs, per window and per process, is :func:`accum_kit.engines.costs.policy_costs`
 and docs/fsdp.md.
 
 Torch's own description of the reshard switches: the ``FSDPModule`` API
@@ -67,7 +67,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 @dataclass(frozen=True)

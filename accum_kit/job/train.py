@@ -2,7 +2,7 @@
 
 Run it with ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml examples/train.py``
 or ``accelerate launch ... -m accum_kit train``; both take the flags of
-:class:`accum_kit.config.TrainConfig`. Data flows one way: config ->
+:class:`accum_kit.job.config.TrainConfig`. Data flows one way: config ->
 accelerator -> data + model -> :func:`accum_kit.train_loop` -> summary files.
 """
 
@@ -16,29 +16,29 @@ import torch
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
-from .callbacks import LoopCallback
-from .checkpoint import (PREEMPTED_EXIT_CODE, Checkpointer, Preempted, check_resumable, check_writable, engine_name,
+from ..core.callbacks import LoopCallback
+from ..core.checkpoint import (PREEMPTED_EXIT_CODE, Checkpointer, Preempted, check_resumable, check_writable, engine_name,
                          latest_checkpoint, resolve_checkpoint)
-from .compiling import CompileWatch, compile_settings
+from ..engines.compiling import CompileWatch, compile_settings
 from .config import TrainConfig
 from .data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
-from .ddp_options import ddp_kwargs
-from .errors import UsageError
+from ..engines.ddp import ddp_kwargs
+from ..errors import UsageError
 from .evaluation import evaluate_loss
-from .launch import build_accelerator, resolve_accumulation_steps
-from .loop import train_loop
-from .loss import check_supported
-from .zero import check_constant_k, check_model_saving, check_profile_flags, deepspeed_engine, deepspeed_summary
+from ..launch import build_accelerator, resolve_accumulation_steps
+from ..core.loop import train_loop
+from ..core.loss import check_supported
+from ..engines.deepspeed import check_constant_k, check_model_saving, check_profile_flags, deepspeed_engine, deepspeed_summary
 from .models import build_from_config, build_model, count_parameters, fit_embeddings, load_model, resolve_config
-from .planning import optimizer_steps_per_epoch
-from .planning.schedule import schedule_pairs, scheduled_steps
-from .outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
-from .profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
-from .memory import HeldMemory
-from .sharding import fsdp_summary, predicted_memory
+from ..planning import optimizer_steps_per_epoch
+from ..core.accumulation_schedule import schedule_pairs, scheduled_steps
+from ..outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
+from ..profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
+from ..profiler.held_memory import HeldMemory
+from ..engines.fsdp2 import fsdp_summary, predicted_memory
 from .tracking import TrackerLogger, check_trackers, quiet_other_processes
 
-logger = get_logger("accum_kit.train")  # logs on the main process only
+logger = get_logger("accum_kit.job.train")  # logs on the main process only
 
 ARGUMENTS = TrainConfig
 DESCRIPTION = "Train a causal LM with exact, no_sync gradient accumulation."
@@ -409,7 +409,7 @@ def run_command(cfg: TrainConfig) -> int:
     try:
         run(cfg)
     except Preempted as stop:
-        logging.getLogger("accum_kit.train").warning(
+        logging.getLogger("accum_kit.job.train").warning(
             "preempted by %s: checkpoint %s (optimizer step %d) is complete; exiting with code %d. Continue with "
             "--resume_from_checkpoint latest", stop.signal_name, stop.path, stop.step, PREEMPTED_EXIT_CODE)
         return PREEMPTED_EXIT_CODE

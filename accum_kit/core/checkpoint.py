@@ -19,7 +19,7 @@ Folder ``<output_dir>/step_<N>`` (N optimizer steps done) or ``epoch_<E>``
 - ``history/`` (main process): the per-step loss, token, seconds and K
   history in chunks, the earlier ones hard-linked from the previous
   checkpoint, so that a save's cost does not grow with the step count
-  (:mod:`accum_kit.loop_history`);
+  (:mod:`accum_kit.core.loop_history`);
 - ``data_rng_<rank>.pt`` (every process): the global torch RNG and the
   shuffling generators as they were when the current epoch began, so that
   the resumed epoch draws the same order before the consumed batches are skipped;
@@ -55,15 +55,15 @@ import torch
 from accelerate.logging import get_logger
 
 from .callbacks import LoopCallback
-from .checkpoint_engine import check_engine, engine_name  # noqa: F401 (re-exported)
+from ..engines.checkpoint_tag import check_engine, engine_name  # noqa: F401 (re-exported)
 from .checkpoint_files import check_checkpoint_files
 from .data_cursor import DataCursor, rng_snapshot
-from .errors import UsageError
+from ..errors import UsageError
 from .loop_history import HistoryWriter, read_history
-from .outputs import atomic_write_json, fsync_dir, fsync_tree
-from .planning.schedule import accumulation_steps_at
+from ..outputs import atomic_write_json, fsync_dir, fsync_tree
+from .accumulation_schedule import accumulation_steps_at
 
-logger = get_logger("accum_kit.checkpoint")
+logger = get_logger("accum_kit.core.checkpoint")
 
 LOOP_STATE = "loop_state.json"
 COMPLETE = "checkpoint_complete"
@@ -163,7 +163,7 @@ def check_resumable(path, *, gradient_accumulation_steps: int, world_size: int, 
             differ from the checkpoint's (the saved data position would point at
             other examples); the message names the flag to change. A file of the
             checkpoint cannot be loaded (corrupt, or a pickle that is not a torch
-            state): :func:`accum_kit.checkpoint_files.check_checkpoint_files`.
+            state): :func:`accum_kit.core.checkpoint_files.check_checkpoint_files`.
     """
     check_checkpoint_files(path)
     saved = read_loop_state(path)
@@ -238,7 +238,7 @@ def save_checkpoint(accelerator, output_dir, name: str, state: dict, data_rng: d
         total_limit: keep at most this many complete checkpoints; the oldest
             are deleted only after the new one is complete.
         history: ``(folder, final) -> dict``, writing the per-step history into the folder
-            being saved (main process; :meth:`accum_kit.loop_history.HistoryWriter.write`); the
+            being saved (main process; :meth:`accum_kit.core.loop_history.HistoryWriter.write`); the
             dict goes into the loop state as ``history``.
         timings: if given, the main process appends ``{"name", "seconds" (the whole save),
             "fsync_seconds" (from the end of writing: syncing files, marker and folders, the

@@ -26,8 +26,8 @@ resident set's high-water mark since the process started;
 
 from __future__ import annotations
 
-from .callbacks import LoopCallback
-from .stats import spread
+from ..core.callbacks import LoopCallback
+from ..stats import spread
 
 GRADIENT_KINDS = ("grad", "sharded_grad", "unsharded_grad", "accumulated_grad", "partial_reduce_output",
                   "partition_grad")
@@ -35,7 +35,7 @@ GRADIENT_KINDS = ("grad", "sharded_grad", "unsharded_grad", "accumulated_grad", 
 
 def held_tensors(model):
     """Yield ``(kind, tensor)`` for the gradients (and FSDP2's gathered parameters) ``model`` holds now."""
-    from .compat import deepspeed_held_gradients, fsdp_held_tensors, fsdp_units
+    from ..compat import deepspeed_held_gradients, fsdp_held_tensors, fsdp_units
 
     if type(model).__name__ == "DeepSpeedEngine":
         yield from deepspeed_held_gradients(model)
@@ -98,7 +98,7 @@ class HeldMemory(LoopCallback):
         accelerator: the run's Accelerator (policy in force, device, processes).
         model: the prepared model.
         predicted: optional ``{policy: {"gradient_bytes", "gathered_parameter_bytes", ...}}`` put beside
-            the measurement in :meth:`summary` (see :func:`accum_kit.planning.fsdp.policy_costs`), or a
+            the measurement in :meth:`summary` (see :func:`accum_kit.engines.costs.policy_costs`), or a
             function returning it, called by :meth:`summary` (after training: FSDP2 settles its
             units' reshard settings at the first forward).
 
@@ -113,7 +113,7 @@ class HeldMemory(LoopCallback):
     def on_backward_end(self, state):
         if state.boundary or getattr(state, "forced_sync", False):  # a static-graph DDP model's priming sync is no policy's
             return
-        from .sharding import policy_name
+        from ..engines.fsdp2 import policy_name
 
         held = held_bytes(self.model)
         grads = sum(v for k, v in held.items() if k in GRADIENT_KINDS)
@@ -126,7 +126,7 @@ class HeldMemory(LoopCallback):
 
     def local(self) -> dict:
         """This process's figures: the run policy's peaks, every policy's, the process peak."""
-        from .sharding import policy_name
+        from ..engines.fsdp2 import policy_name
 
         run_policy = getattr(getattr(self.accelerator, "accumulation_policy", None), "name", None) or \
             policy_name(self.accelerator)

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from .compat import at_end_of_dataloader
-from .loss import LossFn, causal_lm_loss
+from ..compat import at_end_of_dataloader
+from ..core.loss import LossFn, causal_lm_loss
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ It follows the order of Accelerate's gradient accumulation guide: forward and
 backward of every micro-batch inside ``accelerator.accumulate(model)`` (so DDP
 skips the all-reduce on non-boundary micro-batches), then, on the boundary
 only, clipping, optimizer step, scheduler step and ``zero_grad``. The one
-addition is the window normalisation of :mod:`accum_kit.loss`, which makes the
+addition is the window normalisation of :mod:`accum_kit.core.loss`, which makes the
 update equal to that of one big batch on one process.
 """
 
@@ -17,19 +17,19 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm  # text bar: a widget cannot be drawn from processes forked by accum_kit.notebook.launch; Jupyter redraws the text bar in place
 
-from . import checks
+from .. import checks
 from .batchnorm import warn_if_batchnorm_trains
 from .callbacks import CallbackList, LoopState
 from .checkpoint import load_checkpoint
 from .data_cursor import DataCursor
-from .compat import release_dataloader, restart_window_counter
-from .sharding import reduces_each_micro_batch
-from .ddp_options import static_graph_first_sync
-from .errors import UsageError
+from ..compat import release_dataloader, restart_window_counter
+from ..engines.fsdp2 import reduces_each_micro_batch
+from ..engines.ddp import static_graph_first_sync
+from ..errors import UsageError
 from .loss import NORMALIZATIONS, LossFn, causal_lm_loss
-from .planning.schedule import schedule_pairs
-from .schedule import WindowSchedule
-from .zero import check_engine_clipping, window_normalizer
+from .accumulation_schedule import schedule_pairs
+from .window_schedule import WindowSchedule
+from ..engines.deepspeed import check_engine_clipping, window_normalizer
 
 
 @dataclass
@@ -61,7 +61,7 @@ class LoopResult:
     resumed_from_step: int | None = None
 
     def restore(self, saved: dict) -> None:
-        """Take over the history of a checkpoint's loop state (see :mod:`accum_kit.checkpoint`)."""
+        """Take over the history of a checkpoint's loop state (see :mod:`accum_kit.core.checkpoint`)."""
         self.train_loss, self.step_tokens = list(saved["train_loss"]), list(saved["step_tokens"])
         self.step_seconds, self.resumed_from_step = list(saved["step_seconds"]), saved["optimizer_steps"]
         # a run resumed after its last step runs no epoch: it must still report those the checkpoint had begun
@@ -150,19 +150,19 @@ def train_loop(
         loss_normalization: ``"tokens"`` (exact token-mean over the window and
             all processes) or ``"mean"`` (per-micro-batch mean / K, Accelerate's guide).
         loss_fn: ``loss_fn(model, batch) -> (summed_loss, num_items)``; default
-            :func:`accum_kit.loss.causal_lm_loss` (``classification_loss`` and
-            ``seq2seq_loss`` in :mod:`accum_kit.loss` for other models). BatchNorm
-            layers training with K > 1 get one warning (:mod:`accum_kit.batchnorm`).
+            :func:`accum_kit.core.loss.causal_lm_loss` (``classification_loss`` and
+            ``seq2seq_loss`` in :mod:`accum_kit.core.loss` for other models). BatchNorm
+            layers training with K > 1 get one warning (:mod:`accum_kit.core.batchnorm`).
         callbacks: :class:`accum_kit.LoopCallback` subclasses (or objects with
             any of its seven hooks), each hook called with a :class:`LoopState`.
             ``on_step_begin`` runs on the boundary micro-batch before the window
             rescale (gradients still hold sum / (K x world_size)).
         progress: show a tqdm bar over optimizer steps on the main process.
         profiler: a :class:`accum_kit.profiler.CommProfiler` (or any callback).
-        checkpointer: a :class:`accum_kit.checkpoint.Checkpointer`: saves
+        checkpointer: a :class:`accum_kit.core.checkpoint.Checkpointer`: saves
             ``step_<N>`` / ``epoch_<E>`` at window boundaries and stops on SIGTERM.
         resume_from: a complete checkpoint folder (see
-            :func:`accum_kit.checkpoint.latest_checkpoint`): the model,
+            :func:`accum_kit.core.checkpoint.latest_checkpoint`): the model,
             optimizer, scheduler and RNG states are loaded, the history is
             restored, and training continues at the saved data position, so
             losses and parameters equal those of an uninterrupted run. Prepare
@@ -174,10 +174,10 @@ def train_loop(
             every window is normalised with its own K and token count, so each
             step stays equal to one big batch. None: the Accelerator's K.
             Epoch-based runs count their steps under the schedule
-            (:func:`accum_kit.planning.schedule.scheduled_steps`).
+            (:func:`accum_kit.core.accumulation_schedule.scheduled_steps`).
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: multiply the
             learning rate by the rule's factor for K / (K at step 0) whenever K
-            changes (the scheduler's base rates, see :mod:`accum_kit.schedule`).
+            changes (the scheduler's base rates, see :mod:`accum_kit.core.window_schedule`).
 
     Returns:
         :class:`LoopResult` with per-step losses, times and token counts.
@@ -186,7 +186,7 @@ def train_loop(
         UsageError: invalid argument (the message names the flag), or a
             checkpoint saved with another K (under a schedule: the schedule's
             K at the saved step), world size or batch size.
-        accum_kit.checkpoint.Preempted: a signal stopped the run after saving.
+        accum_kit.core.checkpoint.Preempted: a signal stopped the run after saving.
         TypeError: a callback defines no hook or a misspelled one.
         RuntimeError: the dataloader ended inside a window, which happens when
             it was not passed through ``accelerator.prepare``.

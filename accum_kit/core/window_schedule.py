@@ -4,14 +4,14 @@
 ``accumulation_schedule`` and ``lr_scaling`` arguments. It sets K before the
 first window (also after a resume) and, right after each optimizer step,
 the K of the next window, so a window never changes size midway and the
-window normalisation (:class:`accum_kit.loss.WindowNormalizer`, which reads
+window normalisation (:class:`accum_kit.core.loss.WindowNormalizer`, which reads
 K when the window closes) divides by the K the window was run with. The
 schedule's arithmetic (parsing, K at a step, steps per run) is torch-free in
-:mod:`accum_kit.planning.schedule`.
+:mod:`accum_kit.core.accumulation_schedule`.
 
 Learning rate: with ``lr_scaling`` ``"linear"`` or ``"sqrt"`` the rate is
 multiplied by the rule's factor for ``K / K_first`` (the effective batch
-ratio; rules and sources in :mod:`accum_kit.planning.lr`). The multiplier is
+ratio; rules and sources in :mod:`accum_kit.core.lr_scaling`). The multiplier is
 applied to the scheduler's ``base_lrs`` (which every ``step`` recomputes the
 rates from) and to the current rates of the optimizer's groups, so it lasts
 and composes with the schedule's own shape (warm-up, decay).
@@ -19,10 +19,10 @@ and composes with the schedule's own shape (warm-up, decay).
 
 from __future__ import annotations
 
-from . import checks
-from .compat import scheduler_base_lrs, set_accumulation_steps
-from .planning.lr import LR_RULES, scale_learning_rate
-from .planning.schedule import accumulation_steps_at, check_accumulation_schedule, scheduled_steps
+from .. import checks
+from ..compat import scheduler_base_lrs, set_accumulation_steps
+from .lr_scaling import LR_RULES, scale_learning_rate
+from .accumulation_schedule import accumulation_steps_at, check_accumulation_schedule, scheduled_steps
 
 
 class WindowSchedule:
@@ -40,7 +40,7 @@ class WindowSchedule:
 
     Raises:
         UsageError: an invalid schedule or rule (see
-            :func:`accum_kit.planning.schedule.check_accumulation_schedule`).
+            :func:`accum_kit.core.accumulation_schedule.check_accumulation_schedule`).
     """
 
     def __init__(self, accelerator, schedule, optimizer=None, lr_scheduler=None, lr_scaling: str = "none",
@@ -51,7 +51,7 @@ class WindowSchedule:
         self.lr_scaling, self.examples_per_micro_batch = lr_scaling, examples_per_micro_batch
         self.first_k = self.schedule[0] if self.schedule else accelerator.gradient_accumulation_steps
         self._multiplier = 1.0
-        from .zero import check_constant_k
+        from ..engines.deepspeed import check_constant_k
         check_constant_k(accelerator, self.schedule)
 
     def k_at(self, step: int) -> int:

@@ -12,7 +12,7 @@ accelerate 1.15):
   clipping and the optimizer step happen inside the boundary's backward, and
   under ZeRO-2/3 the reduced gradients live in the ZeRO optimizer's own
   partitions, not in ``.grad``. The loop's "rescale the gradients after the
-  window" (:mod:`accum_kit.loss`) has nothing to act on.
+  window" (:mod:`accum_kit.core.loss`) has nothing to act on.
 - So the window's target-token count N is taken first (the transformers
   Trainer's way, ``num_items_in_batch``): :class:`LookaheadNormalizer` reads
   the window's micro-batches ahead, counts their target tokens, sums the count
@@ -34,9 +34,9 @@ import os
 import torch
 import torch.utils.data
 
-from .compat import set_end_of_dataloader
-from .errors import UsageError
-from .loss import WindowNormalizer
+from ..compat import set_end_of_dataloader
+from ..errors import UsageError
+from ..core.loss import WindowNormalizer
 
 EXTRA_FIX = 'install the extra: pip install -e ".[deepspeed]" (or pip install deepspeed==0.19.8)'
 
@@ -196,7 +196,7 @@ def check_constant_k(accelerator, schedule) -> None:
 def count_items(loss_fn, batch) -> torch.Tensor:
     """The items (target tokens) ``loss_fn`` will count in ``batch``, before running the model.
 
-    Uses ``loss_fn.count_items(batch)``; :func:`accum_kit.loss.causal_lm_loss`,
+    Uses ``loss_fn.count_items(batch)``; :func:`accum_kit.core.loss.causal_lm_loss`,
     ``classification_loss`` and ``seq2seq_loss`` have one.
 
     Raises:
@@ -206,7 +206,7 @@ def count_items(loss_fn, batch) -> torch.Tensor:
     if counter is None:
         raise UsageError("loss_fn", "under DeepSpeed the window's items are counted before its forward passes, "
                          f"and {getattr(loss_fn, '__name__', loss_fn)!r} has no count_items", "give the function "
-                         "a count_items(batch) -> int attribute (see accum_kit.loss.causal_lm_loss), or use "
+                         "a count_items(batch) -> int attribute (see accum_kit.core.loss.causal_lm_loss), or use "
                          "--loss_normalization mean")
     return torch.as_tensor(counter(batch))
 
@@ -214,7 +214,7 @@ def count_items(loss_fn, batch) -> torch.Tensor:
 class LookaheadNormalizer(WindowNormalizer):
     """``tokens`` normalisation under DeepSpeed: count the window first, scale each micro-batch's loss.
 
-    Use as :class:`accum_kit.loss.WindowNormalizer`, and iterate the epoch's
+    Use as :class:`accum_kit.core.loss.WindowNormalizer`, and iterate the epoch's
     batches through :meth:`batches` (the loop does). Each micro-batch's loss is
     ``S x K x W / N``, with K the engine's ``gradient_accumulation_steps``, W
     the processes and N the window's target tokens over all processes; the
@@ -241,7 +241,7 @@ class LookaheadNormalizer(WindowNormalizer):
         """
         acc, it = self.accelerator, iter(iterable)
         loss_fn = loss_fn or self.loss_fn
-        from .compat import at_end_of_dataloader
+        from ..compat import at_end_of_dataloader
 
         while True:
             window, ends = [], []

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import checks
+from .. import checks
 from .clm_flags import resolve_run_clm_flags
-from .compiling import MODES, resolve_flags
+from ..engines.compiling import MODES, resolve_flags
 from .data import check_data_flags
-from .ddp_options import check_ddp_flags, ddp_field
-from .errors import UsageError
-from .loss import NORMALIZATIONS
+from ..engines.ddp import check_ddp_flags, ddp_field
+from ..errors import UsageError
+from ..core.loss import NORMALIZATIONS
 from .models import PRESETS
-from .planning.lr import LR_RULES
-from .planning.schedule import parse_accumulation_schedule
-from .policies import POLICIES, resolve_policy
+from ..core.lr_scaling import LR_RULES
+from ..core.accumulation_schedule import parse_accumulation_schedule
+from ..engines.policies import POLICIES, resolve_policy
 from .tracking import TRACKERS
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -33,7 +33,7 @@ class TrainConfig:
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset name; default: the CPython standard library sources on this machine."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
     train_file: str | None = field(default=None, metadata={"help": "Local .txt, .json/.jsonl or .csv file with a 'text' column."})
-    # run_clm_no_trainer.py's other flags, same meaning (accum_kit.clm_flags; docs/run_clm.md)
+    # run_clm_no_trainer.py's other flags, same meaning (accum_kit.job.clm_flags; docs/run_clm.md)
     validation_file: str | None = field(default=None, metadata={"help": "Local .txt, .json/.jsonl or .csv file evaluated instead of a held-out part of train (train then keeps all its data)."})
     config_name: str | None = field(default=None, metadata={"help": "Model config (directory with config.json, or hub name); without --model_name_or_path: train from scratch with AutoModelForCausalLM.from_config."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer to load if not the one of --model_name_or_path; default without a model: bytes (ByT5Tokenizer)."})

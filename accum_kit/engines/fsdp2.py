@@ -1,8 +1,8 @@
 """FSDP2 for accumulation: the plugin a policy needs, and the Accelerator that applies the policy.
 
 The policies themselves (what each skips and keeps, and why) are described in
-:mod:`accum_kit.policies`; what each costs per window and per process is
-:func:`accum_kit.planning.fsdp.policy_costs` and docs/fsdp.md.
+:mod:`accum_kit.engines.policies`; what each costs per window and per process is
+:func:`accum_kit.engines.costs.policy_costs` and docs/fsdp.md.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import contextlib
 
 from accelerate import Accelerator
 
-from .errors import UsageError
+from ..errors import UsageError
 from .policies import DEFAULT_POLICY, POLICIES, AccumulationPolicy, fsdp_launched
 
 
@@ -85,7 +85,7 @@ class AccumulationAccelerator(Accelerator):
     def prepare(self, *args, **kwargs):
         """``Accelerator.prepare``; under DeepSpeed the config's batch sizes are checked against the dataloader first."""
         if getattr(self, "deepspeed_plugin", None) is not None:
-            from .zero import check_batch_sizes
+            from .deepspeed import check_batch_sizes
 
             check_batch_sizes(self, args)
         return super().prepare(*args, **kwargs)
@@ -123,7 +123,7 @@ def reduces_each_micro_batch(accelerator) -> bool:
     across replicas waits for the boundary) and under DeepSpeed ZeRO-2 and 3 (their gradients are
     partitioned, so every backward reduces them).
     """
-    from .compat import sync_each_batch
+    from ..compat import sync_each_batch
 
     plugin = getattr(accelerator, "deepspeed_plugin", None)
     if plugin is not None:
@@ -135,7 +135,7 @@ def reduces_each_micro_batch(accelerator) -> bool:
 
 def policy_name(accelerator) -> str:
     """The accumulation policy in force now (``sync_each_batch`` while the A/B switch has it on)."""
-    from .compat import sync_each_batch
+    from ..compat import sync_each_batch
 
     if sync_each_batch(accelerator):
         return "sync_each_batch"
@@ -153,7 +153,7 @@ def fsdp_summary(accelerator) -> dict | None:
     """
     if not getattr(accelerator, "is_fsdp2", False):
         return None
-    from .hsdp import run_mesh
+    from .mesh import run_mesh
 
     plugin = accelerator.state.fsdp_plugin
     mp = plugin.mixed_precision_policy
@@ -170,14 +170,14 @@ def fsdp_summary(accelerator) -> dict | None:
 
 
 def sharded_model(model):
-    """The :class:`accum_kit.planning.fsdp.ShardedModel` of a prepared FSDP2 model (None if it is not one).
+    """The :class:`accum_kit.engines.costs.ShardedModel` of a prepared FSDP2 model (None if it is not one).
 
     Each unit is put under ``resharded`` or ``kept`` by its reshard-after-forward
     setting now; FSDP2 settles the root's at the first forward, so read after one
     for the split (the total P is right at any time).
     """
-    from .compat import fsdp_reshards_after_forward, fsdp_unit_parameters, fsdp_units
-    from .planning.fsdp import ShardedModel
+    from ..compat import fsdp_reshards_after_forward, fsdp_unit_parameters, fsdp_units
+    from .costs import ShardedModel
 
     units = fsdp_units(model)
     if not units:
@@ -207,19 +207,19 @@ def element_bytes(accelerator, model) -> tuple[int, int, int]:
 def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
     """``{policy: PolicyCosts.to_dict()}`` for the run's policy and ``sync_each_batch``, as held between micro-batches.
 
-    Under DeepSpeed one entry, the ZeRO stage (``"zero1"`` ...), from :func:`accum_kit.planning.fsdp.zero_costs`.
+    Under DeepSpeed one entry, the ZeRO stage (``"zero1"`` ...), from :func:`accum_kit.engines.costs.zero_costs`.
 
-    Under FSDP2 from :func:`accum_kit.planning.fsdp.policy_costs` with the
+    Under FSDP2 from :func:`accum_kit.engines.costs.policy_costs` with the
     model's units and the run's mesh (HSDP: its replicate size); under DDP (and one process) every policy holds the full
     gradient, P b_p bytes, as ``.grad``. An empty dict if the model has no
     trainable parameter.
     """
-    from .hsdp import run_mesh
-    from .planning.fsdp import policy_costs
+    from .mesh import run_mesh
+    from .costs import policy_costs
 
     plugin = getattr(accelerator, "deepspeed_plugin", None)
     if plugin is not None:  # DeepSpeed: the stage is the policy (ZeRO-3's ds_numel: the unpartitioned size)
-        from .planning.fsdp import zero_costs
+        from .costs import zero_costs
 
         stage = f"zero{plugin.zero_stage}"
         P = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)

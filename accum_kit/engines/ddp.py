@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from . import checks
-from .callbacks import LoopCallback
+from .. import checks
+from ..core.callbacks import LoopCallback
 
 #: flag (dataclass field) -> (DDP / DistributedDataParallelKwargs name, default, help, aliases)
 DDP_FLAGS = {
@@ -78,7 +78,7 @@ class StaticGraphFirstSync(LoopCallback):
     gradient all-reduce per run. Put it after every callback that sets
     ``sync_each_batch`` at train begin (:func:`accum_kit.train_loop` adds it last).
     ``state.forced_sync`` is True during that micro-batch, so that the
-    profiler and :class:`accum_kit.memory.HeldMemory` leave it out: it is no
+    profiler and :class:`accum_kit.profiler.held_memory.HeldMemory` leave it out: it is no
     sync of the policy in force.
     """
 
@@ -86,7 +86,7 @@ class StaticGraphFirstSync(LoopCallback):
         self.accelerator, self._saved = accelerator, None
 
     def on_train_begin(self, state):
-        from .compat import set_sync_each_batch, sync_each_batch
+        from ..compat import set_sync_each_batch, sync_each_batch
 
         self._saved = sync_each_batch(self.accelerator)
         set_sync_each_batch(self.accelerator, True)
@@ -94,7 +94,7 @@ class StaticGraphFirstSync(LoopCallback):
 
     def on_backward_end(self, state):
         if self._saved is not None:
-            from .compat import set_sync_each_batch
+            from ..compat import set_sync_each_batch
 
             set_sync_each_batch(self.accelerator, self._saved)
             self._saved = None
@@ -103,6 +103,6 @@ class StaticGraphFirstSync(LoopCallback):
 
 def static_graph_first_sync(accelerator, model) -> StaticGraphFirstSync | None:
     """A :class:`StaticGraphFirstSync` when ``model`` is a static-graph DDP model that never synchronised, else None."""
-    from .compat import ddp_static_graph_unprimed
+    from ..compat import ddp_static_graph_unprimed
 
     return StaticGraphFirstSync(accelerator) if ddp_static_graph_unprimed(model) else None

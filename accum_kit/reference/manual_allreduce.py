@@ -11,7 +11,7 @@ coalescing do). With gradient accumulation both run once per window, after
 the last micro-batch's backward, so neither overlaps any computation; DDP
 all-reduces its buckets while the backward still runs.
 
-Either one, passed to :func:`accum_kit.raw_ddp.train_raw_ddp` as
+Either one, passed to :func:`accum_kit.reference.raw_ddp.train_raw_ddp` as
 ``average_gradients`` with a plain (not DDP-wrapped) model, gives the same
 gradients as DDP's average, hence the same update (``accum-kit bench`` modes
 ``manual_allreduce`` and ``manual_allreduce_flat``; ``docs/allreduce.md``).
