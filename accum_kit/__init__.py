@@ -39,7 +39,7 @@ _EXPORTS = {
     "causal_lm_loss": "core.loss",
     "classification_loss": "core.loss",
     "check_process_count": "launch",
-    "optimizer_steps_per_epoch": "planning",
+    "optimizer_steps_per_epoch": "core.accumulation_schedule",
     "seq2seq_loss": "core.loss",
     "train_loop": "core.loop",
 }
@@ -110,7 +110,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from .launch import build_accelerator, check_process_count
     from .core.loop import LoopResult, train_loop
     from .core.loss import WindowNormalizer, causal_lm_loss, classification_loss, seq2seq_loss
-    from .planning import optimizer_steps_per_epoch
+    from .core.accumulation_schedule import optimizer_steps_per_epoch
 
 
 def __getattr__(name: str):

@@ -29,6 +29,17 @@ from typing import Iterator, Mapping
 from .. import checks
 from ..errors import UsageError
 
+
+def optimizer_steps_per_epoch(micro_batches_per_process: int, gradient_accumulation_steps: int) -> int:
+    """Optimizer steps in one epoch: a last partial window still makes a step (``ceil(M / K)``).
+
+    Args:
+        micro_batches_per_process: ``M``, micro-batches each process runs per epoch.
+        gradient_accumulation_steps: ``K``, micro-batches per optimizer step.
+    """
+    return math.ceil(micro_batches_per_process / gradient_accumulation_steps)
+
+
 FLAG = "--accumulation_schedule"
 FIX = "pass STEP:K pairs starting at step 0, e.g. 0:1,100:2,300:4"
 

@@ -30,7 +30,7 @@ from ..core.loop import train_loop
 from ..core.loss import check_supported
 from ..engines.deepspeed import check_constant_k, check_model_saving, check_profile_flags, deepspeed_engine, deepspeed_summary
 from .models import build_from_config, build_model, count_parameters, fit_embeddings, load_model, resolve_config
-from ..planning import optimizer_steps_per_epoch
+from ..core.accumulation_schedule import optimizer_steps_per_epoch
 from ..core.accumulation_schedule import schedule_pairs, scheduled_steps
 from ..outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
 from ..profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table

@@ -30,17 +30,8 @@ from dataclasses import dataclass
 
 from .. import checks
 from ..errors import UsageError
+from ..core.accumulation_schedule import optimizer_steps_per_epoch  # noqa: F401 (re-exported: plan's public name)
 from ..core.settings import resolve_accumulation_steps
-
-
-def optimizer_steps_per_epoch(micro_batches_per_process: int, gradient_accumulation_steps: int) -> int:
-    """Optimizer steps in one epoch: a last partial window still makes a step (``ceil(M / K)``).
-
-    Args:
-        micro_batches_per_process: ``M``, micro-batches each process runs per epoch.
-        gradient_accumulation_steps: ``K``, micro-batches per optimizer step.
-    """
-    return math.ceil(micro_batches_per_process / gradient_accumulation_steps)
 
 
 @dataclass(frozen=True)
