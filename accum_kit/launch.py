@@ -17,7 +17,6 @@ attempt's keys (see :func:`init_restartable_process_group`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from datetime import timedelta
@@ -28,9 +27,7 @@ from accelerate.utils import (DistributedDataParallelKwargs, GradientAccumulatio
                                get_int_from_env)
 
 from . import checks
-from .compat import enable_deepspeed_on_cpu, enable_fsdp_on_cpu, enable_hsdp_on_cpu, parallelism_config_from_env_off
-from .errors import ProcessCountError, UsageError
-from .engines.mesh import resolve_parallelism_config
+from .errors import ProcessCountError
 # The default-K rule lives in the torch-free settings module (``accum-kit plan`` uses it too);
 # re-exported here for callers of ``accum_kit.launch.resolve_accumulation_steps``.
 from .core.settings import DEFAULT_GRADIENT_ACCUMULATION_STEPS, resolve_accumulation_steps  # noqa: F401
@@ -166,32 +163,6 @@ def _with_ddp_kwargs(handlers: list, ddp_kwargs: dict | None) -> list:
     return [dataclasses.replace(h, **ddp_kwargs) if h is own else h for h in handlers]
 
 
-def _check_policy_fits(policy, fsdp: bool, parallelism) -> None:
-    """Refuse a policy the run's engine cannot apply (FSDP2-only without FSDP2, HSDP-only without replicas)."""
-    if policy.fsdp_only and not fsdp:
-        raise UsageError("--accumulation_policy", f"{policy.name} needs FSDP2 (it acts on sharded parameters or "
-                         "gradients), but this run is not sharded", "launch with an FSDP2 config "
-                         "(accelerate_configs/cpu_fsdp.yaml, cpu_hsdp.yaml or their gpu_ twins), or use no_sync")
-    if policy.hsdp_only and (parallelism is None or parallelism.dp_replicate_size < 2):
-        raise UsageError("--accumulation_policy", f"{policy.name} defers the all-reduce across replicas, but this "
-                         "run has no replicate group (it is not HSDP)", "launch with accelerate_configs/"
-                         "cpu_hsdp.yaml (or gpu_hsdp.yaml) with dp_replicate_size > 1, or use no_sync")
-
-
-def _check_deepspeed_fits(fsdp: bool, ddp_kwargs, compile_requested) -> None:
-    """Refuse what a DeepSpeed run cannot combine with (each would be ignored, or train something else)."""
-    if fsdp:
-        raise UsageError("--use_deepspeed", "DeepSpeed and FSDP were both requested", "launch with one config: "
-                         "accelerate_configs/cpu_deepspeed.yaml or cpu_fsdp.yaml")
-    if ddp_kwargs:
-        from .engines.ddp import flag_of
-        raise UsageError(flag_of(next(iter(ddp_kwargs))), "is a DDP setting and has no effect under DeepSpeed",
-                         "drop it, or launch with a DDP config (accelerate_configs/cpu_ddp.yaml)")
-    if compile_requested:
-        raise UsageError("--torch_compile", "is not supported with DeepSpeed by accum-kit (not checked for "
-                         "exactness or no_sync)", "drop --torch_compile, or launch with a DDP or FSDP2 config")
-
-
 def build_accelerator(
     gradient_accumulation_steps: int | None = None,
     *,
@@ -205,6 +176,7 @@ def build_accelerator(
     torch_compile_mode: str | None = None,
     torch_compile_dynamic: bool | None = None,
     max_grad_norm: float | None = None,
+    accumulation_schedule: dict | None = None,
     **accelerator_kwargs,
 ) -> Accelerator:
     """Build an Accelerator for gradient accumulation that is safe on CPU-only machines, with DDP or FSDP2.
@@ -242,36 +214,28 @@ def build_accelerator(
             :func:`accum_kit.engines.compiling.dynamo_plugin_for`).
         torch_compile_dynamic: ``torch.compile``'s ``dynamic`` (True: shapes
             are symbolic from the first call; None: torch's default).
-        max_grad_norm: the run's gradient clipping (None: none). Used only under
-            DeepSpeed, whose engine clips inside its step: it becomes the config's
-            ``gradient_clipping``; pass the same value to ``train_loop``.
+        max_grad_norm: the run's gradient clipping (None: none), for engines that
+            clip inside their own step (DeepSpeed: it becomes the config's
+            ``gradient_clipping``). Optional: :func:`accum_kit.train_loop`'s
+            ``max_grad_norm`` is enough under every engine (the loop sets it on
+            such an engine); given here, it must equal the loop's.
+        accumulation_schedule: batch-size warm-up ``{optimizer step: K}`` (an entry for
+            step 0), checked once here and kept on the run plan; :func:`accum_kit.train_loop`
+            follows it when it is given no schedule of its own.
         **accelerator_kwargs: passed to ``accelerate.Accelerator`` (e.g.
             ``mixed_precision``, ``log_with``, ``kwargs_handlers``, ``fsdp_plugin``,
             ``deepspeed_plugin``).
 
-    DeepSpeed: when ``accelerate launch`` ran with a DeepSpeed config
-    (``ACCELERATE_USE_DEEPSPEED=true``, e.g. accelerate_configs/cpu_deepspeed.yaml)
-    or a ``deepspeed_plugin`` is passed, the plugin's K and clipping come from
-    ``gradient_accumulation_steps`` and ``max_grad_norm``
-    (:func:`accum_kit.engines.deepspeed.deepspeed_plugin_for`) and, on a machine without a
-    GPU, DeepSpeed is switched on for the gloo group
-    (:func:`accum_kit.compat.enable_deepspeed_on_cpu`; Accelerate alone would
-    see one process, or train DDP with ``cpu=True``).
-
-    HSDP: an accelerate config with ``parallelism_config`` (accelerate_configs/cpu_hsdp.yaml,
-    or the launch flags ``--parallelism_config_dp_replicate_size R
-    --parallelism_config_dp_shard_size S``) or ``parallelism_config=ParallelismConfig(...)``
-    in ``accelerator_kwargs`` gives FSDP2 the 2-D mesh (replicate x shard) on CPU
-    and GPU alike; checked by :func:`accum_kit.engines.mesh.resolve_parallelism_config`,
-    applied on CPU by :func:`accum_kit.compat.enable_hsdp_on_cpu`.
-
-    FSDP2: when ``accelerate launch`` ran with an FSDP config
-    (``ACCELERATE_USE_FSDP=true``, e.g. accelerate_configs/cpu_fsdp.yaml) or a
-    ``fsdp_plugin`` is passed, the plugin is checked and completed by
-    :func:`accum_kit.engines.fsdp2.fsdp_plugin_for` and, on a machine without a
-    GPU, FSDP2 is switched on for the gloo group
-    (:func:`accum_kit.compat.enable_fsdp_on_cpu`; Accelerate itself would
-    silently fall back to DDP there).
+    The engine (DDP, FSDP2 or HSDP, DeepSpeed ZeRO) is picked once, from the
+    launch (``accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml``
+    sets ``ACCELERATE_USE_FSDP=true``, a DeepSpeed config ``ACCELERATE_USE_DEEPSPEED=true``,
+    an HSDP one a ``parallelism_config``) or the plugins passed
+    (:func:`accum_kit.engines.requested_engine`). It checks the request, fills
+    its plugin from K, the policy and ``max_grad_norm``, and, on a machine
+    without a GPU, switches Accelerate's state to itself after construction
+    (Accelerate alone would train DDP there, or each process alone). The engine,
+    K and the policy are kept on ``accelerator.run_plan``
+    (:class:`accum_kit.core.run_plan.RunPlan`).
 
     In a multi-process CPU run that torch elastic may restart, the gloo group is
     formed by :func:`init_restartable_process_group` first (Accelerate reuses it);
@@ -296,69 +260,57 @@ def build_accelerator(
         TypeError: a ``ddp_kwargs`` key that ``DistributedDataParallelKwargs`` does not have.
     """
     from .core.faults import install_collective_failure_hook
+    from .core.run_plan import RunPlan
+    from .engines import requested_engine
+    from .engines.accelerator import AccumulationAccelerator
     from .engines.policies import resolve_policy
-    from .engines.fsdp2 import AccumulationAccelerator, fsdp_plugin_for, fsdp_requested
-    from .engines.deepspeed import deepspeed_plugin_for, deepspeed_requested
 
-    steps = resolve_accumulation_steps(gradient_accumulation_steps)
-    policy = resolve_policy(accumulation_policy, sync_each_batch)
-    fsdp = fsdp_requested(accelerator_kwargs.get("fsdp_plugin"))
-    deepspeed = deepspeed_requested(accelerator_kwargs.get("deepspeed_plugin"))
-    if deepspeed:
-        _check_deepspeed_fits(fsdp, ddp_kwargs, torch_compile or torch_compile_backend or torch_compile_mode)
-        accelerator_kwargs["deepspeed_plugin"] = deepspeed_plugin_for(
-            accelerator_kwargs.get("deepspeed_plugin"), gradient_accumulation_steps=steps,
-            max_grad_norm=max_grad_norm, policy_name=policy.name)
-    parallelism = resolve_parallelism_config(accelerator_kwargs.pop("parallelism_config", None),
-                                             world_size=launcher_world_size(), fsdp=fsdp)
-    _check_policy_fits(policy, fsdp, parallelism)
-    if fsdp:
-        accelerator_kwargs["fsdp_plugin"] = fsdp_plugin_for(policy, accelerator_kwargs.get("fsdp_plugin"),
-                                                            accelerator_kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION"))
-    if "dynamo_plugin" not in accelerator_kwargs and "dynamo_backend" not in accelerator_kwargs:
-        from .engines.compiling import dynamo_plugin_for
-        plugin = dynamo_plugin_for(torch_compile, torch_compile_backend, torch_compile_mode, fsdp=fsdp,
-                                   dynamic=torch_compile_dynamic)
-        if plugin is not None:
-            accelerator_kwargs["dynamo_plugin"] = plugin
+    world = launcher_world_size()
+    engine = requested_engine(fsdp_plugin=accelerator_kwargs.get("fsdp_plugin"),
+                              deepspeed_plugin=accelerator_kwargs.get("deepspeed_plugin"),
+                              parallelism_config=accelerator_kwargs.pop("parallelism_config", None), world_size=world)
+    plan = RunPlan(engine, resolve_policy(accumulation_policy, sync_each_batch),
+                   resolve_accumulation_steps(gradient_accumulation_steps), accumulation_schedule)
+    if cpu is None:
+        cpu = world > 1 and not _has_gpu()
+    on_cpu = cpu or not _has_gpu()
+    engine.check_request(plan.asked_policy, ddp_kwargs=ddp_kwargs, world_size=world, on_cpu=on_cpu,
+                         compile_requested=bool(torch_compile or torch_compile_backend or torch_compile_mode))
+    accelerator_kwargs = engine.accelerator_kwargs(
+        accelerator_kwargs, accumulation_steps=plan.first_accumulation_steps, policy=plan.requested_policy,
+        max_grad_norm=max_grad_norm,
+        mixed_precision=accelerator_kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION"))
     handlers, timeout = _with_timeout(list(accelerator_kwargs.pop("kwargs_handlers", None) or []), ddp_timeout)
     handlers = _with_ddp_kwargs(handlers, ddp_kwargs)
-    if accelerator_kwargs.get("dynamo_plugin") is not None:
-        from .engines.compiling import check_ddp_buckets
-        check_ddp_buckets(accelerator_kwargs["dynamo_plugin"], handlers)
-    if cpu is None:
-        cpu = launcher_world_size() > 1 and not _has_gpu()
-    if fsdp and ddp_kwargs:
-        from .engines.ddp import flag_of
-        raise UsageError(flag_of(next(iter(ddp_kwargs))), "is a DDP setting and has no effect under FSDP2",
-                         "drop it, or launch with a DDP config (accelerate_configs/cpu_ddp.yaml)")
-    if (fsdp or deepspeed) and launcher_world_size() < 2 and (cpu or not _has_gpu()):
-        raise UsageError("--num_processes", f"{'DeepSpeed' if deepspeed else 'FSDP'} on CPU needs at least 2 "
-                         "processes (one process has nothing to shard with, and Accelerate would run it "
-                         "unsharded)",
-                         "launch 2 or more processes, or use accelerate_configs/cpu_single.yaml")
-    if cpu and launcher_world_size() > 1:
+    _with_compilation(accelerator_kwargs, handlers, engine, torch_compile, torch_compile_backend, torch_compile_mode,
+                      torch_compile_dynamic)
+    if cpu and world > 1:
         init_restartable_process_group(timeout)
-    plugin = GradientAccumulationPlugin(num_steps=steps, sync_each_batch=policy.sync_each_batch)
-    on_cpu_fsdp = fsdp and cpu  # on GPUs Accelerate switches FSDP2 (and its mesh) on itself (and DeepSpeed)
-    with parallelism_config_from_env_off() if on_cpu_fsdp else contextlib.nullcontext():
-        accelerator = AccumulationAccelerator(cpu=cpu, gradient_accumulation_plugin=plugin,
+    gradients = GradientAccumulationPlugin(num_steps=plan.first_accumulation_steps,
+                                           sync_each_batch=plan.requested_policy.sync_each_batch)
+    with engine.constructing(cpu):
+        accelerator = AccumulationAccelerator(cpu=cpu, gradient_accumulation_plugin=gradients,
                                               kwargs_handlers=handlers or None,
-                                              parallelism_config=None if on_cpu_fsdp else parallelism,
-                                              **accelerator_kwargs)
-    accelerator.accumulation_policy = policy
+                                              parallelism_config=engine.parallelism_config(cpu), **accelerator_kwargs)
+    plan.bind(accelerator)
     check_process_count(accelerator)
-    if on_cpu_fsdp:
-        enable_fsdp_on_cpu(accelerator, accelerator_kwargs["fsdp_plugin"])
-        if parallelism is not None:
-            enable_hsdp_on_cpu(accelerator, parallelism)
-    if deepspeed and cpu:
-        enable_deepspeed_on_cpu(accelerator, accelerator_kwargs["deepspeed_plugin"])
-    if deepspeed:  # the stage is what the window does: "zero2" in summaries and memory records
-        stage = accelerator_kwargs["deepspeed_plugin"].zero_stage
-        accelerator.accumulation_policy = dataclasses.replace(
-            policy, name=f"zero{stage}", sync_each_batch=False,
-            help=f"DeepSpeed ZeRO-{stage}: " + ("reduces on the boundary only" if stage < 2 else "reduces every micro-batch"))
+    engine.bind(accelerator, cpu)
     if accelerator.num_processes > 1:
         install_collective_failure_hook()
     return accelerator
+
+
+def _with_compilation(accelerator_kwargs: dict, handlers: list, engine, torch_compile: bool, backend, mode,
+                      dynamic) -> None:
+    """Put the compile flags' ``TorchDynamoPlugin`` into ``accelerator_kwargs`` (unless one was given), per block
+    under an engine that compiles that way, and check DDP's buckets against it."""
+    if "dynamo_plugin" not in accelerator_kwargs and "dynamo_backend" not in accelerator_kwargs:
+        from .engines.compiling import dynamo_plugin_for
+
+        plugin = dynamo_plugin_for(torch_compile, backend, mode, per_block=engine.compile_per_block(), dynamic=dynamic)
+        if plugin is not None:
+            accelerator_kwargs["dynamo_plugin"] = plugin
+    if accelerator_kwargs.get("dynamo_plugin") is not None:
+        from .engines.compiling import check_ddp_buckets
+
+        check_ddp_buckets(accelerator_kwargs["dynamo_plugin"], handlers)

@@ -13,15 +13,17 @@ import contextlib
 import os
 
 
-def sync_each_batch(accelerator) -> bool:
+def sync_each_batch(accelerator, *, distributed_only: bool = True) -> bool:
     """Whether ``accumulate()`` all-reduces on every micro-batch right now.
 
     Touches ``accelerator.gradient_state.plugin_kwargs["sync_each_batch"]``:
     the live copy of ``GradientAccumulationPlugin.sync_each_batch`` that
     ``Accelerator.accumulate`` reads on every call (accelerate 1.15). Only
-    meaningful with several processes; one process never syncs.
+    meaningful with several processes; one process never syncs, so the answer
+    is False there unless ``distributed_only=False`` (the switch as set).
     """
-    return bool(accelerator.use_distributed and accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
+    flag = bool(accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
+    return flag and (accelerator.use_distributed or not distributed_only)
 
 
 def at_end_of_dataloader(accelerator) -> bool:
@@ -292,10 +294,33 @@ def ddp_static_graph_unprimed(model) -> bool:
     return bool(getattr(model, "static_graph", False)) and not getattr(model, "_static_graph_delay_allreduce_enqueued", True)
 
 
+def wrap_prepared_scheduler(accelerator, scheduler):
+    """``scheduler`` wrapped as ``prepare`` wraps one under DDP and FSDP2, and kept for ``save_state``.
+
+    Accelerate's ``prepare`` wraps a learning-rate scheduler in
+    ``AcceleratedScheduler`` (stepped only on optimizer steps, once per process
+    unless ``split_batches``) and appends it to ``accelerator._schedulers``,
+    the list ``save_state`` and ``load_state`` walk. Its DeepSpeed branch does
+    neither for a scheduler prepared in a call without the model: it returns
+    the object as given (``_prepare_deepspeed``, accelerate 1.15). This does
+    what the other branches do; anything that is not a plain torch scheduler
+    (already wrapped, or not a scheduler) is returned unchanged.
+    """
+    from accelerate.scheduler import AcceleratedScheduler
+    from torch.optim.lr_scheduler import LRScheduler
+
+    if not isinstance(scheduler, LRScheduler):
+        return scheduler
+    wrapped = AcceleratedScheduler(scheduler, accelerator._optimizers, step_with_optimizer=accelerator.step_scheduler_with_optimizer,
+                                   split_batches=accelerator.split_batches)
+    accelerator._schedulers.append(wrapped)
+    return wrapped
+
+
 # The engine-specific internals live in their own modules; every name stays importable from accum_kit.compat.
 from .deepspeed_internals import (  # noqa: E402
     deepspeed_checkpoint_globals, deepspeed_comm_backend, deepspeed_held_gradients, deepspeed_parameter_bytes,
-    enable_deepspeed_on_cpu, prepare_deepspeed_engine, skip_deepspeed_shm_op, use_deepspeed_engine,
+    enable_deepspeed_on_cpu, prepare_deepspeed_engine, set_deepspeed_clipping, skip_deepspeed_shm_op, use_deepspeed_engine,
     zero_flat_partitions, zero_full_gradients, zero_reduction_methods,
 )
 from .fsdp_internals import (  # noqa: E402

@@ -279,3 +279,24 @@ def zero_full_gradients(flat, layout: str, params: list, zero_optimizer) -> list
         dist.all_gather(parts, grad[start: start + numel].contiguous(), group=group)
         out.append((p, torch.cat(parts)[: p.ds_numel].view(p.ds_shape)))
     return out
+
+
+def set_deepspeed_clipping(engine, max_norm: float) -> None:
+    """Make a built DeepSpeed engine clip the global gradient norm at ``max_norm`` (0: no clipping).
+
+    DeepSpeed reads ``gradient_clipping`` from its config once, in
+    ``deepspeed.initialize``: the engine answers ``gradient_clipping()`` from
+    ``engine._config.gradient_clipping`` (used when it clips itself, without
+    ZeRO), and the ZeRO optimizers copy it into their ``clip_grad`` attribute,
+    which their ``step`` uses (``DeepSpeedZeroOptimizer`` and
+    ``DeepSpeedZeroOptimizer_Stage3``, DeepSpeed 0.19.8). Both are set. A
+    checkpoint saved afterwards records the new value (``CLIP_GRAD`` of the
+    ZeRO optimizer's state), and loading it restores it.
+    """
+    engine._config.gradient_clipping = float(max_norm)
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "clip_grad"):
+        optimizer.clip_grad = float(max_norm)
+    if engine.gradient_clipping() != float(max_norm):  # a later DeepSpeed keeps it elsewhere
+        raise RuntimeError("deepspeed no longer reads gradient_clipping from engine._config; "
+                           "see accum_kit.compat.set_deepspeed_clipping")

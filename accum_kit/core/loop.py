@@ -23,13 +23,11 @@ from .callbacks import CallbackList, LoopState
 from .checkpoint import load_checkpoint
 from .data_cursor import DataCursor
 from ..compat import release_dataloader, restart_window_counter
-from ..engines.fsdp2 import reduces_each_micro_batch
-from ..engines.ddp import static_graph_first_sync
 from ..errors import UsageError
 from .loss import NORMALIZATIONS, LossFn, causal_lm_loss
 from .accumulation_schedule import schedule_pairs
+from .run_plan import run_plan_of
 from .window_schedule import WindowSchedule
-from ..engines.deepspeed import check_engine_clipping, window_normalizer
 
 
 @dataclass
@@ -103,7 +101,6 @@ def _examples_per_micro_batch(accelerator, dataloader) -> int | None:
 
 def _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization):
     checks.one_of("--loss_normalization", loss_normalization, NORMALIZATIONS)
-    check_engine_clipping(accelerator, max_grad_norm)  # DeepSpeed clips inside its step, with its config's value
     if max_train_steps is not None:
         checks.at_least("--max_train_steps", max_train_steps, fix="pass a positive integer or omit it")
     else:
@@ -112,6 +109,7 @@ def _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, 
         checks.positive("--max_grad_norm", max_grad_norm, fix="pass a positive float or omit it")
     if len(train_dataloader) == 0:
         raise UsageError("--per_device_train_batch_size", "the train dataloader yields no batch", "add data or lower the batch size")
+    run_plan_of(accelerator).engine.use_clipping(accelerator, max_grad_norm)  # an engine that clips in its own step
 
 
 def train_loop(
@@ -146,7 +144,9 @@ def train_loop(
             (Accelerate's convention), so build it with steps x num_processes.
         max_train_steps: stop after this many optimizer steps (overrides epochs).
         num_train_epochs: passes over the data when ``max_train_steps`` is None.
-        max_grad_norm: clip the global gradient norm to this (None: no clipping).
+        max_grad_norm: clip the global gradient norm to this (None: no clipping), under
+            every engine: DDP and FSDP2 clip here, after the window's rescale; an engine
+            that clips inside its own step (DeepSpeed) is set to this value.
         loss_normalization: ``"tokens"`` (exact token-mean over the window and
             all processes) or ``"mean"`` (per-micro-batch mean / K, Accelerate's guide).
         loss_fn: ``loss_fn(model, batch) -> (summed_loss, num_items)``; default
@@ -172,7 +172,8 @@ def train_loop(
             window after N optimizer steps holds the K of the largest key <= N
             micro-batches per process. K changes only at window boundaries;
             every window is normalised with its own K and token count, so each
-            step stays equal to one big batch. None: the Accelerator's K.
+            step stays equal to one big batch. None: the run plan's schedule
+            (``build_accelerator(accumulation_schedule=...)``), else the Accelerator's K.
             Epoch-based runs count their steps under the schedule
             (:func:`accum_kit.core.accumulation_schedule.scheduled_steps`).
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: multiply the
@@ -192,11 +193,11 @@ def train_loop(
             it was not passed through ``accelerator.prepare``.
     """
     _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization)
-    loss_fn = loss_fn or causal_lm_loss
+    plan, loss_fn = run_plan_of(accelerator), loss_fn or causal_lm_loss
     # profiler first: it must see a step before others react to it; the checkpointer after the user's callbacks: it
-    # saves what they did; a static-graph DDP model that never synchronised syncs its first backward (hook of its own)
-    hooks = CallbackList([profiler, *callbacks, checkpointer, static_graph_first_sync(accelerator, model)])
-    norm = window_normalizer(accelerator, loss_normalization, loss_fn)  # DeepSpeed: counts each window ahead
+    # saves what they did; the engine's own last (DDP's static-graph first sync)
+    hooks = CallbackList([profiler, *callbacks, checkpointer, *plan.engine.loop_callbacks(accelerator, model)])
+    norm = plan.engine.window_normalizer(accelerator, loss_normalization, loss_fn)  # DeepSpeed: counts windows ahead
     windows = WindowSchedule(accelerator, accumulation_schedule, optimizer, lr_scheduler, lr_scaling,
                              _examples_per_micro_batch(accelerator, train_dataloader))
     total = max_train_steps or windows.total_steps(len(train_dataloader), num_train_epochs)
@@ -223,7 +224,7 @@ def train_loop(
             for batch in norm.batches(cursor.batches(state.epoch)):  # set_epoch (reshuffle), skipping on resume
                 with accelerator.accumulate(model):
                     state.boundary = accelerator.sync_gradients
-                    state.sync = state.boundary or reduces_each_micro_batch(accelerator)
+                    state.sync = state.boundary or plan.reduces_each_micro_batch()
                     hooks("on_micro_batch_begin", state)
                     summed_loss, num_items = loss_fn(model, batch)
                     hooks("on_forward_end", state)

@@ -40,7 +40,6 @@ from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import DistributedType
 
 IGNORE_INDEX = -100
 NORMALIZATIONS = ("tokens", "mean")

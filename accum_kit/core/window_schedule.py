@@ -20,9 +20,9 @@ and composes with the schedule's own shape (warm-up, decay).
 from __future__ import annotations
 
 from .. import checks
-from ..compat import scheduler_base_lrs, set_accumulation_steps
+from ..compat import scheduler_base_lrs
 from .lr_scaling import LR_RULES, scale_learning_rate
-from .accumulation_schedule import accumulation_steps_at, check_accumulation_schedule, scheduled_steps
+from .accumulation_schedule import accumulation_steps_at, scheduled_steps
 
 
 class WindowSchedule:
@@ -31,7 +31,7 @@ class WindowSchedule:
     Args:
         accelerator: the loop's Accelerator (K lives in its gradient state).
         schedule: ``{optimizer step: K}`` with an entry for step 0, or None
-            (K stays the Accelerator's).
+            (the run plan's schedule, if any; else K stays the Accelerator's).
         optimizer, lr_scheduler: the prepared optimizer and scheduler (the
             latter may be None) whose learning rates ``lr_scaling`` scales.
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``, relative to the first K.
@@ -45,14 +45,15 @@ class WindowSchedule:
 
     def __init__(self, accelerator, schedule, optimizer=None, lr_scheduler=None, lr_scaling: str = "none",
                  examples_per_micro_batch: int | None = None):
+        from .run_plan import run_plan_of
+
         checks.one_of("--lr_scaling", lr_scaling, LR_RULES)
         self.accelerator, self.optimizer, self.lr_scheduler = accelerator, optimizer, lr_scheduler
-        self.schedule = check_accumulation_schedule(schedule) if schedule is not None else None
+        self.plan = run_plan_of(accelerator)  # K changes through it; a schedule is checked once, by it
+        self.schedule = self.plan.checked_schedule(schedule) if schedule is not None else self.plan.schedule
         self.lr_scaling, self.examples_per_micro_batch = lr_scaling, examples_per_micro_batch
         self.first_k = self.schedule[0] if self.schedule else accelerator.gradient_accumulation_steps
         self._multiplier = 1.0
-        from ..engines.deepspeed import check_constant_k
-        check_constant_k(accelerator, self.schedule)
 
     def k_at(self, step: int) -> int:
         """K of the window that follows ``step`` optimizer steps done."""
@@ -77,7 +78,7 @@ class WindowSchedule:
         if self.schedule is None:
             return
         k = self.k_at(state.step)
-        set_accumulation_steps(self.accelerator, k)
+        self.plan.set_accumulation_steps(k)
         self._multiplier = self.multiplier(k)
         state.accumulation_steps = k
 
@@ -91,7 +92,7 @@ class WindowSchedule:
             return
         nxt = self.k_at(state.step)
         if nxt != k:
-            set_accumulation_steps(self.accelerator, nxt)
+            self.plan.set_accumulation_steps(nxt)
             self._scale_learning_rate(self.multiplier(nxt))
 
     def _scale_learning_rate(self, multiplier: float) -> None:

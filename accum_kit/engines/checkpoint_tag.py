@@ -13,12 +13,12 @@ from ..errors import UsageError
 
 
 def engine_name(accelerator) -> str:
-    """What wrote (or would read) a checkpoint: ``"deepspeed_zero<N>"`` under DeepSpeed, else Accelerate's
-    distributed type in lower case (``"multi_cpu"``, ``"fsdp"``, ``"no"``, ...)."""
-    plugin = getattr(accelerator, "deepspeed_plugin", None)
-    if plugin is not None:
-        return f"deepspeed_zero{int(plugin.zero_stage)}"
-    return str(accelerator.distributed_type).split(".")[-1].lower()
+    """What wrote (or would read) a checkpoint: the run's engine's tag (:meth:`accum_kit.engines.base.Engine.checkpoint_tag`):
+    ``"deepspeed_zero<N>"`` under DeepSpeed, else Accelerate's distributed type in lower case (``"multi_cpu"``,
+    ``"fsdp"``, ``"no"``, ...)."""
+    from ..core.run_plan import run_plan_of
+
+    return run_plan_of(accelerator).engine.checkpoint_tag(accelerator)
 
 
 def _saved_engine(path, saved: dict) -> str | None:

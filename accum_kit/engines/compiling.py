@@ -126,7 +126,7 @@ def _env_flags() -> tuple[bool, str | None, str | None]:
 
 
 def dynamo_plugin_for(torch_compile: bool = False, backend: str | None = None, mode: str | None = None, *,
-                      fsdp: bool = False, dynamic: bool | None = None):
+                      per_block: bool = False, dynamic: bool | None = None, fsdp: bool | None = None):
     """Accelerate's ``TorchDynamoPlugin`` for the compile flags, or None when nothing asks to compile.
 
     Without flags, an accelerate config's ``dynamo_config`` (environment
@@ -136,7 +136,9 @@ def dynamo_plugin_for(torch_compile: bool = False, backend: str | None = None, m
 
     Args:
         torch_compile, backend, mode: the train job's ``--torch_compile*`` flags.
-        fsdp: the run is sharded with FSDP2.
+        per_block: compile each transformer block on its own (the engine's
+            :meth:`~accum_kit.engines.base.Engine.compile_per_block`: FSDP2).
+        fsdp: the older name of ``per_block``, kept for existing callers.
         dynamic: ``torch.compile``'s ``dynamic``: True compiles shapes as
             symbols from the first call (no recompile when a sequence length
             changes), None lets torch decide (static first, dynamic after the
@@ -147,6 +149,7 @@ def dynamo_plugin_for(torch_compile: bool = False, backend: str | None = None, m
     """
     from accelerate.utils import TorchDynamoPlugin
 
+    per_block = per_block or bool(fsdp)
     resolved = resolve_flags(torch_compile, backend, mode)
     from_env = resolved is None
     if from_env:
@@ -158,8 +161,8 @@ def dynamo_plugin_for(torch_compile: bool = False, backend: str | None = None, m
     plugin = TorchDynamoPlugin(backend=backend, mode=mode or "default")  # other fields from ACCELERATE_DYNAMO_*
     if dynamic is not None:
         plugin.dynamic = dynamic
-    if fsdp or not from_env:
-        plugin.use_regional_compilation = fsdp
+    if per_block or not from_env:
+        plugin.use_regional_compilation = per_block
     return plugin
 
 

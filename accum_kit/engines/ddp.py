@@ -1,4 +1,4 @@
-"""DDP's constructor settings as flags, shared by ``accum-kit train`` and ``accum-kit bench``.
+"""The DDP engine (:class:`DDPEngine`), and DDP's constructor settings as flags (``accum-kit train`` and ``bench``).
 
 The flag names are transformers' ``TrainingArguments`` names where it has
 one (``--ddp_bucket_cap_mb``, ``--ddp_static_graph``,
@@ -18,6 +18,7 @@ from dataclasses import field
 
 from .. import checks
 from ..core.callbacks import LoopCallback
+from .base import Engine
 
 #: flag (dataclass field) -> (DDP / DistributedDataParallelKwargs name, default, help, aliases)
 DDP_FLAGS = {
@@ -70,8 +71,9 @@ class StaticGraphFirstSync(LoopCallback):
 
     DDP with ``static_graph=True`` fails if its first backward runs under
     ``no_sync`` (see :func:`accum_kit.compat.ddp_static_graph_unprimed`).
-    This turns Accelerate's ``sync_each_batch`` on at train begin and back to
-    its previous value after the first micro-batch's backward. The update
+    This puts ``sync_each_batch`` in force at train begin (through the run plan,
+    :meth:`accum_kit.core.run_plan.RunPlan.use_policy`) and the previous policy
+    back after the first micro-batch's backward. The update
     stays exact: that all-reduce averages the first micro-batch's gradients
     over the processes, and the window's boundary all-reduce averages the sum
     again, which leaves an already averaged term unchanged. Cost: one extra
@@ -86,17 +88,16 @@ class StaticGraphFirstSync(LoopCallback):
         self.accelerator, self._saved = accelerator, None
 
     def on_train_begin(self, state):
-        from ..compat import set_sync_each_batch, sync_each_batch
+        from ..core.run_plan import run_plan_of
 
-        self._saved = sync_each_batch(self.accelerator)
-        set_sync_each_batch(self.accelerator, True)
+        self._saved = run_plan_of(self.accelerator).use_policy("sync_each_batch")
         state.forced_sync = True
 
     def on_backward_end(self, state):
         if self._saved is not None:
-            from ..compat import set_sync_each_batch
+            from ..core.run_plan import run_plan_of
 
-            set_sync_each_batch(self.accelerator, self._saved)
+            run_plan_of(self.accelerator).use_policy(self._saved)
             self._saved = None
             state.forced_sync = False
 
@@ -106,3 +107,28 @@ def static_graph_first_sync(accelerator, model) -> StaticGraphFirstSync | None:
     from ..compat import ddp_static_graph_unprimed
 
     return StaticGraphFirstSync(accelerator) if ddp_static_graph_unprimed(model) else None
+
+
+class DDPEngine(Engine):
+    """DistributedDataParallel, and one process (its degenerate case: nothing to reduce).
+
+    Everything is the base behaviour of :class:`accum_kit.engines.base.Engine`:
+    gradients live in ``.grad``, DDP all-reduces them on the window's boundary
+    (every micro-batch under ``sync_each_batch``), the loop rescales them after
+    the window and clips with ``accelerator.clip_grad_norm_``. What DDP adds is
+    its constructor settings (:data:`DDP_FLAGS`) and the static-graph first
+    sync (:class:`StaticGraphFirstSync`).
+    """
+
+    name = "ddp"
+    takes_ddp_kwargs = True
+
+    @property
+    def label(self) -> str:
+        acc = self.accelerator
+        return "one process" if acc is not None and acc.num_processes == 1 else "DDP"
+
+    def loop_callbacks(self, accelerator, model) -> list:
+        """Callbacks the loop adds for this engine: the static-graph first sync when the model needs it."""
+        first = static_graph_first_sync(accelerator, model)
+        return [first] if first is not None else []

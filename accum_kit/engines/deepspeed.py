@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO under accumulation: the plugin from the run's flags, and the window normalisation.
+"""The DeepSpeed ZeRO engine: the plugin from the run's flags, the look-ahead window normalisation, clipping in its step.
 
 How DeepSpeed's accumulation differs from DDP's and FSDP2's (DeepSpeed 0.19.8,
 accelerate 1.15):
@@ -27,6 +27,7 @@ What each stage sends per window is in docs/deepspeed.md.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -35,8 +36,10 @@ import torch
 import torch.utils.data
 
 from ..compat import set_end_of_dataloader
-from ..errors import UsageError
 from ..core.loss import WindowNormalizer
+from ..errors import UsageError
+from .base import Engine
+from .policies import AccumulationPolicy
 
 EXTRA_FIX = 'install the extra: pip install -e ".[deepspeed]" (or pip install deepspeed==0.19.8)'
 
@@ -176,8 +179,8 @@ def check_engine_clipping(accelerator, max_grad_norm: float | None) -> None:
                          "accum_kit.build_accelerator(max_grad_norm=...) and to train_loop")
 
 
-def check_constant_k(accelerator, schedule) -> None:
-    """Refuse an accumulation schedule whose K changes under DeepSpeed.
+def refuse_changing_k(schedule) -> None:
+    """Refuse an accumulation schedule whose K changes: a DeepSpeed engine's K is fixed for the run.
 
     ``deepspeed.initialize`` fixes the engine's ``gradient_accumulation_steps``
     for the run: every loss is divided by it and its boundary follows it, so
@@ -185,12 +188,18 @@ def check_constant_k(accelerator, schedule) -> None:
     supported way to change it on a built engine).
 
     Raises:
-        UsageError (``--accumulation_schedule``): more than one K under DeepSpeed.
+        UsageError (``--accumulation_schedule``): more than one K.
     """
-    if schedule and len(set(schedule.values())) > 1 and getattr(accelerator, "deepspeed_plugin", None) is not None:
+    if schedule and len(set(schedule.values())) > 1:
         raise UsageError("--accumulation_schedule", "K cannot change during a DeepSpeed run: the engine divides "
                          "every loss by the gradient_accumulation_steps it was built with",
                          "drop the schedule under DeepSpeed (or run it under DDP or FSDP2)")
+
+
+def check_constant_k(accelerator, schedule) -> None:
+    """:func:`refuse_changing_k` when ``accelerator`` runs DeepSpeed (no check otherwise)."""
+    if getattr(accelerator, "deepspeed_plugin", None) is not None:
+        refuse_changing_k(schedule)
 
 
 def count_items(loss_fn, batch) -> torch.Tensor:
@@ -284,12 +293,10 @@ class LookaheadNormalizer(WindowNormalizer):
 
 
 def window_normalizer(accelerator, mode: str, loss_fn) -> WindowNormalizer:
-    """The loop's normaliser: :class:`LookaheadNormalizer` for ``tokens`` under DeepSpeed, else :class:`WindowNormalizer`."""
-    from accelerate.utils import DistributedType
+    """The loop's normaliser under the run's engine (:class:`LookaheadNormalizer` for ``tokens`` under DeepSpeed)."""
+    from ..core.run_plan import run_plan_of
 
-    if mode == "tokens" and accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return LookaheadNormalizer(accelerator, loss_fn)
-    return WindowNormalizer(accelerator, mode)
+    return run_plan_of(accelerator).engine.window_normalizer(accelerator, mode, loss_fn)
 
 
 def deepspeed_summary(accelerator) -> dict | None:
@@ -362,3 +369,199 @@ def deepspeed_engine_precision(accelerator) -> str | None:
         if str((config.get(key) or {}).get("enabled", False)).lower() == "true":
             return name
     return "no"
+
+
+def _written_clipping() -> bool:
+    """Whether the launcher's DeepSpeed JSON sets ``gradient_clipping`` to a number (not ``auto``)."""
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if path in ("", "none") or not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        value = json.load(f).get("gradient_clipping")
+    return value is not None and value != "auto"
+
+
+class ZeroEngine(Engine):
+    """DeepSpeed's engine with ZeRO stage 1, 2 or 3 (``deepspeed.initialize`` inside ``accelerator.prepare``).
+
+    What differs from DDP (DeepSpeed 0.19.8, accelerate 1.15): the engine
+    divides each loss by its own K and reduces as its stage does (ZeRO-1 on the
+    boundary, ZeRO-2 and 3 every micro-batch), and runs the optimizer step,
+    clipping included, inside the boundary's ``backward``; so the window's
+    tokens are counted ahead (:class:`LookaheadNormalizer`), the clipping norm
+    is set on the engine (:meth:`use_clipping`), K cannot change during a run,
+    and the policy is the stage (``zero1``...). A scheduler ``prepare`` leaves
+    unwrapped is wrapped as Accelerate wraps it elsewhere (:meth:`after_prepare`).
+
+    Args:
+        deepspeed_plugin: the caller's ``DeepSpeedPlugin``, or None (the launcher's ``ACCELERATE_DEEPSPEED_*``).
+    """
+
+    name = "deepspeed"
+    compiles = False
+
+    def __init__(self, deepspeed_plugin=None):
+        super().__init__()
+        self.plugin = deepspeed_plugin
+        self._clipping_pinned = False  # the run's clipping was given when the engine was built
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage (from the plugin, filled from the launch)."""
+        from accelerate.utils import DeepSpeedPlugin
+
+        if self.plugin is None:  # read the launcher's variables once
+            self.plugin = DeepSpeedPlugin()
+        return int(self.plugin.zero_stage)
+
+    @property
+    def label(self) -> str:
+        return f"DeepSpeed ZeRO-{self.stage}" if self.plugin is not None else "DeepSpeed"
+
+    def check_policy(self, policy) -> None:
+        """Only ``no_sync`` (the default, which the stage then restates): the stage decides what a window reduces."""
+        if policy.name != "no_sync":
+            raise UsageError("--accumulation_policy", f"{policy.name} has no meaning under DeepSpeed: the ZeRO stage "
+                             "decides what a window reduces (ZeRO-1 on the boundary only, ZeRO-2 and 3 every "
+                             "micro-batch)", "drop --accumulation_policy and pick the stage with accelerate launch "
+                             "--zero_stage N (or zero_stage in the accelerate config)")
+
+    def check_request(self, policy, *, ddp_kwargs, compile_requested, world_size, on_cpu) -> None:
+        check_deepspeed_installed()
+        super().check_request(policy, ddp_kwargs=ddp_kwargs, compile_requested=compile_requested,
+                              world_size=world_size, on_cpu=on_cpu)
+        if compile_requested:
+            raise UsageError("--torch_compile", "is not supported with DeepSpeed by accum-kit (not checked for "
+                             "exactness or no_sync)", "drop --torch_compile, or launch with a DDP or FSDP2 config")
+        if world_size < 2 and on_cpu:
+            raise UsageError("--num_processes", "DeepSpeed on CPU needs at least 2 processes (one process has "
+                             "nothing to shard with, and Accelerate would run it unsharded)",
+                             "launch 2 or more processes, or use accelerate_configs/cpu_single.yaml")
+
+    def accelerator_kwargs(self, kwargs, *, accumulation_steps, policy, max_grad_norm, mixed_precision):
+        kwargs["deepspeed_plugin"] = self.plugin = deepspeed_plugin_for(
+            self.plugin, gradient_accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm)
+        self._clipping_pinned = max_grad_norm is not None or _written_clipping()
+        return kwargs
+
+    def run_policy(self, policy: AccumulationPolicy) -> AccumulationPolicy:
+        """The stage as the run's policy: ``zero1`` reduces on the boundary only, ``zero2``/``zero3`` every micro-batch."""
+        stage = self.stage
+        return dataclasses.replace(policy, name=f"zero{stage}", sync_each_batch=False, help=f"DeepSpeed ZeRO-{stage}: "
+                                   + ("reduces on the boundary only" if stage < 2 else "reduces every micro-batch"))
+
+    def bind(self, accelerator, on_cpu: bool) -> "ZeroEngine":
+        super().bind(accelerator, on_cpu)
+        if on_cpu:
+            from ..compat import enable_deepspeed_on_cpu
+
+            enable_deepspeed_on_cpu(accelerator, self.plugin)
+        return self
+
+    def before_prepare(self, accelerator, objects) -> None:
+        check_batch_sizes(accelerator, objects)
+
+    def after_prepare(self, accelerator, objects, prepared: list) -> list:
+        """Wrap a scheduler that ``prepare`` returned as it came (one prepared without the model).
+
+        Accelerate wraps a scheduler in ``AcceleratedScheduler`` (which steps it
+        once per process per optimizer step, its convention, and which
+        ``save_state`` saves) everywhere but in a DeepSpeed ``prepare`` call
+        that holds no model (accelerate 1.15): there it comes back unwrapped,
+        steps once per optimizer step and is not checkpointed. Wrapping it the
+        same way keeps one convention for every engine.
+        """
+        from ..compat import wrap_prepared_scheduler
+
+        return [wrap_prepared_scheduler(accelerator, obj) if obj is out else out
+                for obj, out in zip(objects, prepared)]
+
+    def reduces_each_micro_batch(self, accelerator, policy) -> bool:
+        """True under ZeRO-2 and 3 with several processes: their gradients are partitioned, so every backward reduces."""
+        return accelerator.num_processes > 1 and self.stage >= 2
+
+    def window_normalizer(self, accelerator, mode: str, loss_fn):
+        """:class:`LookaheadNormalizer` for ``tokens`` (the engine owns the gradients); ``mean`` as under DDP."""
+        if mode == "tokens":
+            return LookaheadNormalizer(accelerator, loss_fn)
+        return super().window_normalizer(accelerator, mode, loss_fn)
+
+    def check_schedule(self, schedule) -> None:
+        """Refuse a schedule whose K changes (see :func:`check_constant_k`)."""
+        refuse_changing_k(schedule)
+
+    def use_clipping(self, accelerator, max_grad_norm: float | None) -> None:
+        """Make the engine clip at the loop's ``max_grad_norm``: DeepSpeed clips inside its own step.
+
+        A value given when the engine was built (``build_accelerator(max_grad_norm=...)``, or a number in the
+        DeepSpeed JSON) must agree; otherwise the loop's value is set on the built engine
+        (:func:`accum_kit.compat.set_deepspeed_clipping`).
+
+        Raises:
+            UsageError (``--max_grad_norm``): the loop's value contradicts the one the engine was built with.
+        """
+        have = float(self.plugin.deepspeed_config.get("gradient_clipping") or 0.0)
+        want = 0.0 if max_grad_norm is None else float(max_grad_norm)
+        if have == want:
+            return
+        if self._clipping_pinned:
+            raise UsageError("--max_grad_norm", f"the DeepSpeed engine was built to clip at {have or 'no norm'} "
+                             f"(build_accelerator's max_grad_norm or the DeepSpeed config's gradient_clipping) but "
+                             f"the loop was given {max_grad_norm}", "give max_grad_norm in one place: to train_loop "
+                             "(and leave gradient_clipping \"auto\" in the DeepSpeed config), or the same value to both")
+        from ..compat import set_deepspeed_clipping
+
+        engines = [m for m in accelerator._models if self.prepared_engine(m) is not None]
+        for engine in engines:
+            set_deepspeed_clipping(engine, want)
+        self.plugin.deepspeed_config["gradient_clipping"] = want
+        self.plugin.gradient_clipping = want
+
+    def held_tensors(self, model):
+        from ..compat import deepspeed_held_gradients
+
+        if self.prepared_engine(model) is None:
+            yield from super().held_tensors(model)
+            return
+        yield from deepspeed_held_gradients(model)
+
+    def predicted_memory(self, accelerator, model, accumulation_steps, policies) -> dict:
+        """One entry, the stage (``"zero2"``...), from :func:`accum_kit.engines.costs.zero_costs` (ZeRO-3's
+        ``ds_numel``: the unpartitioned size)."""
+        from .costs import zero_costs
+
+        stage = f"zero{self.stage}"
+        P = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+        groups = len(getattr(getattr(model, "optimizer", None), "param_groups", None) or [None])
+        return {stage: zero_costs(stage, P, world_size=accelerator.num_processes, accumulation_steps=accumulation_steps,
+                                  param_groups=groups).to_dict()}
+
+    def compute_precision(self, accelerator) -> str:
+        """``"bf16"``, ``"fp16"`` or ``"no"``, from the DeepSpeed config (see :func:`deepspeed_engine_precision`)."""
+        config = self.plugin.deepspeed_config
+        for name, key in (("bf16", "bf16"), ("fp16", "fp16")):
+            if str((config.get(key) or {}).get("enabled", False)).lower() == "true":
+                return name
+        return "no"
+
+    def casts_model(self) -> bool:
+        return True
+
+    def summary_blocks(self, accelerator) -> dict:
+        """``{"fsdp": None, "deepspeed": {"zero_stage", "gradient_accumulation_steps", "gradient_clipping",
+        "train_micro_batch_size_per_gpu"}}`` from the config the engine was built with."""
+        config = self.plugin.deepspeed_config
+        return {"fsdp": None, "deepspeed": {"zero_stage": self.stage, **{k: config.get(k) for k in (
+            "gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu")}}}
+
+    def checkpoint_tag(self, accelerator) -> str:
+        return f"deepspeed_zero{self.stage}"
+
+    def check_job(self, *, profile_ab_steps: int = 0) -> None:
+        """Refuse ``--profile_ab_steps`` (the stage fixes when gradients are reduced) and a ZeRO-3 run whose config
+        cannot save the trained model (:func:`check_model_saving`)."""
+        check_profile_flags(self.accelerator, profile_ab_steps)
+        check_model_saving(self.accelerator)
+
+    def prepared_engine(self, model):
+        return model if type(model).__name__ == "DeepSpeedEngine" else None

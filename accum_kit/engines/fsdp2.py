@@ -1,4 +1,4 @@
-"""FSDP2 for accumulation: the plugin a policy needs, and the Accelerator that applies the policy.
+"""The FSDP2 engine (HSDP is its 2-D mesh): the plugin a policy needs, the policy's switches inside ``no_sync``.
 
 The policies themselves (what each skips and keeps, and why) are described in
 :mod:`accum_kit.engines.policies`; what each costs per window and per process is
@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import contextlib
 
-from accelerate import Accelerator
-
 from ..errors import UsageError
-from .policies import DEFAULT_POLICY, POLICIES, AccumulationPolicy, fsdp_launched
+from .base import Engine
+from .policies import AccumulationPolicy, fsdp_launched
 
 
 def fsdp_requested(fsdp_plugin=None) -> bool:
@@ -66,107 +65,184 @@ def fsdp_plugin_for(policy: AccumulationPolicy, fsdp_plugin=None, mixed_precisio
     return plugin
 
 
-class AccumulationAccelerator(Accelerator):
-    """An ``accelerate.Accelerator`` that applies an :class:`AccumulationPolicy` inside ``no_sync``.
+class FSDP2Engine(Engine):
+    """FSDP2 (``fully_shard``), on a 1-D mesh or HSDP's 2-D mesh (replicas x shard group).
 
-    :func:`accum_kit.build_accelerator` returns one. It behaves exactly as an
-    ``Accelerator`` except that, under FSDP2 with a policy that keeps
-    parameters gathered, ``no_sync(model)`` (which ``accumulate(model)``
-    enters on every non-boundary micro-batch) also calls
-    ``model.set_reshard_after_backward(False)`` and restores ``True`` when it
-    exits, so the boundary backward reshards before the optimizer step.
+    What differs from DDP: the accumulation policies that keep gathered
+    parameters (:mod:`accum_kit.engines.policies`) are applied inside
+    ``no_sync``; under HSDP ``reduce_scatter_each_batch`` defers only the
+    all-reduce across replicas; gradients and gathered parameters are held in
+    FSDP2's own tensors (:func:`accum_kit.compat.fsdp_held_tensors`); memory is
+    predicted from the cost table per unit and mesh; on CPU Accelerate's state
+    is switched to FSDP2 after construction (:func:`accum_kit.compat.enable_fsdp_on_cpu`).
 
-    Attributes:
-        accumulation_policy: the :class:`AccumulationPolicy` of this run.
+    Args:
+        fsdp_plugin: the caller's ``FullyShardedDataParallelPlugin``, or None (the launcher's ``FSDP_*`` variables).
+        parallelism_config: the run's ``ParallelismConfig`` (HSDP), or None (a 1-D mesh).
     """
 
-    accumulation_policy: AccumulationPolicy = POLICIES[DEFAULT_POLICY]
+    name = "fsdp2"
 
-    def prepare(self, *args, **kwargs):
-        """``Accelerator.prepare``; under DeepSpeed the config's batch sizes are checked against the dataloader first."""
-        if getattr(self, "deepspeed_plugin", None) is not None:
-            from .deepspeed import check_batch_sizes
+    def __init__(self, fsdp_plugin=None, parallelism_config=None):
+        super().__init__()
+        self.plugin, self.parallelism = fsdp_plugin, parallelism_config
 
-            check_batch_sizes(self, args)
-        return super().prepare(*args, **kwargs)
+    @classmethod
+    def requested(cls, fsdp_plugin=None, parallelism_config=None, *, world_size: int) -> "FSDP2Engine":
+        """The engine a launch (or the plugins passed) asks for, its mesh checked against ``world_size``.
+
+        Raises:
+            UsageError: see :func:`accum_kit.engines.mesh.resolve_parallelism_config`.
+        """
+        from .mesh import resolve_parallelism_config
+
+        return cls(fsdp_plugin, resolve_parallelism_config(parallelism_config, world_size=world_size, fsdp=True))
+
+    @property
+    def label(self) -> str:
+        pc = self.parallelism
+        return f"HSDP {pc.dp_replicate_size} x {pc.dp_shard_size}" if self.hybrid else "FSDP2"
+
+    @property
+    def hybrid(self) -> bool:
+        """True under HSDP: a replicate group of two or more."""
+        return self.parallelism is not None and self.parallelism.dp_replicate_size > 1
+
+    def check_policy(self, policy) -> None:
+        """Every policy applies, but ``reduce_scatter_each_batch`` only under HSDP (it needs a replicate group)."""
+        if policy.hsdp_only and not self.hybrid:
+            raise UsageError("--accumulation_policy", f"{policy.name} defers the all-reduce across replicas, but this "
+                             "run has no replicate group (it is not HSDP)", "launch with accelerate_configs/"
+                             "cpu_hsdp.yaml (or gpu_hsdp.yaml) with dp_replicate_size > 1, or use no_sync")
+
+    def check_request(self, policy, *, ddp_kwargs, compile_requested, world_size, on_cpu) -> None:
+        self.check_policy(policy)
+        if ddp_kwargs:
+            from .ddp import flag_of
+
+            raise UsageError(flag_of(next(iter(ddp_kwargs))), "is a DDP setting and has no effect under FSDP2",
+                             "drop it, or launch with a DDP config (accelerate_configs/cpu_ddp.yaml)")
+        if world_size < 2 and on_cpu:
+            raise UsageError("--num_processes", "FSDP on CPU needs at least 2 processes (one process has nothing "
+                             "to shard with, and Accelerate would run it unsharded)",
+                             "launch 2 or more processes, or use accelerate_configs/cpu_single.yaml")
+
+    def accelerator_kwargs(self, kwargs, *, accumulation_steps, policy, max_grad_norm, mixed_precision):
+        kwargs["fsdp_plugin"] = self.plugin = fsdp_plugin_for(policy, self.plugin, mixed_precision)
+        return kwargs
+
+    def parallelism_config(self, on_cpu: bool):
+        return None if on_cpu else self.parallelism  # on CPU it is applied after construction (bind)
+
+    def constructing(self, on_cpu: bool):
+        from ..compat import parallelism_config_from_env_off
+
+        return parallelism_config_from_env_off() if on_cpu else contextlib.nullcontext()
+
+    def compile_per_block(self) -> bool:
+        return True
+
+    def bind(self, accelerator, on_cpu: bool) -> "FSDP2Engine":
+        from ..compat import enable_fsdp_on_cpu, enable_hsdp_on_cpu
+
+        super().bind(accelerator, on_cpu)
+        if on_cpu:  # on GPUs Accelerate switches FSDP2 (and its mesh) on itself
+            enable_fsdp_on_cpu(accelerator, self.plugin)
+            if self.parallelism is not None:
+                enable_hsdp_on_cpu(accelerator, self.parallelism)
+        return self
 
     @contextlib.contextmanager
-    def no_sync(self, model):
-        """``Accelerator.no_sync``, plus the policy's reshard switch under FSDP2 (see the class docstring).
+    def no_sync(self, accelerator, model, policy, base_no_sync):
+        """``Accelerator.no_sync``, plus the policy's reshard switch.
 
-        Under ``reduce_scatter_each_batch`` (HSDP) it skips only the all-reduce across replicas
-        (``model.set_requires_all_reduce(False)``): the reduce-scatter inside the shard group runs.
+        Under ``reduce_scatter_each_batch`` (HSDP) only the all-reduce across
+        replicas is skipped (``model.set_requires_all_reduce(False)``): the
+        reduce-scatter inside the shard group runs. Under the policies that keep
+        parameters gathered, ``model.set_reshard_after_backward(False)`` holds
+        while the micro-batch runs and ``True`` is restored after, so the
+        boundary backward reshards before the optimizer step.
         """
-        if self.is_fsdp2 and self.accumulation_policy.hsdp_only:
+        if policy.hsdp_only:
             model.set_requires_all_reduce(False)
             try:
                 yield
             finally:
                 model.set_requires_all_reduce(True)
             return
-        keep = self.is_fsdp2 and self.accumulation_policy.keep_params_after_backward
+        keep = policy.keep_params_after_backward
         if keep:
             model.set_reshard_after_backward(False)
         try:
-            with super().no_sync(model):
+            with base_no_sync(model):
                 yield
         finally:
             if keep:
                 model.set_reshard_after_backward(True)
 
+    def reduces_each_micro_batch(self, accelerator, policy) -> bool:
+        """True under ``sync_each_batch`` and HSDP's ``reduce_scatter_each_batch`` (its reduce-scatter runs every
+        micro-batch; only the all-reduce across replicas waits for the boundary)."""
+        return accelerator.num_processes > 1 and (policy.sync_each_batch or policy.hsdp_only)
 
-def reduces_each_micro_batch(accelerator) -> bool:
-    """Whether every micro-batch's backward reduces gradients now (``LoopState.sync``'s inside a window).
+    def held_tensors(self, model):
+        from ..compat import fsdp_held_tensors, fsdp_units
 
-    True under ``sync_each_batch`` (several processes), under HSDP's
-    ``reduce_scatter_each_batch`` (its reduce-scatter runs every micro-batch; only the all-reduce
-    across replicas waits for the boundary) and under DeepSpeed ZeRO-2 and 3 (their gradients are
-    partitioned, so every backward reduces them).
-    """
-    from ..compat import sync_each_batch
+        units = fsdp_units(model)
+        if not units:  # not prepared (yet): plain parameters
+            yield from super().held_tensors(model)
+            return
+        for _, group in units:
+            yield from fsdp_held_tensors(group)
 
-    plugin = getattr(accelerator, "deepspeed_plugin", None)
-    if plugin is not None:
-        return accelerator.num_processes > 1 and int(plugin.zero_stage) >= 2
-    return sync_each_batch(accelerator) or (getattr(accelerator, "is_fsdp2", False)
-                                            and getattr(accelerator, "accumulation_policy", None) is not None
-                                            and accelerator.accumulation_policy.hsdp_only)
+    def mesh(self, accelerator):
+        from .mesh import run_mesh
+
+        return run_mesh(accelerator)
+
+    def predicted_memory(self, accelerator, model, accumulation_steps, policies) -> dict:
+        """From :func:`accum_kit.engines.costs.policy_costs` with the model's units and the run's mesh."""
+        from .costs import policy_costs
+
+        layout = sharded_model(model)
+        if layout is None:
+            return super().predicted_memory(accelerator, model, accumulation_steps, policies)
+        b_p, b_c, b_r = element_bytes(accelerator, model)
+        replicas = self.mesh(accelerator).replicate
+        return {n: policy_costs(n, layout, world_size=accelerator.num_processes, accumulation_steps=accumulation_steps,
+                                param_bytes=b_p, compute_bytes=b_c, reduce_bytes=b_r,
+                                replicate_size=replicas).to_dict() for n in policies}
+
+    def summary_blocks(self, accelerator) -> dict:
+        """``{"fsdp": {"version": 2, "mesh": {"dp_replicate_size", "dp_shard_size"}, "accumulation_policy": str,
+        "reshard_after_forward": bool, "state_dict_type": str, "mixed_precision_policy": {param_dtype,
+        reduce_dtype} | None}, "deepspeed": None}``."""
+        plugin = accelerator.state.fsdp_plugin
+        mp = plugin.mixed_precision_policy
+        return {"deepspeed": None, "fsdp": {
+            "version": 2,
+            "mesh": self.mesh(accelerator).to_dict(),
+            "accumulation_policy": accelerator.run_plan.policy.name,
+            "reshard_after_forward": bool(plugin.reshard_after_forward),
+            "state_dict_type": str(getattr(plugin.state_dict_type, "name", plugin.state_dict_type)),
+            "mixed_precision_policy": None if mp is None else {
+                "param_dtype": str(mp.param_dtype).replace("torch.", "") if mp.param_dtype else None,
+                "reduce_dtype": str(mp.reduce_dtype).replace("torch.", "") if mp.reduce_dtype else None},
+        }}
 
 
 def policy_name(accelerator) -> str:
     """The accumulation policy in force now (``sync_each_batch`` while the A/B switch has it on)."""
-    from ..compat import sync_each_batch
+    from ..core.run_plan import run_plan_of
 
-    if sync_each_batch(accelerator):
-        return "sync_each_batch"
-    policy = getattr(accelerator, "accumulation_policy", None)
-    return policy.name if policy is not None else DEFAULT_POLICY
+    return run_plan_of(accelerator).policy.name
 
 
 def fsdp_summary(accelerator) -> dict | None:
-    """What ``train_summary.json`` records of the sharding: None for DDP / one process.
+    """What ``train_summary.json`` records of the sharding (see :meth:`FSDP2Engine.summary_blocks`); None unsharded."""
+    from ..core.run_plan import run_plan_of
 
-    Returns:
-        ``{"version": 2, "mesh": {"dp_replicate_size", "dp_shard_size"}, "accumulation_policy": str,
-        "reshard_after_forward": bool,
-        "state_dict_type": str, "mixed_precision_policy": {param_dtype, reduce_dtype} | None}``.
-    """
-    if not getattr(accelerator, "is_fsdp2", False):
-        return None
-    from .mesh import run_mesh
-
-    plugin = accelerator.state.fsdp_plugin
-    mp = plugin.mixed_precision_policy
-    return {
-        "version": 2,
-        "mesh": run_mesh(accelerator).to_dict(),
-        "accumulation_policy": policy_name(accelerator),
-        "reshard_after_forward": bool(plugin.reshard_after_forward),
-        "state_dict_type": str(getattr(plugin.state_dict_type, "name", plugin.state_dict_type)),
-        "mixed_precision_policy": None if mp is None else {
-            "param_dtype": str(mp.param_dtype).replace("torch.", "") if mp.param_dtype else None,
-            "reduce_dtype": str(mp.reduce_dtype).replace("torch.", "") if mp.reduce_dtype else None},
-    }
+    return run_plan_of(accelerator).engine.summary_blocks(accelerator)["fsdp"]
 
 
 def sharded_model(model):
@@ -205,39 +281,8 @@ def element_bytes(accelerator, model) -> tuple[int, int, int]:
 
 
 def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
-    """``{policy: PolicyCosts.to_dict()}`` for the run's policy and ``sync_each_batch``, as held between micro-batches.
+    """The run's predicted memory per policy: :func:`accum_kit.profiler.held_memory.predicted_memory` (kept here
+    for importers of its older home)."""
+    from ..profiler.held_memory import predicted_memory as predicted
 
-    Under DeepSpeed one entry, the ZeRO stage (``"zero1"`` ...), from :func:`accum_kit.engines.costs.zero_costs`.
-
-    Under FSDP2 from :func:`accum_kit.engines.costs.policy_costs` with the
-    model's units and the run's mesh (HSDP: its replicate size); under DDP (and one process) every policy holds the full
-    gradient, P b_p bytes, as ``.grad``. An empty dict if the model has no
-    trainable parameter.
-    """
-    from .mesh import run_mesh
-    from .costs import policy_costs
-
-    plugin = getattr(accelerator, "deepspeed_plugin", None)
-    if plugin is not None:  # DeepSpeed: the stage is the policy (ZeRO-3's ds_numel: the unpartitioned size)
-        from .costs import zero_costs
-
-        stage = f"zero{plugin.zero_stage}"
-        P = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
-        groups = len(getattr(getattr(model, "optimizer", None), "param_groups", None) or [None])
-        return {stage: zero_costs(stage, P, world_size=accelerator.num_processes, accumulation_steps=accumulation_steps,
-                                  param_groups=groups).to_dict()}
-    layout = sharded_model(model)
-    b_p, b_c, b_r = element_bytes(accelerator, model)
-    names = {getattr(accelerator, "accumulation_policy", POLICIES[DEFAULT_POLICY]).name, "sync_each_batch"}
-    if layout is not None:
-        replicas = run_mesh(accelerator).replicate
-        return {n: policy_costs(n, layout, world_size=accelerator.num_processes, accumulation_steps=accumulation_steps,
-                                param_bytes=b_p, compute_bytes=b_c, reduce_bytes=b_r,
-                                replicate_size=replicas).to_dict() for n in names}
-    P = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if not P:
-        return {}
-    grads = P * b_p if accumulation_steps >= 2 else 0
-    return {n: {"policy": n, "gradient_bytes": grads, "gathered_parameter_bytes": 0,
-                "formulas": {"gradients": f"P b_p = {P} x {b_p} (DDP: every process holds the full gradient)"}}
-            for n in names}
+    return predicted(accelerator, model, accumulation_steps)

@@ -18,24 +18,23 @@ from torch.utils.data import DataLoader
 
 from ..core.callbacks import LoopCallback
 from ..core.checkpoint import (PREEMPTED_EXIT_CODE, Checkpointer, Preempted, check_resumable, check_writable, engine_name,
-                         latest_checkpoint, resolve_checkpoint)
+                              latest_checkpoint, resolve_checkpoint)
 from ..engines.compiling import CompileWatch, compile_settings
 from .config import TrainConfig
 from .data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
 from ..engines.ddp import ddp_kwargs
 from ..errors import UsageError
 from .evaluation import evaluate_loss
-from ..launch import build_accelerator, resolve_accumulation_steps
+from ..launch import build_accelerator
 from ..core.loop import train_loop
 from ..core.loss import check_supported
-from ..engines.deepspeed import check_constant_k, check_model_saving, check_profile_flags, deepspeed_engine, deepspeed_summary
 from .models import build_from_config, build_model, count_parameters, fit_embeddings, load_model, resolve_config
 from ..core.accumulation_schedule import optimizer_steps_per_epoch
 from ..core.accumulation_schedule import schedule_pairs, scheduled_steps
 from ..outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
 from ..profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
 from ..profiler.held_memory import HeldMemory
-from ..engines.fsdp2 import fsdp_summary, predicted_memory
+from ..profiler.held_memory import predicted_memory
 from .tracking import TrackerLogger, check_trackers, quiet_other_processes
 
 logger = get_logger("accum_kit.job.train")  # logs on the main process only
@@ -135,8 +134,9 @@ def _optimizer(model, cfg: TrainConfig):
     return torch.optim.AdamW(groups, lr=cfg.learning_rate)
 
 
-def _accelerator(cfg: TrainConfig, k: int):
-    """The run's Accelerator (K ``k``), and every check that needs it, before any data or model work.
+def _accelerator(cfg: TrainConfig):
+    """The run's Accelerator (K, schedule, policy and engine resolved once, on ``accelerator.run_plan``), and every
+    check that needs it, before any data or model work.
 
     Raises:
         UsageError: a tracker, engine, schedule, profiling or saving setting the launch cannot run.
@@ -144,7 +144,8 @@ def _accelerator(cfg: TrainConfig, k: int):
     if cfg.with_tracking:
         check_trackers(cfg.report_to, cfg.output_dir)
     tracking = dict(log_with=cfg.report_to, project_dir=cfg.output_dir) if cfg.with_tracking else {}
-    accelerator = build_accelerator(k, accumulation_policy=cfg.accumulation_policy, ddp_timeout=cfg.ddp_timeout,
+    accelerator = build_accelerator(cfg.gradient_accumulation_steps, accumulation_schedule=cfg.accumulation_schedule,
+                                    accumulation_policy=cfg.accumulation_policy, ddp_timeout=cfg.ddp_timeout,
                                     ddp_kwargs=ddp_kwargs(cfg), torch_compile=cfg.torch_compile,
                                     torch_compile_backend=cfg.torch_compile_backend,
                                     torch_compile_mode=cfg.torch_compile_mode,
@@ -153,9 +154,7 @@ def _accelerator(cfg: TrainConfig, k: int):
                                     max_grad_norm=cfg.max_grad_norm, **tracking)
     quiet_other_processes(accelerator)
     check_supported(accelerator, cfg.loss_normalization)  # before any data or model work
-    check_constant_k(accelerator, cfg.accumulation_schedule)
-    check_profile_flags(accelerator, cfg.profile_ab_steps)
-    check_model_saving(accelerator)
+    accelerator.run_plan.engine.check_job(profile_ab_steps=cfg.profile_ab_steps)
     return accelerator
 
 
@@ -207,9 +206,8 @@ def _summary(cfg: TrainConfig, accelerator, result, *, k, schedule, checkpointer
         "mixed_precision": accelerator.mixed_precision,
         "tracking": cfg.report_to if cfg.with_tracking else None,
         "sync_each_batch": cfg.accumulation_policy == "sync_each_batch",
-        "accumulation_policy": accelerator.accumulation_policy.name,  # under DeepSpeed the stage: zero1/2/3
-        "fsdp": fsdp_summary(accelerator),
-        "deepspeed": deepspeed_summary(accelerator),
+        "accumulation_policy": accelerator.run_plan.requested_policy.name,  # under DeepSpeed the stage: zero1/2/3
+        **accelerator.run_plan.engine.summary_blocks(accelerator),  # "fsdp", "deepspeed": None unless that engine
         "learning_rate": cfg.learning_rate,
         "seed": cfg.seed,
         "versions": library_versions(),
@@ -246,13 +244,13 @@ def run(cfg: TrainConfig) -> dict:
     check_writable(cfg.output_dir)
     if cfg.trace_dir:
         check_output_dir(cfg.trace_dir, flag="--trace_dir")
-    k = resolve_accumulation_steps(cfg.gradient_accumulation_steps)
-    accelerator = _accelerator(cfg, k)
+    accelerator = _accelerator(cfg)
+    k = accelerator.run_plan.first_accumulation_steps
     resume = _resume_path(cfg)
     if resume is not None:  # before any work: the data position must mean the same examples
         check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
                         per_device_batch_size=cfg.per_device_train_batch_size,
-                        accumulation_schedule=cfg.accumulation_schedule, engine=engine_name(accelerator))
+                        accumulation_schedule=accelerator.run_plan.schedule, engine=engine_name(accelerator))
     set_seed(cfg.seed)
     tokenizer = build_tokenizer(cfg.tokenizer_name or cfg.model_name_or_path, use_slow_tokenizer=cfg.use_slow_tokenizer,
                                 trust_remote_code=cfg.trust_remote_code,
@@ -267,19 +265,14 @@ def run(cfg: TrainConfig) -> dict:
     eval_dl = DataLoader(eval_ds, collate_fn=collate, batch_size=cfg.per_device_eval_batch_size)
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, _optimizer(model, cfg), train_dl, eval_dl)
 
-    schedule = cfg.accumulation_schedule  # {step: K} or None (K constant)
+    schedule = accelerator.run_plan.schedule  # {step: K} or None (K constant)
     steps = cfg.max_train_steps or scheduled_steps(len(train_dl), schedule or {0: k}, cfg.num_train_epochs)
-    # A prepared scheduler steps once per process per optimizer step (Accelerate's convention). Under DeepSpeed
-    # prepare returns it unwrapped (accelerate 1.15): it steps once per optimizer step, and save_state leaves it
-    # out (the engine was built without it), so it is registered for checkpointing.
-    per_step = 1 if deepspeed_engine(model) is not None else accelerator.num_processes
+    # A prepared scheduler steps once per process per optimizer step (Accelerate's convention, every engine)
     lr_scheduler = accelerator.prepare(get_scheduler(
         cfg.lr_scheduler_type, optimizer=optimizer,
-        num_warmup_steps=cfg.num_warmup_steps * per_step,
-        num_training_steps=steps * per_step,
+        num_warmup_steps=cfg.num_warmup_steps * accelerator.num_processes,
+        num_training_steps=steps * accelerator.num_processes,
     ))
-    if deepspeed_engine(model) is not None and getattr(model, "lr_scheduler", None) is None:
-        accelerator.register_for_checkpointing(lr_scheduler)
     n_params = count_parameters(model)
     effective_batch = cfg.per_device_train_batch_size * k * accelerator.num_processes
     logger.info("%d processes (%s), K=%s, effective batch %d examples, %d optimizer steps, %.2fM parameters, data %s",
@@ -316,8 +309,7 @@ def run(cfg: TrainConfig) -> dict:
             accelerator, model, optimizer, train_dl, lr_scheduler=lr_scheduler, max_train_steps=steps,
             max_grad_norm=cfg.max_grad_norm, loss_normalization=cfg.loss_normalization,
             callbacks=callbacks, profiler=profiler,
-            checkpointer=checkpointer, resume_from=resume,
-            accumulation_schedule=schedule, lr_scaling=cfg.lr_scaling,
+            checkpointer=checkpointer, resume_from=resume, lr_scaling=cfg.lr_scaling,
         )
     except Preempted:
         accelerator.end_training()

@@ -33,27 +33,25 @@ GRADIENT_KINDS = ("grad", "sharded_grad", "unsharded_grad", "accumulated_grad", 
                   "partition_grad")
 
 
-def held_tensors(model):
-    """Yield ``(kind, tensor)`` for the gradients (and FSDP2's gathered parameters) ``model`` holds now."""
-    from ..compat import deepspeed_held_gradients, fsdp_held_tensors, fsdp_units
+def held_tensors(model, engine=None):
+    """Yield ``(kind, tensor)`` for the gradients (and FSDP2's gathered parameters) ``model`` holds now.
 
-    if type(model).__name__ == "DeepSpeedEngine":
-        yield from deepspeed_held_gradients(model)
-        return
-    units = fsdp_units(model)
-    if units:
-        for _, group in units:
-            yield from fsdp_held_tensors(group)
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            yield "grad", p.grad
+    Args:
+        model: a prepared model.
+        engine: the run's engine (:meth:`accum_kit.engines.base.Engine.held_tensors` says where it keeps
+            them); None: the engine that prepared ``model`` (:func:`accum_kit.engines.engine_for_model`).
+    """
+    if engine is None:
+        from ..engines import engine_for_model
+
+        engine = engine_for_model(model)
+    yield from engine.held_tensors(model)
 
 
-def held_bytes(model) -> dict:
+def held_bytes(model, engine=None) -> dict:
     """Bytes held now by kind, counting each storage once: ``{kind: bytes}`` (kinds of :func:`held_tensors`)."""
     seen, out = set(), {}
-    for kind, t in held_tensors(model):
+    for kind, t in held_tensors(model, engine):
         storage = t.untyped_storage()
         key = (storage.device, storage.data_ptr())
         if key in seen or storage.nbytes() == 0:
@@ -107,17 +105,18 @@ class HeldMemory(LoopCallback):
     """
 
     def __init__(self, accelerator, model, predicted: dict | None = None):
+        from ..core.run_plan import run_plan_of
+
         self.accelerator, self.model, self.predicted = accelerator, model, predicted
+        self.plan = run_plan_of(accelerator)  # the engine holds the tensors; the policy in force names the peak
         self.peaks: dict[str, dict] = {}
 
     def on_backward_end(self, state):
         if state.boundary or getattr(state, "forced_sync", False):  # a static-graph DDP model's priming sync is no policy's
             return
-        from ..engines.fsdp2 import policy_name
-
-        held = held_bytes(self.model)
+        held = held_bytes(self.model, self.plan.engine)
         grads = sum(v for k, v in held.items() if k in GRADIENT_KINDS)
-        peak = self.peaks.setdefault(policy_name(self.accelerator), {
+        peak = self.peaks.setdefault(self.plan.policy.name, {
             "gradient_bytes": 0, "gathered_parameter_bytes": 0, "by_kind": {}, "measurements": 0})
         peak["measurements"] += 1
         if grads >= peak["gradient_bytes"]:
@@ -126,10 +125,7 @@ class HeldMemory(LoopCallback):
 
     def local(self) -> dict:
         """This process's figures: the run policy's peaks, every policy's, the process peak."""
-        from ..engines.fsdp2 import policy_name
-
-        run_policy = getattr(getattr(self.accelerator, "accumulation_policy", None), "name", None) or \
-            policy_name(self.accelerator)
+        run_policy = self.plan.requested_policy.name
         mine = self.peaks.get(run_policy, {})
         peak, method = process_peak_bytes(self.accelerator.device)
         return {"policy": run_policy, "gradient_bytes": mine.get("gradient_bytes"),
@@ -169,3 +165,18 @@ class HeldMemory(LoopCallback):
             want = predicted.get("gradient_bytes")
             out["measured_over_predicted"] = measured["median"] / want if (measured and want) else None
         return out
+
+
+def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
+    """``{policy: PolicyCosts.to_dict()}`` for the run's policy and ``sync_each_batch``: what each holds between
+    micro-batches, in bytes, from the run's engine (:meth:`accum_kit.engines.base.Engine.predicted_memory`:
+    FSDP2 and HSDP from the cost table per unit and mesh, DeepSpeed for its ZeRO stage only, DDP the whole gradient).
+
+    Args:
+        accelerator: the run's Accelerator; model: the prepared model; accumulation_steps: K of the largest window.
+    """
+    from ..core.run_plan import run_plan_of
+
+    plan = run_plan_of(accelerator)
+    names = list(dict.fromkeys([plan.requested_policy.name, "sync_each_batch"]))
+    return plan.engine.predicted_memory(accelerator, model, accumulation_steps, names)

@@ -1,0 +1,52 @@
+"""The Accelerator :func:`accum_kit.build_accelerator` returns: Accelerate's, with the run's engine inside two calls."""
+
+from __future__ import annotations
+
+import contextlib
+
+from accelerate import Accelerator
+
+
+class AccumulationAccelerator(Accelerator):
+    """An ``accelerate.Accelerator`` whose ``prepare`` and ``no_sync`` let the run's engine act.
+
+    It keeps Accelerate's contract (``accumulate``, ``no_sync``,
+    ``sync_gradients``, ``gradient_state``, the plugins' arguments); the run's
+    :class:`accum_kit.core.run_plan.RunPlan` (``run_plan``) says which engine
+    and policy apply:
+
+    - ``prepare``: the engine checks the objects first (DeepSpeed: the
+      config's batch sizes against the dataloader) and may complete what
+      Accelerate returns (DeepSpeed: a scheduler prepared without the model is
+      wrapped as everywhere else, so it steps once per process per optimizer
+      step and ``save_state`` saves it);
+    - ``no_sync(model)`` (which ``accumulate(model)`` enters on every
+      non-boundary micro-batch): the engine adds the policy's switches (FSDP2:
+      keep parameters gathered after backward; HSDP: skip only the all-reduce
+      across replicas).
+
+    Attributes:
+        run_plan: the run's :class:`~accum_kit.core.run_plan.RunPlan`.
+    """
+
+    run_plan = None
+
+    @property
+    def accumulation_policy(self):
+        """The accumulation policy in force (:attr:`RunPlan.policy <accum_kit.core.run_plan.RunPlan.policy>`)."""
+        return self.run_plan.policy
+
+    def prepare(self, *args, **kwargs):
+        """``Accelerator.prepare``, with the engine's checks before and its completion after (see the class docstring)."""
+        engine = self.run_plan.engine
+        engine.before_prepare(self, args)
+        out = super().prepare(*args, **kwargs)
+        single = len(args) == 1
+        prepared = engine.after_prepare(self, args, [out] if single else list(out))
+        return prepared[0] if single else tuple(prepared)
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        """``Accelerator.no_sync``, plus the policy's switches of the run's engine."""
+        with self.run_plan.no_sync(model, super().no_sync):
+            yield

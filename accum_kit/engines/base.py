@@ -1,0 +1,208 @@
+"""The engine protocol: everything that differs between DDP, FSDP2 (HSDP) and DeepSpeed ZeRO, asked of one object.
+
+An engine is what ``accelerator.prepare`` wraps the model in and what then
+decides which collectives a micro-batch runs: DDP (and one process, its
+degenerate case), FSDP2 (``fully_shard``; HSDP is its 2-D mesh) or
+DeepSpeed's ZeRO engine. :func:`accum_kit.build_accelerator` picks the
+engine once, from the launch and the plugins passed, and keeps it on the
+run's :class:`accum_kit.core.run_plan.RunPlan` (``accelerator.run_plan.engine``);
+the loop, the train job, the profiler, the bench and verify ask it instead of
+testing which engine they run under. Accelerate's, torch's and DeepSpeed's
+private attributes stay in :mod:`accum_kit.compat`; an engine calls them.
+
+The base class is the plain data-parallel behaviour (one process or DDP):
+gradients in ``.grad``, reduced on the window's boundary (or on every
+micro-batch under ``sync_each_batch``), rescaled after the window, clipped by
+``accelerator.clip_grad_norm_``. Each engine overrides what it does otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..errors import UsageError
+from .policies import AccumulationPolicy
+
+
+class Engine:
+    """One run's engine. Built before the Accelerator (from the request), bound to it after.
+
+    Attributes:
+        name: ``"ddp"``, ``"fsdp2"`` or ``"deepspeed"`` (the family: its module, bench part, tests).
+        accelerator: the bound Accelerator (None until :meth:`bind`).
+
+    Subclasses override the methods below; every method's docstring says what
+    the loop or tool uses it for.
+    """
+
+    name = "base"
+    #: the DDP constructor settings (``ddp_kwargs``) mean something under this engine
+    takes_ddp_kwargs = False
+    #: ``torch.compile`` is supported (exactness and no_sync checked) under this engine
+    compiles = True
+
+    def __init__(self):
+        self.accelerator = None
+
+    # ---- identity ----------------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        """How a person names the engine in messages and tables (``"DDP"``, ``"HSDP 2 x 2"``, ``"DeepSpeed ZeRO-2"``)."""
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.label}>"
+
+    # ---- before the Accelerator --------------------------------------------------------------
+    def check_request(self, policy: AccumulationPolicy, *, ddp_kwargs: dict | None, compile_requested: bool,
+                      world_size: int, on_cpu: bool) -> None:
+        """Refuse what this engine cannot run, before anything is built.
+
+        Args:
+            policy: the run's accumulation policy (see :mod:`accum_kit.engines.policies`).
+            ddp_kwargs: DDP constructor settings asked for (DDP's names), or None.
+            compile_requested: ``torch.compile`` was asked for.
+            world_size: processes launched.
+            on_cpu: the run trains on CPU (gloo).
+
+        Raises:
+            UsageError: naming the flag and the fix.
+        """
+        self.check_policy(policy)
+        if ddp_kwargs and not self.takes_ddp_kwargs:
+            from .ddp import flag_of
+
+            raise UsageError(flag_of(next(iter(ddp_kwargs))), f"is a DDP setting and has no effect under {self.label}",
+                             "drop it, or launch with a DDP config (accelerate_configs/cpu_ddp.yaml)")
+
+    def check_policy(self, policy: AccumulationPolicy) -> None:
+        """Refuse an accumulation policy this engine cannot apply (here: the FSDP2-only ones).
+
+        Raises:
+            UsageError (``--accumulation_policy``).
+        """
+        if policy.fsdp_only:
+            raise UsageError("--accumulation_policy", f"{policy.name} needs FSDP2 (it acts on sharded parameters or "
+                             f"gradients), but this run is {self.label}", "launch with an FSDP2 config "
+                             "(accelerate_configs/cpu_fsdp.yaml, cpu_hsdp.yaml or their gpu_ twins), or use no_sync")
+
+    def accelerator_kwargs(self, kwargs: dict, *, accumulation_steps: int, policy: AccumulationPolicy,
+                           max_grad_norm: float | None, mixed_precision: str | None) -> dict:
+        """``Accelerator(**kwargs)``'s arguments with this engine's plugin filled in (returns ``kwargs``)."""
+        return kwargs
+
+    def parallelism_config(self, on_cpu: bool):
+        """The ``parallelism_config`` to pass to the Accelerator's constructor (None: none)."""
+        return None
+
+    def constructing(self, on_cpu: bool):
+        """A context the Accelerator's constructor runs in (an environment switch some engines need)."""
+        return contextlib.nullcontext()
+
+    def run_policy(self, policy: AccumulationPolicy) -> AccumulationPolicy:
+        """The policy as the run records it (DeepSpeed: the ZeRO stage, ``zero2``...)."""
+        return policy
+
+    def compile_per_block(self) -> bool:
+        """Whether ``torch.compile`` applies per transformer block (FSDP2) rather than to the whole model."""
+        return False
+
+    # ---- binding -----------------------------------------------------------------------------
+    def bind(self, accelerator, on_cpu: bool) -> "Engine":
+        """Attach to the built Accelerator; switch Accelerate's state to this engine where it would not (CPU)."""
+        self.accelerator = accelerator
+        return self
+
+    # ---- prepare ----------------------------------------------------------------------------
+    def before_prepare(self, accelerator, objects: tuple) -> None:
+        """Check the objects handed to ``accelerator.prepare`` against the engine's config (no-op by default)."""
+
+    def after_prepare(self, accelerator, objects: tuple, prepared: list) -> list:
+        """What ``prepare`` returns, made to keep Accelerate's contract under this engine (identity by default)."""
+        return prepared
+
+    # ---- the window --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self, accelerator, model, policy: AccumulationPolicy, base_no_sync):
+        """Inside a non-boundary micro-batch: ``base_no_sync(model)`` (Accelerate's), plus the policy's switches.
+
+        Args:
+            accelerator, model: the run's.
+            policy: the policy in force.
+            base_no_sync: ``Accelerator.no_sync`` bound to the accelerator (a context manager factory).
+        """
+        with base_no_sync(model):
+            yield
+
+    def reduces_each_micro_batch(self, accelerator, policy: AccumulationPolicy) -> bool:
+        """Whether every micro-batch's backward reduces gradients (``LoopState.sync`` inside a window)."""
+        return accelerator.num_processes > 1 and policy.sync_each_batch
+
+    def window_normalizer(self, accelerator, mode: str, loss_fn):
+        """The loop's :class:`accum_kit.core.loss.WindowNormalizer` for ``mode`` (``tokens`` or ``mean``)."""
+        from ..core.loss import WindowNormalizer
+
+        return WindowNormalizer(accelerator, mode)
+
+    def check_schedule(self, schedule: dict | None) -> None:
+        """Refuse an accumulation schedule (``{step: K}``) the engine cannot follow (any is fine by default)."""
+
+    def loop_callbacks(self, accelerator, model) -> list:
+        """Loop callbacks this engine needs for ``model`` (added last by the loop; none by default)."""
+        return []
+
+    def use_clipping(self, accelerator, max_grad_norm: float | None) -> None:
+        """Make the engine clip at ``max_grad_norm`` (None: no clipping) when it clips inside its own step.
+
+        Under DDP and FSDP2 the loop clips with ``accelerator.clip_grad_norm_``
+        between the window's rescale and the optimizer step, so nothing is set.
+        """
+
+    # ---- what it holds, sends and reports ---------------------------------------------------
+    def held_tensors(self, model):
+        """Yield ``(kind, tensor)`` for the gradients (and gathered parameters) ``model`` holds now."""
+        for p in model.parameters():
+            if p.grad is not None:
+                yield "grad", p.grad
+
+    def predicted_memory(self, accelerator, model, accumulation_steps: int, policies) -> dict:
+        """``{policy: PolicyCosts.to_dict()}``: what each of ``policies`` holds between micro-batches, in bytes.
+
+        DDP and one process: every process holds the whole gradient as ``.grad``,
+        ``P b_p`` bytes (none with K = 1: nothing is held between micro-batches).
+        """
+        P = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if not P:
+            return {}
+        b_p = next((p.element_size() for p in model.parameters()), 4)
+        grads = P * b_p if accumulation_steps >= 2 else 0
+        return {n: {"policy": n, "gradient_bytes": grads, "gathered_parameter_bytes": 0,
+                    "formulas": {"gradients": f"P b_p = {P} x {b_p} (DDP: every process holds the full gradient)"}}
+                for n in policies}
+
+    def compute_precision(self, accelerator) -> str:
+        """The precision gradients are computed in: Accelerate's ``mixed_precision`` (``no``, ``bf16``, ``fp16``)."""
+        return accelerator.mixed_precision
+
+    def casts_model(self) -> bool:
+        """Whether the engine casts the model's weights itself (DeepSpeed) instead of Accelerate's autocast."""
+        return False
+
+    def summary_blocks(self, accelerator) -> dict:
+        """``train_summary.json``'s engine blocks: ``{"fsdp": dict | None, "deepspeed": dict | None}``."""
+        return {"fsdp": None, "deepspeed": None}
+
+    def mesh(self, accelerator):
+        """The run's :class:`accum_kit.engines.mesh.Mesh` (replicas x shard group); None when the model is not sharded."""
+        return None
+
+    def checkpoint_tag(self, accelerator) -> str:
+        """What a checkpoint records as its writer: Accelerate's distributed type in lower case (``multi_cpu``...)."""
+        return str(accelerator.distributed_type).split(".")[-1].lower()
+
+    def check_job(self, *, profile_ab_steps: int = 0) -> None:
+        """Refuse, before any data or model work, a train-job setting this engine cannot honour (none by default)."""
+
+    def prepared_engine(self, model):
+        """The engine object ``prepare`` returned for ``model`` when it is not a plain module wrapper (DeepSpeed)."""
+        return None
