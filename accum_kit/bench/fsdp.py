@@ -44,7 +44,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
 from ..compat import (fsdp_reshard_after_forward_state, keep_fsdp_parameters_after_forward,
-                      restore_fsdp_reshard_after_forward, set_sync_each_batch)
+                      restore_fsdp_reshard_after_forward)
 from ..errors import UsageError
 from ..engines.mesh import EmulatedInterNodeLink, launched_replicas
 from ..launch import build_accelerator, launcher_world_size
@@ -90,9 +90,10 @@ def apply_policy(accelerator, model, policy: str, fsdp_defaults: list) -> None:
     ``fsdp_defaults``: :func:`accum_kit.compat.fsdp_reshard_after_forward_state`
     taken after the model's first forward, when FSDP2 has settled its root.
     """
+    from ..core.run_plan import run_plan_of
+
     p = POLICIES[policy]
-    accelerator.accumulation_policy = p
-    set_sync_each_batch(accelerator, p.sync_each_batch)
+    run_plan_of(accelerator).use_policy(policy)
     restore_fsdp_reshard_after_forward(fsdp_defaults)
     if p.reshard_after_forward is False:
         keep_fsdp_parameters_after_forward(model)

@@ -45,7 +45,6 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -53,6 +52,7 @@ from torch.utils.data import DataLoader
 
 from ..core.callbacks import LoopCallback
 from ..compat import deepspeed_parameter_bytes, prepare_deepspeed_engine, use_deepspeed_engine
+from ..core.run_plan import run_plan_of
 from ..errors import UsageError
 from ..launch import build_accelerator, launcher_world_size
 from ..core.loop import train_loop
@@ -119,7 +119,7 @@ class Engines:
             plugin = deepspeed_plugin_for(_plugin(s), gradient_accumulation_steps=K, max_grad_norm=None)
             opt = torch.optim.AdamW(copies[s].parameters(), lr=cfg.learning_rate)
             extra = () if self.loader is not None else (DataLoader(rows, batch_size=B, shuffle=False),)
-            accelerator.gradient_accumulation_steps = K
+            run_plan_of(accelerator).set_accumulation_steps(K)
             prepared, wrapper = prepare_deepspeed_engine(accelerator, copies[s], opt, plugin, B, *extra)
             engine, engine_opt = prepared[0], prepared[1]
             if extra:
@@ -138,8 +138,10 @@ class Engines:
         seconds), its step seconds and the process's CPU seconds in it (this process)."""
         b, acc = self.built[stage], self.accelerator
         use_deepspeed_engine(acc, b["plugin"], b["wrapper"])
-        acc.accumulation_policy = replace(acc.accumulation_policy, name=stage_name(stage))
-        acc.gradient_accumulation_steps = self.K
+        plan = run_plan_of(acc)  # the stage is this window's policy; K through the plan
+        plan.engine.use_plugin(b["plugin"])
+        plan.use_policy(stage_name(stage))
+        plan.set_accumulation_steps(self.K)
         profiler.tag, profiler.enabled = tag, True  # the previous window's on_train_end switched it off
         start = time.perf_counter()
         train_loop(acc, b["engine"], b["optimizer"], self.loader, max_train_steps=1, progress=False,

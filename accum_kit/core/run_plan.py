@@ -119,14 +119,9 @@ class RunPlan:
             UsageError: an unknown policy, or one the engine cannot apply.
         """
         from ..compat import set_sync_each_batch
-        from ..engines.policies import resolve_policy
 
         before = self.policy.name
-        if name == self.requested_policy.name:
-            policy = self.requested_policy
-        else:
-            policy = resolve_policy(name)
-            self.engine.check_policy(policy)
+        policy = self.requested_policy if name == self.requested_policy.name else self.engine.resolve_policy(name)
         if not policy.sync_each_batch:
             self._policy = policy
         set_sync_each_batch(self.accelerator, policy.sync_each_batch)

@@ -86,6 +86,18 @@ class Engine:
                              f"gradients), but this run is {self.label}", "launch with an FSDP2 config "
                              "(accelerate_configs/cpu_fsdp.yaml, cpu_hsdp.yaml or their gpu_ twins), or use no_sync")
 
+    def resolve_policy(self, name: str) -> AccumulationPolicy:
+        """The policy called ``name`` under this engine, checked (:meth:`check_policy`).
+
+        Raises:
+            UsageError (``--accumulation_policy``): unknown, or not one this engine applies.
+        """
+        from .policies import resolve_policy
+
+        policy = resolve_policy(name)
+        self.check_policy(policy)
+        return policy
+
     def accelerator_kwargs(self, kwargs: dict, *, accumulation_steps: int, policy: AccumulationPolicy,
                            max_grad_norm: float | None, mixed_precision: str | None) -> dict:
         """``Accelerator(**kwargs)``'s arguments with this engine's plugin filled in (returns ``kwargs``)."""
@@ -206,3 +218,19 @@ class Engine:
     def prepared_engine(self, model):
         """The engine object ``prepare`` returned for ``model`` when it is not a plain module wrapper (DeepSpeed)."""
         return None
+
+    def profiler_part(self, profiler):
+        """The :class:`accum_kit.profiler.CommProfiler`'s part for this engine (several processes): which recorder
+        sees the gradient collectives and which keys the summary gets (:mod:`accum_kit.profiler.parts`).
+
+        Here DDP's: :class:`accum_kit.profiler.parts.BucketPart` (the comm hook on a DDP model).
+        """
+        from ..profiler.parts import BucketPart
+
+        return BucketPart(profiler)
+
+    def owns_backward(self) -> bool:
+        """Whether the prepared model's backward runs through the engine's own object, which scales the loss,
+        reduces and steps inside it (DeepSpeed): then a plain ``loss.backward()`` (verify's ``sum`` row) measures
+        something else, and a trainer that builds its own engine (verify's Trainer row) cannot share this one."""
+        return False

@@ -444,6 +444,19 @@ class ZeroEngine(Engine):
         self._clipping_pinned = max_grad_norm is not None or _written_clipping()
         return kwargs
 
+    def resolve_policy(self, name: str) -> AccumulationPolicy:
+        """``zero<N>`` for the engine's stage N (what the run records), else as for any engine (only ``no_sync``)."""
+        from .policies import POLICIES
+
+        if name == f"zero{self.stage}":
+            return self.run_policy(POLICIES["no_sync"])
+        return super().resolve_policy(name)
+
+    def use_plugin(self, deepspeed_plugin) -> None:
+        """Follow the Accelerator to another DeepSpeed plugin (the bench's stage sweep swaps them in one process,
+        :func:`accum_kit.compat.use_deepspeed_engine`); the stage and the config are then that plugin's."""
+        self.plugin = deepspeed_plugin
+
     def run_policy(self, policy: AccumulationPolicy) -> AccumulationPolicy:
         """The stage as the run's policy: ``zero1`` reduces on the boundary only, ``zero2``/``zero3`` every micro-batch."""
         stage = self.stage
@@ -565,3 +578,14 @@ class ZeroEngine(Engine):
 
     def prepared_engine(self, model):
         return model if type(model).__name__ == "DeepSpeedEngine" else None
+
+    def profiler_part(self, profiler):
+        """:class:`accum_kit.profiler.parts.ZeroPart`: DeepSpeed's communication backend and the ZeRO optimizer's
+        reduction path, reported for the stage."""
+        from ..profiler.parts import ZeroPart
+
+        return ZeroPart(profiler, stage=self.stage)
+
+    def owns_backward(self) -> bool:
+        """True: the engine's ``backward`` divides the loss by its K, reduces as its stage does and steps."""
+        return True
