@@ -266,16 +266,15 @@ def build_accelerator(
     from .engines.policies import resolve_policy
 
     world = launcher_world_size()
+    steps, policy = resolve_accumulation_steps(gradient_accumulation_steps), resolve_policy(accumulation_policy, sync_each_batch)
     engine = requested_engine(fsdp_plugin=accelerator_kwargs.get("fsdp_plugin"),
                               deepspeed_plugin=accelerator_kwargs.get("deepspeed_plugin"),
                               parallelism_config=accelerator_kwargs.pop("parallelism_config", None), world_size=world)
-    plan = RunPlan(engine, resolve_policy(accumulation_policy, sync_each_batch),
-                   resolve_accumulation_steps(gradient_accumulation_steps), accumulation_schedule)
     if cpu is None:
         cpu = world > 1 and not _has_gpu()
-    on_cpu = cpu or not _has_gpu()
-    engine.check_request(plan.asked_policy, ddp_kwargs=ddp_kwargs, world_size=world, on_cpu=on_cpu,
+    engine.check_request(policy, ddp_kwargs=ddp_kwargs, world_size=world, on_cpu=cpu or not _has_gpu(),
                          compile_requested=bool(torch_compile or torch_compile_backend or torch_compile_mode))
+    plan = RunPlan(engine, policy, steps, accumulation_schedule)
     accelerator_kwargs = engine.accelerator_kwargs(
         accelerator_kwargs, accumulation_steps=plan.first_accumulation_steps, policy=plan.requested_policy,
         max_grad_norm=max_grad_norm,

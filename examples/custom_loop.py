@@ -2,6 +2,12 @@
 
     accelerate launch --config_file accelerate_configs/cpu_ddp.yaml examples/custom_loop.py
 
+The same script runs unchanged under every engine: ``cpu_fsdp.yaml`` (FSDP2,
+any ``--accumulation_policy``), ``cpu_hsdp.yaml`` (4 processes) and
+``cpu_deepspeed.yaml`` (add ``--zero_stage 1|2|3`` to ``accelerate launch``);
+exact accumulation makes the losses those of the DDP run, up to the order of
+the reductions.
+
 Builds every piece by hand, in the order of Accelerate's gradient accumulation
 guide, then hands them to ``accum_kit.train_loop``: forward and backward of
 every micro-batch inside ``accelerator.accumulate`` (no all-reduce until the
@@ -29,16 +35,22 @@ def parse_args(argv=None):
     p.add_argument("--model_preset", default="tiny", help="accum_kit.job.models.PRESETS key")
     p.add_argument("--per_device_train_batch_size", type=int, default=4, help="examples per micro-batch per process")
     p.add_argument("--gradient_accumulation_steps", type=int, default=4, help="micro-batches per optimizer step (K)")
+    p.add_argument("--accumulation_policy", default=None,
+                   help="what a window skips and keeps (accum_kit.engines.policies: no_sync, sync_each_batch; "
+                        "under FSDP2 also no_sync_no_reshard_after_backward, no_sync_no_reshard; under HSDP also "
+                        "reduce_scatter_each_batch); default no_sync (under DeepSpeed the ZeRO stage decides)")
     p.add_argument("--block_size", type=int, default=128, help="tokens per example")
     p.add_argument("--max_train_steps", type=int, default=30, help="optimizer steps")
     p.add_argument("--learning_rate", type=float, default=3e-3)
+    p.add_argument("--max_grad_norm", type=float, default=1.0, help="clip the global gradient norm (every engine)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    accelerator = build_accelerator(args.gradient_accumulation_steps)  # cpu=True when needed, process-count check
+    # the engine (DDP, FSDP2, HSDP, DeepSpeed ZeRO) comes from the accelerate config; nothing below depends on it
+    accelerator = build_accelerator(args.gradient_accumulation_steps, accumulation_policy=args.accumulation_policy)
     tokenizer = build_tokenizer()  # bytes: no files needed
     with accelerator.main_process_first():
         raw, _ = load_raw_datasets(train_file=args.train_file)
@@ -56,12 +68,13 @@ def main(argv=None) -> dict:
 
     before, _ = evaluate_loss(accelerator, model, eval_dl)
     result = train_loop(accelerator, model, optimizer, train_dl, lr_scheduler=scheduler,
-                        max_train_steps=args.max_train_steps, max_grad_norm=1.0)
+                        max_train_steps=args.max_train_steps, max_grad_norm=args.max_grad_norm)
     after, _ = evaluate_loss(accelerator, model, eval_dl)
     accelerator.print(f"eval loss {before:.3f} -> {after:.3f}; median {result.median_step_seconds:.3f} s/step, "
                       f"{result.tokens_per_second:.0f} tokens/s on {accelerator.num_processes} processes")
-    return {"world_size": accelerator.num_processes, "eval_loss_before": before, "eval_loss_after": after,
-            "train_loss": result.train_loss}
+    return {"world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
+            "eval_loss_before": before, "eval_loss_after": after, "train_loss": result.train_loss,
+            "final_learning_rate": scheduler.get_last_lr()[0]}
 
 
 if __name__ == "__main__":

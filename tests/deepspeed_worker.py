@@ -15,12 +15,16 @@ engine's step). It also runs accum_kit's CommProfiler and HeldMemory, whose reco
 SPEC's ``verify`` entries (``name``, ``zero_stage``, ``mixed_precision``, ``K``, ``B``, ``seed``) each run
 ``accum_kit.verify_accumulation`` in the same processes; the report goes to ``verify/<name>.json``.
 
+SPEC's optional ``example_scripts`` (tests/examples_worker.py's format) run users' scripts unchanged after
+the scenarios, each with its ``env`` (``ACCELERATE_DEEPSPEED_ZERO_STAGE``: what ``--zero_stage`` sets).
+
 The worker only runs accum_kit; all expected values are computed by the test.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -310,6 +314,13 @@ def main(argv) -> int:
         run_scenario(spec, sc, out_dir, counter)
         for step in sc.get("resume_from", []):
             run_scenario(spec, sc, out_dir, counter, resume_from=step)
+    if spec.get("example_scripts"):  # users' scripts, unchanged (tests/examples_worker.py's format, per-script env)
+        import examples_worker
+
+        scripts = out_dir / f"example_scripts.rank{os.environ.get('RANK', '0')}.json"
+        scripts.write_text(json.dumps({"examples": spec["example_scripts"]}))
+        if examples_worker.main(str(scripts), str(out_dir)) != 0:
+            raise RuntimeError(f"an example script failed: see {out_dir}/*.error")
     run_verify(spec, out_dir)
     run_train_jobs(spec, out_dir)
     if spec.get("bench"):

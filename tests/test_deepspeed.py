@@ -36,6 +36,7 @@ import pytest
 
 import job_helpers as jh
 import test_exactness as ex
+from conftest import example_specs, ok
 
 CONFIG = jh.REPO / "accelerate_configs" / "cpu_deepspeed.yaml"
 TIMEOUT_S = 600
@@ -68,8 +69,12 @@ def launched(tmp_path_factory):
     (:func:`preempted_job`): ``(root, preempted, latest)``."""
     root = tmp_path_factory.mktemp("deepspeed")
     corpus = jh.write_corpus(root / "corpus.txt")
+    custom = next(e for e in example_specs(corpus) if e["name"] == "custom_loop")
+    customs = [{**custom, "name": f"custom_loop_zero{s}", "env": {"ACCELERATE_DEEPSPEED_ZERO_STAGE": str(s)}}
+               for s in STAGES]  # the user's script, unchanged, as under accelerate launch --zero_stage s
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
             "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "profile": True, "verify": VERIFY, "bench": BENCH,
+            "example_scripts": customs,
             "train_job": {"argv": job_argv(corpus), "bad_from": f"step_{JOB_EVERY}", "bad_resumes": BAD_RESUMES}}
     (root / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "--main_process_port",
@@ -106,6 +111,23 @@ def runs(launched):
 
 
 # --------------------------------------------------------------------------- the engine really runs
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_users_loop_trains_under_every_stage_as_under_ddp(launched, example_results, stage):
+    """examples/custom_loop.py, unchanged (clipping given to train_loop only, scheduler prepared with the model
+    and sized by Accelerate's convention), under cpu_deepspeed.yaml and each ZeRO stage: the losses of its DDP
+    run up to the order of the reductions, and its schedule run to the end as under DDP."""
+    root = launched[0]
+    runs = [json.loads((root / "out" / f"custom_loop_zero{stage}.rank{r}.json").read_text()) for r in range(W)]
+    for got, want in zip(runs, ok(example_results["custom_loop"])):
+        assert got["world_size"] == want["world_size"] == W and got["distributed_type"] == "DistributedType.DEEPSPEED"
+        gap = max(abs(a - b) / abs(b) for a, b in zip(got["train_loss"], want["train_loss"]))
+        print(f"\ncustom_loop under ZeRO-{stage}: largest relative loss difference from DDP {gap:.1e}")
+        assert len(got["train_loss"]) == len(want["train_loss"]) and gap <= 1e-5
+        assert got["eval_loss_after"] == pytest.approx(want["eval_loss_after"], rel=1e-5)
+        assert got["final_learning_rate"] == pytest.approx(want["final_learning_rate"], abs=1e-12)
 
 
 @needs_deepspeed
@@ -444,14 +466,14 @@ def test_config_values_that_agree_or_say_auto_are_filled_from_the_flags(ds_env, 
 
 
 def test_what_a_built_deepspeed_run_cannot_do_is_refused():
-    """A schedule that changes K, a batch size the config contradicts, a loop clipping value the engine was
-    not built with, a loss function that cannot count ahead: each names its flag."""
+    """A schedule that changes K, a batch size the config contradicts, a loss function that cannot count
+    ahead: each names its flag."""
     from types import SimpleNamespace
 
     import torch
 
     from accum_kit import UsageError
-    from accum_kit.engines.deepspeed import check_batch_sizes, check_constant_k, check_engine_clipping, count_items
+    from accum_kit.engines.deepspeed import check_batch_sizes, check_constant_k, count_items
 
     fake = SimpleNamespace(num_processes=2, deepspeed_plugin=SimpleNamespace(deepspeed_config={
         "gradient_accumulation_steps": 3, "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 4,
@@ -460,7 +482,6 @@ def test_what_a_built_deepspeed_run_cannot_do_is_refused():
         (lambda: check_constant_k(fake, {0: 1, 10: 2}), "--accumulation_schedule"),
         (lambda: check_batch_sizes(fake, [torch.utils.data.DataLoader(list(range(8)), batch_size=2)]),
          "--per_device_train_batch_size"),
-        (lambda: check_engine_clipping(fake, 1.0), "--max_grad_norm"),
         (lambda: count_items(lambda model, batch: (0, 0), {}), "loss_fn"),
     ]
     for call, flag in cases:
@@ -468,8 +489,30 @@ def test_what_a_built_deepspeed_run_cannot_do_is_refused():
             call()
         assert err.value.flag == flag, str(err.value)
     check_constant_k(fake, {0: 3})  # one K: fine
-    check_engine_clipping(fake, None)
-    check_engine_clipping(SimpleNamespace(deepspeed_plugin=None), 1.0)  # not DeepSpeed: the loop clips
+
+
+@needs_deepspeed
+def test_the_loops_clipping_reaches_the_engine_unless_the_build_fixed_another(ds_env):
+    """DeepSpeed clips inside its own step: train_loop's max_grad_norm is set on the engine, unless the
+    engine was built with another value (build_accelerator's max_grad_norm), which is refused by flag.
+    (That the engine then clips at it is the custom_loop runs' test: the losses of DDP, which clips itself.)"""
+    from types import SimpleNamespace
+
+    from accum_kit import UsageError
+    from accum_kit.engines.deepspeed import ZeroEngine
+    from accum_kit.engines.policies import POLICIES
+
+    nothing_built = SimpleNamespace(_models=[])
+    free, pinned = ZeroEngine(), ZeroEngine()
+    for engine, norm in ((free, None), (pinned, 1.0)):
+        engine.accelerator_kwargs({}, accumulation_steps=3, policy=POLICIES["no_sync"], max_grad_norm=norm,
+                                  mixed_precision=None)
+    free.use_clipping(nothing_built, 0.5)
+    assert free.plugin.deepspeed_config["gradient_clipping"] == 0.5
+    pinned.use_clipping(nothing_built, 1.0)  # the value it was built with: nothing to do
+    with pytest.raises(UsageError) as err:
+        pinned.use_clipping(nothing_built, 0.5)
+    assert err.value.flag == "--max_grad_norm" and "1.0" in err.value.problem
 
 
 @needs_deepspeed

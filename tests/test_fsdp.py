@@ -59,11 +59,14 @@ def runs(tmp_path_factory, fsdp_pool):
     root = tmp_path_factory.mktemp("fsdp")
     corpus = jh.write_corpus(root / "corpus.txt")  # the examples fixture's corpus and flags (tests/conftest.py)
     custom = next(e for e in example_specs(corpus) if e["name"] == "custom_loop")
+    customs = [{**custom, "name": f"custom_loop_{p}", "argv": [*custom["argv"], "--accumulation_policy", p]}
+               for p in POLICIES]  # the user's script, unchanged, under every policy (a flag of the script)
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
-            "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "example_scripts": [custom], "bench_argv": BENCH_ARGV}
+            "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "example_scripts": customs, "bench_argv": BENCH_ARGV}
     out = jh.run_dist_worker(FSDP_CONFIG, spec, root, "fsdp", W, TIMEOUT_S, pool=fsdp_pool)  # conftest.py's shared launch
     out["bench"] = root / "out" / "bench"
-    out["custom_loop"] = [json.loads((root / "out" / f"custom_loop.rank{r}.json").read_text()) for r in range(W)]
+    out["custom_loop"] = {p: [json.loads((root / "out" / f"custom_loop_{p}.rank{r}.json").read_text()) for r in range(W)]
+                          for p in POLICIES}
     return out
 
 
@@ -373,13 +376,19 @@ def test_bf16_through_fsdp2_mixed_precision_matches_the_fp32_big_batch(runs):
     assert max(errors) > 1e-5, f"deviations {errors} look like fp32: did bf16 run?"
 
 
-def test_a_script_built_on_build_accelerator_trains_sharded_as_under_ddp(runs, example_results):
-    """examples/custom_loop.py, unchanged, under cpu_fsdp.yaml: the same losses as its DDP run."""
-    sharded, replicated = runs["custom_loop"], ok(example_results["custom_loop"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_script_built_on_build_accelerator_trains_sharded_as_under_ddp(runs, example_results, policy):
+    """examples/custom_loop.py, unchanged, under cpu_fsdp.yaml and each policy: the same losses as its DDP run
+    (exact accumulation: equal up to the order of the reductions), its scheduler run to its end as under DDP."""
+    sharded, replicated = runs["custom_loop"][policy], ok(example_results["custom_loop"])
     for got, want in zip(sharded, replicated):
         assert got["world_size"] == want["world_size"] == W
-        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
+        assert "FSDP" in got["distributed_type"] and "FSDP" not in want["distributed_type"], got["distributed_type"]
+        gap = max(abs(a - b) / abs(b) for a, b in zip(got["train_loss"], want["train_loss"]))
+        print(f"\ncustom_loop under FSDP2 {policy}: largest relative loss difference from DDP {gap:.1e}")
+        assert len(got["train_loss"]) == len(want["train_loss"]) and gap <= 1e-5
         assert got["eval_loss_after"] == pytest.approx(want["eval_loss_after"], rel=1e-5)
+        assert got["final_learning_rate"] == pytest.approx(want["final_learning_rate"], abs=1e-12)
 
 
 # --------------------------------------------------------------------------- sharded checkpoints

@@ -17,10 +17,13 @@ the HSDP-only policy elsewhere) are checked in-process.
 from __future__ import annotations
 
 
+import json
+
 import pytest
 
 import job_helpers as jh
 import test_exactness as ex
+from conftest import example_specs
 
 HSDP_CONFIG = jh.REPO / "accelerate_configs" / "cpu_hsdp.yaml"
 TIMEOUT_S = 420
@@ -30,6 +33,7 @@ B = 1
 POLICIES = ("no_sync", "sync_each_batch", "no_sync_no_reshard_after_backward", "no_sync_no_reshard",
             "reduce_scatter_each_batch")
 NEW = "reduce_scatter_each_batch"
+CUSTOM_LOOP_STEPS = 4  # examples/custom_loop.py's optimizer steps here (4 processes on 2 cores: kept short)
 
 
 def _sc(name, K=3, policy="no_sync", **kw):
@@ -50,9 +54,20 @@ BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
 def runs(tmp_path_factory):
     """``{name: {"scenario", "init", "steps", "ranks", "resumed": {step: {"steps", "ranks"}}}}``."""
     root = tmp_path_factory.mktemp("hsdp")
+    corpus = jh.write_corpus(root / "corpus.txt")
+    custom = next(e for e in example_specs(corpus) if e["name"] == "custom_loop")
+    custom = {**custom, "argv": [*custom["argv"], "--max_train_steps", str(CUSTOM_LOOP_STEPS)]}
+    # the user's script, unchanged: under this HSDP launch, and as under a 4-process DDP launch (what
+    # accelerate launch --config_file cpu_ddp.yaml --num_processes 4 would leave unset)
+    customs = [{**custom, "name": "custom_loop_hsdp"},
+               {**custom, "name": "custom_loop_ddp", "env": {"ACCELERATE_USE_FSDP": None,
+                                                             "ACCELERATE_USE_PARALLELISM_CONFIG": None}}]
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
-            "examples": ex.EXAMPLES, "scenarios": SCENARIOS}
-    return jh.run_dist_worker(HSDP_CONFIG, spec, root, "hsdp", W, TIMEOUT_S)
+            "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "example_scripts": customs}
+    out = jh.run_dist_worker(HSDP_CONFIG, spec, root, "hsdp", W, TIMEOUT_S)
+    out["custom_loop"] = {name: [json.loads((root / "out" / f"custom_loop_{name}.rank{r}.json").read_text())
+                                 for r in range(W)] for name in ("hsdp", "ddp")}
+    return out
 
 
 def _layout():
@@ -268,3 +283,16 @@ def test_the_bench_refuses_hsdp_only_flags_elsewhere(tmp_path, monkeypatch):
         cfg.check_hsdp_flags(hybrid=False)
     assert err.value.flag == "--emulate_inter_node_GBps" and "cpu_hsdp.yaml" in err.value.fix
     cfg.check_hsdp_flags(hybrid=True)  # accepted under HSDP
+
+
+def test_a_users_loop_trains_under_hsdp_as_under_ddp(runs):
+    """examples/custom_loop.py, unchanged, under cpu_hsdp.yaml (2 x 2): the losses of the same script under
+    DDP with the same 4 processes, up to the order of the reductions; its scheduler run to the end as there."""
+    for got, want in zip(runs["custom_loop"]["hsdp"], runs["custom_loop"]["ddp"]):
+        assert got["world_size"] == want["world_size"] == W
+        assert "FSDP" in got["distributed_type"] and want["distributed_type"] == "DistributedType.MULTI_CPU"
+        gap = max(abs(a - b) / abs(b) for a, b in zip(got["train_loss"], want["train_loss"]))
+        print(f"\ncustom_loop under HSDP 2 x 2: largest relative loss difference from DDP {gap:.1e}")
+        assert len(got["train_loss"]) == len(want["train_loss"]) == CUSTOM_LOOP_STEPS and gap <= 1e-5
+        assert got["eval_loss_after"] == pytest.approx(want["eval_loss_after"], rel=1e-5)
+        assert got["final_learning_rate"] == pytest.approx(want["final_learning_rate"], abs=1e-12)

@@ -82,6 +82,22 @@ def _agree(config: dict, key: str, value, flag: str, written: set | None) -> Non
     config[key] = value
 
 
+def launched_plugin():
+    """The ``DeepSpeedPlugin`` ``accelerate launch`` describes (its ``ACCELERATE_DEEPSPEED_*`` variables and JSON).
+
+    Raises:
+        UsageError (``--deepspeed_config_file``): settings Accelerate refuses (its own checks raise ValueError).
+    """
+    from accelerate.utils import DeepSpeedPlugin
+
+    try:
+        return DeepSpeedPlugin()
+    except ValueError as exc:
+        raise UsageError("--deepspeed_config_file", f"Accelerate refuses the DeepSpeed settings: {exc}",
+                         "keep the settings in one place: the DeepSpeed JSON, or the accelerate config's "
+                         "deepspeed_config keys (see accelerate_configs/cpu_deepspeed.yaml)") from None
+
+
 def deepspeed_plugin_for(deepspeed_plugin=None, *, gradient_accumulation_steps: int, max_grad_norm: float | None,
                          policy_name: str = "no_sync"):
     """The ``DeepSpeedPlugin`` to build the Accelerator with, its K and clipping taken from the run's flags.
@@ -113,14 +129,7 @@ def deepspeed_plugin_for(deepspeed_plugin=None, *, gradient_accumulation_steps: 
                          "decides what a window reduces (ZeRO-1 on the boundary only, ZeRO-2 and 3 every "
                          "micro-batch)", "drop --accumulation_policy and pick the stage with accelerate launch "
                          "--zero_stage N (or zero_stage in the accelerate config)")
-    from accelerate.utils import DeepSpeedPlugin
-
-    try:  # reads the launcher's variables and the DeepSpeed JSON; Accelerate's own checks raise ValueError
-        plugin = deepspeed_plugin if deepspeed_plugin is not None else DeepSpeedPlugin()
-    except ValueError as exc:
-        raise UsageError("--deepspeed_config_file", f"Accelerate refuses the DeepSpeed settings: {exc}",
-                         "keep the settings in one place: the DeepSpeed JSON, or the accelerate config's "
-                         "deepspeed_config keys (see accelerate_configs/cpu_deepspeed.yaml)") from None
+    plugin = deepspeed_plugin if deepspeed_plugin is not None else launched_plugin()
     config = plugin.deepspeed_config
     written = _raw_config_keys() or None
     _agree(config, "gradient_accumulation_steps", int(gradient_accumulation_steps), "--gradient_accumulation_steps",
@@ -159,24 +168,6 @@ def check_batch_sizes(accelerator, objects) -> None:
             raise UsageError("--per_device_train_batch_size", f"the DeepSpeed config sets train_batch_size: {total} "
                              f"but micro-batch x K x processes is {want}", "set train_batch_size to \"auto\" in the "
                              "DeepSpeed config")
-
-
-def check_engine_clipping(accelerator, max_grad_norm: float | None) -> None:
-    """Refuse a loop clipping value the DeepSpeed engine was not built with (it clips inside its step).
-
-    Raises:
-        UsageError (``--max_grad_norm``): the config's ``gradient_clipping`` differs.
-    """
-    plugin = getattr(accelerator, "deepspeed_plugin", None)
-    if plugin is None:
-        return
-    have = float(plugin.deepspeed_config.get("gradient_clipping") or 0.0)
-    want = 0.0 if max_grad_norm is None else float(max_grad_norm)
-    if have != want:
-        raise UsageError("--max_grad_norm", f"the DeepSpeed engine clips at {have or 'no norm'} (its config's "
-                         f"gradient_clipping) but the loop was given {max_grad_norm}; DeepSpeed clips inside "
-                         "its own step, so the loop cannot", "pass the same max_grad_norm to "
-                         "accum_kit.build_accelerator(max_grad_norm=...) and to train_loop")
 
 
 def refuse_changing_k(schedule) -> None:
@@ -408,10 +399,8 @@ class ZeroEngine(Engine):
     @property
     def stage(self) -> int:
         """The ZeRO stage (from the plugin, filled from the launch)."""
-        from accelerate.utils import DeepSpeedPlugin
-
         if self.plugin is None:  # read the launcher's variables once
-            self.plugin = DeepSpeedPlugin()
+            self.plugin = launched_plugin()
         return int(self.plugin.zero_stage)
 
     @property
