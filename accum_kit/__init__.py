@@ -81,6 +81,9 @@ MOVED_MODULES = {
     "planning.fsdp": "engines.costs",
     "planning.schedule": "core.accumulation_schedule",
     "planning.lr": "core.lr_scaling",
+    "planning.report": "planning.plan_report",
+    "planning.command": "planning.plan_command",
+    "planning.ddp_costs": "engines.costs",
     "profiler.zero": "profiler.deepspeed_comm",
 }
 

@@ -64,6 +64,27 @@ Per process, between two micro-batches of a window:
   policies (``no_sync_no_reshard_after_backward`` between a backward and the
   next forward, ``no_sync_no_reshard`` all window), 0 otherwise.
 
+Under DDP (``R = W`` replicas of ``S = 1`` process: nothing sharded) no
+reduce-scatter or all-gather runs and every synchronised backward
+all-reduces the whole gradient over the W processes; DDP's reducer splits
+it into buckets (``bucket_cap_mb``), not into the wrap units above, so the
+table counts DDP's all-reduces per synchronised backward (:func:`ddp_costs`).
+DeepSpeed's ZeRO stages are rows of the same table (:func:`zero_costs`).
+
+Besides calls and bytes, each row says what the step-time model
+(:mod:`accum_kit.planning.step_time`) needs to know of the policy:
+``syncs``, the micro-batches per window whose gradient is reduced across all
+W processes (K when every micro-batch synchronises, 1 otherwise), and
+``held_gradient_adds``, the micro-batches per window that add their
+backward's gradient into a whole (unsharded) gradient held since the
+window's first micro-batch: K - 1 when the window holds it (every DDP
+policy, the three ``no_sync`` policies, ZeRO-1), 0 when every micro-batch
+reduces it to a shard (sharded ``sync_each_batch``, ``reduce_scatter_each_batch``,
+ZeRO-2 and 3).
+
+Seconds come from bus bandwidth (:func:`busbw_factor`, nccl-tests'
+definitions, one function for every collective kind and group size).
+
 Measured against these (tests/test_fsdp.py and docs/fsdp_costs.md): the
 calls exactly, on a 2-layer GPT-2 (U_f = 2, U_0 = 2); the gradient bytes held
 to the byte when every parameter's first dimension divides by W (FSDP2 pads
@@ -77,7 +98,62 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import UsageError
 from ..job.models import PRESETS
-from .policies import POLICIES
+from .policies import POLICIES, policies_for
+
+#: Bytes per gigabyte in bandwidths (GB/s) and memory figures (GB): 1e9, as NVIDIA and nccl-tests count.
+GB = 1e9
+
+#: nccl-tests' bus-bandwidth factor of each collective kind over a group of n processes: ``busbw = algbw x
+#: factor(n)`` with ``algbw = S / t`` (S the whole buffer: the all-reduce's buffer, the all-gather's output,
+#: the reduce-scatter's input). It is what each process sends (and receives) of S on a ring, so ``busbw`` can be
+#: set against a link's peak. https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md
+BUSBW_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+
+
+def busbw_factor(kind: str, group_size: int) -> float:
+    """``busbw / algbw`` of one collective ``kind`` over ``group_size`` processes (:data:`BUSBW_FACTORS`).
+
+    ``2 (n - 1) / n`` for an all-reduce, ``(n - 1) / n`` for an all-gather, a reduce-scatter and an
+    all-to-all, 1 for a broadcast and a reduce (nccl-tests, doc/PERFORMANCE.md). One process: 0 for the
+    first four (nothing crosses a link).
+
+    Raises:
+        ValueError: an unknown kind, or a group of fewer than 1 process.
+    """
+    if kind not in BUSBW_FACTORS:
+        raise ValueError(f"unknown collective kind {kind!r}; one of {sorted(BUSBW_FACTORS)}")
+    if group_size < 1:
+        raise ValueError(f"a collective needs a group of 1 or more processes (got {group_size})")
+    return BUSBW_FACTORS[kind](group_size)
+
+
+def bus_bandwidth(algbw: float, kind: str, group_size: int) -> float:
+    """Bus bandwidth from algorithm bandwidth (both in the same unit, e.g. GB/s): ``algbw x busbw_factor``.
+
+    Raises:
+        ValueError: as :func:`busbw_factor`.
+    """
+    return algbw * busbw_factor(kind, group_size)
+
+
+def algorithm_bandwidth(busbw: float, kind: str, group_size: int) -> float:
+    """Algorithm bandwidth (bytes of S per second) from bus bandwidth: ``busbw / busbw_factor``.
+
+    Raises:
+        ValueError: as :func:`busbw_factor`, or a group of one process for a kind that sends nothing then.
+    """
+    factor = busbw_factor(kind, group_size)
+    if factor == 0:
+        raise ValueError(f"a {kind} over {group_size} process sends nothing: no algorithm bandwidth")
+    return busbw / factor
+
 
 #: Bytes per element of the dtypes a run can use.
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -165,6 +241,11 @@ class PolicyCosts:
     ``*_bytes`` of a collective is nccl-tests' S (the whole buffer); each
     process sends and receives ``(W - 1) / W`` of it. ``formulas`` gives each
     figure's formula with the numbers put in.
+
+    ``syncs``: micro-batches per window whose gradient is reduced across all W processes;
+    ``held_gradient_adds``: micro-batches per window that add into a whole gradient held since
+    the window's first one (see the module docstring); ``comm_is_floor``: some collectives are
+    not predicted (ZeRO-3's parameter all-gathers), so its communication is a lower bound.
     """
 
     policy: str
@@ -182,6 +263,9 @@ class PolicyCosts:
     replicate_size: int = 1
     all_reduce_calls: int = 0
     all_reduce_bytes: float = 0.0
+    syncs: int = 1
+    held_gradient_adds: int = 0
+    comm_is_floor: bool = False
 
     @property
     def shard_size(self) -> int:
@@ -230,7 +314,7 @@ def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_ste
     (A calls, P b_p bytes) and keep full parameters. ZeRO-3 reduce-scatters after every
     micro-batch (K G calls, K P b_p bytes) and holds P b_p / W; its parameter all-gathers depend
     on which parameters stay resident (``stage3_param_persistence_threshold``) and prefetching, so
-    they are not predicted (0, said so in ``formulas``). Every stage adds one scalar all-reduce on
+    they are not predicted (0, said so in ``formulas``; ``comm_is_floor``). Every stage adds one scalar all-reduce on
     the boundary (:data:`ZERO_SCALAR_BYTES`). Source: DeepSpeed 0.19.8's ``stage_1_and_2.py`` and
     ``stage3.py``, checked by counting ``torch.distributed`` calls (tests/test_deepspeed.py).
 
@@ -259,6 +343,8 @@ def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_ste
         parameter_shard_bytes=P * b / W if stage == "zero3" else float(P * b),
         optimizer_state_bytes=P * optimizer_bytes / W, gradient_bytes=grads, gathered_parameter_bytes=0.0,
         all_reduce_calls=ar_calls, all_reduce_bytes=ar_bytes,
+        # ZeRO-1 sums every micro-batch into the full .grad (as no_sync); ZeRO-2 and 3 reduce each one to a partition
+        syncs=K if every else 1, held_gradient_adds=0 if every else K - 1, comm_is_floor=stage == "zero3",
         formulas={"all_reduce": ar_f, "reduce_scatter": reduced_f if stage == "zero3" else "0",
                   "all_gather": "not predicted (persistence threshold, prefetch)" if stage == "zero3"
                   else f"A = {G}; P b_p = {P} x {b}",
@@ -318,8 +404,13 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
         rs_calls, rs_bytes, rs_f = U, P * b_r, f"U = {U}; P b_r = {P} x {b_r}"
     if S == 1:  # replicated only (DDP): no reduce-scatter, no all-gather
         rs_calls, rs_bytes, rs_f = 0, 0, "0 (S = 1: nothing sharded)"
+    syncs = K if p.sync_each_batch else 1  # micro-batches whose gradient is reduced across all W
     if R < 2:
         ar_calls, ar_bytes, ar_f = 0, 0.0, "0 (no replicate group)"
+    elif S == 1:  # DDP: the whole gradient once per synchronised backward, in buckets that are not the units
+        ar_calls, ar_bytes = syncs, syncs * P * b_r
+        ar_f = (f"K = {K}; K P b_r = {K} x {P} x {b_r}" if p.sync_each_batch else f"1; P b_r = {P} x {b_r}") + \
+            " (DDP: once per synchronised backward)"
     elif p.sync_each_batch:
         ar_calls, ar_bytes, ar_f = K * U, K * P * b_r / S, f"K U = {K} x {U}; K P b_r / S = {K} x {P} x {b_r} / {S}"
     else:
@@ -345,6 +436,8 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
     else:
         grads, grads_f = float(P * b_r), f"P b_r = {P} x {b_r} (unsharded until the boundary)"
     shard = "S" if R > 1 else "W"
+    # the window holds the whole gradient (DDP always; the no_sync policies): every micro-batch after the first adds
+    holds_whole = S == 1 or not (p.sync_each_batch or p.hsdp_only)
     kept = between and p.keep_params_after_backward
     gathered = float(P * b_c) if kept else 0.0
     gathered_f = f"P b_c = {P} x {b_c}" if kept else "0 (resharded after every backward)"
@@ -359,30 +452,39 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
                   "optimizer_state": f"P b_o / {shard} = {P} x {optimizer_bytes} / {S}", "gradients": grads_f,
                   "gathered_parameters": gathered_f},
         replicate_size=R, all_reduce_calls=ar_calls, all_reduce_bytes=ar_bytes,
+        syncs=syncs, held_gradient_adds=K - 1 if holds_whole else 0,
     )
 
 
-def collective_seconds(n_bytes: float, world_size: int, busbw_GBps: float) -> float:
-    """Seconds of one ring all-gather or reduce-scatter of S = ``n_bytes``: ``S (W - 1) / W / busbw``.
+def collective_seconds(n_bytes: float, group_size: int, busbw_GBps: float, kind: str = "reduce_scatter") -> float:
+    """Seconds of one ring collective of S = ``n_bytes`` over ``group_size`` processes at ``busbw_GBps``.
 
-    nccl-tests' bus bandwidth for both collectives is ``algbw (n - 1) / n``
-    (doc/PERFORMANCE.md), so at a bus bandwidth of ``busbw_GBps`` GB/s (1e9
-    bytes/s) the call takes ``S (n - 1) / n / busbw``. One process: 0.
+    ``S x busbw_factor(kind, n) / busbw`` (:func:`busbw_factor`): nccl-tests define
+    ``busbw = algbw x factor`` with ``algbw = S / t``, so ``t = S x factor / busbw``;
+    ``S (n - 1) / n / busbw`` for an all-gather or a reduce-scatter (the default kind),
+    ``2 S (n - 1) / n / busbw`` for an all-reduce. GB/s are 1e9 bytes/s. One process: 0.
+
+    Raises:
+        ValueError: as :func:`busbw_factor`.
     """
-    return n_bytes * (world_size - 1) / world_size / (busbw_GBps * 1e9)
+    return n_bytes * busbw_factor(kind, group_size) / (busbw_GBps * GB)
 
 
 def all_reduce_seconds(n_bytes: float, group_size: int, busbw_GBps: float) -> float:
     """Seconds of a ring all-reduce of S = ``n_bytes`` over ``group_size`` processes: ``2 S (n - 1) / n / busbw``.
 
-    nccl-tests' bus bandwidth for all-reduce is ``algbw 2 (n - 1) / n`` (doc/PERFORMANCE.md). One process: 0.
+    :func:`collective_seconds` of kind ``all_reduce``. One process: 0.
     """
-    return 2 * n_bytes * (group_size - 1) / group_size / (busbw_GBps * 1e9)
+    return collective_seconds(n_bytes, group_size, busbw_GBps, "all_reduce")
 
 
-def comm_seconds(costs: PolicyCosts, *, shard_GBps: float, all_gather_GBps: float | None = None,
+def comm_seconds(costs: PolicyCosts, *, shard_GBps: float | None = None, all_gather_GBps: float | None = None,
                  replicate_GBps: float | None = None) -> dict:
-    """Seconds per window of each group's collectives of ``costs``, every collective counted exposed.
+    """Seconds per window of each group's collectives of ``costs`` (on the wire; how much of it is exposed is
+    the step-time model's overlap, :mod:`accum_kit.planning.step_time`).
+
+    Each collective: :func:`collective_seconds` of its bytes over its group (reduce-scatters and all-gathers:
+    the shard group S; all-reduces: :attr:`PolicyCosts.all_reduce_group_size`).
 
     Args:
         costs: :func:`policy_costs` of one policy on one mesh (R x S).
@@ -393,12 +495,102 @@ def comm_seconds(costs: PolicyCosts, *, shard_GBps: float, all_gather_GBps: floa
 
     Returns:
         ``{"reduce_scatter": s, "all_gather": s, "all_reduce": s, "total": s}``.
+
+    Raises:
+        ValueError: bytes of a collective to price and no bus bandwidth for it.
     """
+    def priced(n_bytes: float, group: int, GBps: float | None, kind: str) -> float:
+        if not n_bytes:
+            return 0.0
+        if GBps is None:
+            raise ValueError(f"{n_bytes} bytes of {kind} per window and no bus bandwidth to price them")
+        return collective_seconds(n_bytes, group, GBps, kind)
+
     S, n_ar = costs.shard_size, costs.all_reduce_group_size
-    rs = collective_seconds(costs.reduce_scatter_bytes, S, shard_GBps)
-    ag = collective_seconds(costs.all_gather_bytes, S, all_gather_GBps or shard_GBps)
-    ar = all_reduce_seconds(costs.all_reduce_bytes, n_ar, replicate_GBps or shard_GBps) if costs.all_reduce_bytes else 0.0
+    rs = priced(costs.reduce_scatter_bytes, S, shard_GBps, "reduce_scatter")
+    ag = priced(costs.all_gather_bytes, S, all_gather_GBps or shard_GBps, "all_gather")
+    ar = priced(costs.all_reduce_bytes, n_ar, replicate_GBps or shard_GBps, "all_reduce")
     return {"reduce_scatter": rs, "all_gather": ag, "all_reduce": ar, "total": rs + ag + ar}
+
+
+#: The accumulation policies that exist under DDP (the FSDP2 ones keep or free gathered parameters, which DDP never
+#: has, or defer an all-reduce across replicas, which DDP has not got).
+DDP_POLICIES = tuple(name for name, p in POLICIES.items() if not p.fsdp_only)
+
+
+def ddp_costs(policy: str, *, world_size: int, accumulation_steps: int, gradient_bytes: float,
+              reduce_bytes: int = 4) -> PolicyCosts:
+    """The table's row of ``policy`` under DDP, R = W replicas of S = 1 process, from the gradient's bytes alone.
+
+    DDP needs no unit structure: the whole gradient (one unit here) is all-reduced once per synchronised
+    backward, so ``all_reduce_calls`` are syncs per window (K with ``sync_each_batch``, 1 with ``no_sync``)
+    and ``all_reduce_bytes`` the bytes they carry; the what-if planner (``plan --from_profile``), the bench's
+    ideal and the DDP rows of ``plan --fsdp``'s engine comparison all read DDP from here.
+
+    Args:
+        policy: ``sync_each_batch`` or ``no_sync`` (:data:`DDP_POLICIES`).
+        world_size: W, processes (at least 1; with 1 nothing is all-reduced).
+        accumulation_steps: K, micro-batches per window.
+        gradient_bytes: bytes all-reduced per synchronised backward (the whole gradient, all buckets together).
+        reduce_bytes: bytes per gradient element (4: fp32).
+
+    Raises:
+        UsageError: a policy DDP does not have, or W / K below 1.
+    """
+    if policy not in DDP_POLICIES:
+        raise UsageError("--accumulation_policy", f"{policy!r} is not a DDP policy", f"use one of {list(DDP_POLICIES)}")
+    model = ShardedModel((), (gradient_bytes / reduce_bytes,), "DDP: the whole gradient, all-reduced per sync")
+    return policy_costs(policy, model, world_size=world_size, accumulation_steps=accumulation_steps,
+                        param_bytes=reduce_bytes, replicate_size=world_size)
+
+
+def syncs_per_window(policy: str, accumulation_steps: int) -> int:
+    """Synchronised backwards per window of K micro-batches under DDP: the table's ``syncs`` (K or 1)."""
+    return ddp_costs(policy, world_size=2, accumulation_steps=accumulation_steps, gradient_bytes=4).syncs
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """One engine's mesh of W processes on M machines and the policies it runs.
+
+    Attributes:
+        engine: ``DDP``, ``FSDP2``, ``HSDP`` or ``DeepSpeed``.
+        replicate_size: R; shard_size: S (R S = W).
+        policies: what :func:`policy_costs` prices for it (accumulation policies or ZeRO stages).
+    """
+
+    engine: str
+    replicate_size: int
+    shard_size: int
+    policies: tuple[str, ...]
+
+
+def engine_layouts(world: int, machines: int) -> list[EngineLayout]:
+    """Every engine accum-kit runs, as a mesh of W processes on M machines (ranks machine by machine).
+
+    DDP: ``R = W, S = 1`` (its policies without FSDP2's); FSDP2: ``R = 1, S = W`` (four policies);
+    HSDP: ``R = M, S = W / M``, only when M > 1 and S > 1 (five policies); DeepSpeed: ZeRO partitions
+    over all W (``R = 1, S = W``; its stages :data:`ZERO_STAGES`; its all-reduces span all W).
+    """
+    layouts = [EngineLayout("DDP", world, 1, DDP_POLICIES),
+               EngineLayout("FSDP2", 1, world, tuple(policies_for(False)))]
+    if machines > 1 and world // machines > 1:
+        layouts.append(EngineLayout("HSDP", machines, world // machines, tuple(policies_for(True))))
+    layouts.append(EngineLayout("DeepSpeed", 1, world, ZERO_STAGES))
+    return layouts
+
+
+def group_links(costs: PolicyCosts, machines: int) -> dict:
+    """Which link each group of ``costs``' mesh crosses when its W processes sit on M machines, ranks machine by
+    machine: ``{"shard": "intra" | "inter", "all_reduce": "intra" | "inter"}``.
+
+    The shard group is S consecutive ranks: it stays inside a machine when S <= W / M. The all-reduce group
+    (R ranks S apart, or all W when R = 1) spans the machines whenever there are several. A ring runs at its
+    slowest link, so a group that spans machines runs at the inter-node bus bandwidth.
+    """
+    S, W = costs.shard_size, costs.world_size
+    shard = "intra" if machines == 1 or S <= W // machines else "inter"
+    return {"shard": shard, "all_reduce": "inter" if machines > 1 else "intra"}
 
 
 def dtype_bytes(mixed_precision: str) -> tuple[int, int, int]:

@@ -3,8 +3,8 @@
 ``accum-kit bench`` under ``accelerate_configs/cpu_fsdp.yaml`` measures every
 (K, policy) on the machine it runs on. Fed a profile of the same preset and
 micro-batch on the same machine and process count (bus bandwidths
-``measured``), :mod:`accum_kit.planning.fsdp_plan`'s model should predict those
-step times: ``predicted / measured`` per cell says how far to trust it, next
+``measured``), the step-time model (:mod:`accum_kit.planning.step_time`, as
+``plan --fsdp`` uses it) should predict those step times: ``predicted / measured`` per cell says how far to trust it, next
 to the bench's own noise floor (how much one cell's per-pass medians spread).
 Torch-free.
 """
@@ -14,13 +14,15 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from .. import checks
+from ..engines.costs import ShardedModel, policy_costs
 from ..errors import UsageError
 from ..stats import median
-from ..engines.costs import ShardedModel, comm_seconds, policy_costs
-from .fsdp_plan import predicted_step
+from .step_time import BusBandwidths, step_time
 
 BENCH_FIX = ("pass the bench.json of `accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m accum_kit "
              "bench ...`")
+#: The schema the sharded bench (FSDP2, HSDP) writes into its bench.json.
+SHARDED_BENCH_SCHEMA = "accum_kit.bench.fsdp/1"
 
 
 def compare_fsdp_bench(path: str, plan) -> dict:
@@ -43,7 +45,7 @@ def compare_fsdp_bench(path: str, plan) -> dict:
         raise UsageError("--compare_bench", "predicting step times needs the compute per micro-batch",
                          "pass --from_profile with an FSDP2 train_summary.json too")
     bench = checks.json_file("--compare_bench", path, BENCH_FIX)
-    if not isinstance(bench, dict) or bench.get("schema") != "accum_kit.bench.fsdp/1" or not bench.get("rows"):
+    if not isinstance(bench, dict) or bench.get("schema") != SHARDED_BENCH_SCHEMA or not bench.get("rows"):
         raise UsageError("--compare_bench", f"{path} is not an FSDP2 bench.json with rows", BENCH_FIX)
     presets = list(bench.get("presets", {}))
     name = (plan.profile.model or "").removeprefix("preset:")
@@ -63,12 +65,14 @@ def compare_fsdp_bench(path: str, plan) -> dict:
     rows, errors = [], []
     cells = [r for r in bench["rows"] if r["preset"] == preset]
     predicted = {}
+    links = BusBandwidths(shard_GBps=plan.busbw_reduce_scatter_GBps, all_gather_GBps=plan.busbw_all_gather_GBps,
+                          replicate_GBps=plan.busbw_all_reduce_GBps)
+    p = plan.profile
     for r in cells:
         cost = policy_costs(r["policy"], layout, world_size=W, accumulation_steps=r["K"], param_bytes=b["b_p"],
                             compute_bytes=b["b_c"], reduce_bytes=b["b_r"], replicate_size=R)
-        comm = comm_seconds(cost, shard_GBps=plan.busbw_reduce_scatter_GBps, all_gather_GBps=plan.busbw_all_gather_GBps,
-                            replicate_GBps=plan.busbw_all_reduce_GBps)["total"]
-        predicted[(r["K"], r["policy"])] = predicted_step(plan.profile, r["policy"], r["K"], comm)
+        predicted[(r["K"], r["policy"])] = step_time(cost, p.compute_seconds, links, other_seconds=p.other_seconds,
+                                                     accumulation_seconds=p.accumulation_seconds).seconds
     for r in cells:
         pred, meas = predicted[(r["K"], r["policy"])], r["step_s_median"]
         base = predicted.get((r["K"], "sync_each_batch"))

@@ -1,11 +1,18 @@
 """Text of ``accum-kit plan --fsdp``: the formulas with the plan's numbers, and the table (torch-free).
 
-Split from :mod:`accum_kit.planning.fsdp_plan`, which computes the plan.
+:mod:`accum_kit.planning.fsdp_plan` computes the plan and calls :func:`arithmetic_lines`; this module
+imports nothing of it (the plan's type only for type checkers), so the two form no import cycle.
 """
 
 from __future__ import annotations
 
-from .fsdp_plan import GB, FSDPPlan
+from typing import TYPE_CHECKING
+
+from ..engines.costs import GB
+from .topology import format_engines
+
+if TYPE_CHECKING:
+    from .fsdp_plan import FSDPPlan
 
 
 def _g(x: float) -> str:
@@ -22,7 +29,7 @@ def arithmetic_lines(model, W, K, b, ag_bw, rs_bw, costs, rows, best, free, prof
             continue
         c, r = costs[name], by[name]
         f = c.formulas
-        S, R = c.shard_size, c.replicate_size
+        S, R = c.shard_size, c.all_reduce_group_size
         lines = [f"gradients held: {f['gradients']} = {_g(c.gradient_bytes / GB)} GB",
                  f"gathered parameters kept: {f['gathered_parameters']} = {_g(c.gathered_parameter_bytes / GB)} GB",
                  f"fits: {_g(r.memory_needed_bytes / GB)} GB <= {_g(free / GB)} GB free: {r.fits}" if free is not None
@@ -31,21 +38,21 @@ def arithmetic_lines(model, W, K, b, ag_bw, rs_bw, costs, rows, best, free, prof
                  f"{_g(rs_bw)} GB/s = {_g(r.reduce_scatter_seconds)} s",
                  f"all-gathers: {f['all_gather']} B -> {c.all_gather_bytes:.6g} B x ({S}-1)/{S} / {_g(ag_bw)} GB/s "
                  f"= {_g(r.all_gather_seconds)} s"]
-        if R > 1:
+        if c.all_reduce_calls:
             lines.append(f"all-reduces across replicas: {f['all_reduce']} B -> {c.all_reduce_bytes:.6g} B x 2 "
                          f"({R}-1)/{R} / {_g(ar_bw)} GB/s = {_g(r.all_reduce_seconds)} s")
         lines.append(f"communication per step = {_g(r.reduce_scatter_seconds)} + {_g(r.all_gather_seconds)}"
-                     + (f" + {_g(r.all_reduce_seconds)}" if R > 1 else "") + f" = {_g(r.comm_seconds)} s")
+                     + (f" + {_g(r.all_reduce_seconds)}" if c.all_reduce_calls else "") + f" = {_g(r.comm_seconds)} s")
         if profile is not None:
+            held = c.held_gradient_adds  # the cost table's adds into a held unsharded gradient (K - 1 or 0)
             c, a, o = profile.compute_seconds, profile.accumulation_seconds, profile.other_seconds
-            held = 0 if name == "sync_each_batch" else K - 1
             lines.append(f"step = K (c - a) + {'(K-1)' if held else '0 x'} a + comm + o = {K} x ({_g(c)} - {_g(a)}) + "
                          f"{held} x {_g(a)} + {_g(r.comm_seconds)} + {_g(o)} = {_g(r.step_seconds)} s")
         out[name] = lines
     return out
 
 
-def format_fsdp_plan(p: FSDPPlan) -> list[str]:
+def format_fsdp_plan(p: "FSDPPlan") -> list[str]:
     """Text lines of the FSDP2 section: inputs, one row per policy, the recommendation and its arithmetic."""
     from tabulate import tabulate
 
@@ -68,7 +75,7 @@ def format_fsdp_plan(p: FSDPPlan) -> list[str]:
                      f"{_g(pr.accumulation_seconds)} s per micro-batch, o = "
                      f"{_g(pr.other_seconds)} s per step (K_p = {pr.gradient_accumulation_steps}, "
                      f"{pr.world_size} processes)")
-    hybrid = p.replicate_size > 1
+    hybrid = any(r.costs["all_reduce_calls"] for r in p.rows)  # a column only where something is all-reduced
     headers = ("policy", "grads held GB", "gathered GB", "fits", "reduce-scatters", *(("all-reduces",) if hybrid else ()),
                "all-gathers", "GB gathered", "comm s", "saved s vs sync_each", *(("s/step", "speedup") if p.profile else ()))
     table = []
@@ -94,7 +101,5 @@ def format_fsdp_plan(p: FSDPPlan) -> list[str]:
     lines.append("  left out: overlap of collectives with compute (GPU; every collective is counted exposed), "
                  "per-call latency, FSDP2's padding of each parameter to a multiple of W, activations")
     if p.engines is not None:
-        from .topology import format_engines
-
         lines += format_engines(p.engines, p.num_processes, p.num_machines, p.gradient_accumulation_steps)
     return lines

@@ -14,16 +14,17 @@ Time model (seconds per optimizer step, one window of K micro-batches):
 - communication per step = the policy's reduce-scattered bytes at the
   reduce-scatter busbw + its all-gathered bytes at the all-gather busbw;
 - with a profile (``--from_profile``, a ``train --profile_comm`` summary under
-  FSDP2): step = ``K (c - a) + (K - 1) a + communication + o`` for the three
-  ``no_sync`` policies and ``K (c - a) + communication + o`` for
-  ``sync_each_batch``, with ``c`` the profiled compute per micro-batch
-  (``compute_seconds``, measured on micro-batches that add into the held
-  gradient), ``a`` the profiled accumulation per micro-batch
-  (``accumulation_seconds``: adding a backward's gradients into the unsharded
-  gradient held since the window's first micro-batch, which syncing each
-  micro-batch does not do) and ``o`` the profiled step minus its window's
-  compute ``K_p c - a`` (its first micro-batch accumulates nothing) minus its
-  exposed communication (at least the optimizer step); without a
+  FSDP2): the step-time model of :mod:`accum_kit.planning.step_time`,
+  ``K (c - a) + adds x a + communication + o`` (overlap 0), with ``adds`` from
+  the cost table (``K - 1`` for the three ``no_sync`` policies, which add each
+  backward's gradients into the unsharded gradient held since the window's
+  first micro-batch; 0 for ``sync_each_batch`` and ``reduce_scatter_each_batch``,
+  which reduce it to a shard every micro-batch), ``c`` the profiled compute per
+  micro-batch (``compute_seconds``, measured on micro-batches that add into the
+  held gradient), ``a`` the profiled accumulation per micro-batch
+  (``accumulation_seconds``) and ``o`` the profiled step minus the model's
+  window of it (:func:`accum_kit.planning.measured_profile.load_profile`), at
+  least the optimizer step; without a
   profile the plan ranks the policies by communication alone (their compute
   is the same: parameters do not change inside a window).
 
@@ -34,7 +35,7 @@ reduce-scatters with the backward, so the absolute seconds are an upper
 bound; the ranking and the bytes stand.
 
 Bus bandwidth: ``--busbw_GBps``, else ``--interconnect`` (nominal peaks of
-:data:`accum_kit.planning.whatif.INTERCONNECTS`), else the profile's measured
+:data:`accum_kit.planning.interconnects.INTERCONNECTS`), else the profile's measured
 ones (all-gather: its ``all_gather_busbw_GBps``; reduce-scatter: its exposed
 reduce-scatter per sync, which includes FSDP2's copy into the buffer, as an
 effective bus bandwidth), else NVLink on one machine and InfiniBand across
@@ -52,94 +53,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .. import checks
+from ..engines.costs import GB, ShardedModel, dtype_bytes, gpt2_units, policy_costs
+from ..engines.policies import policies_for
 from ..errors import UsageError
-from ..engines.policies import POLICIES, policies_for
-from ..engines.costs import ShardedModel, comm_seconds, dtype_bytes, gpt2_units, policy_costs
-from .whatif import INTERCONNECTS, profile_number
+from .fsdp_format import arithmetic_lines
+from .interconnects import INTERCONNECTS
+from .measured_profile import SHARDED_PROFILE_FIX as PROFILE_FIX  # noqa: F401 (its name here before the one reader)
+from .measured_profile import MeasuredProfile, load_profile
+from .step_time import BusBandwidths, step_time
+from .topology import compare_engines, shard_group_inside_machine
 
-GB = 1e9
 MIXED_PRECISION = ("no", "bf16", "fp16")
-PROFILE_FIX = ("pass the train_summary.json of `accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml "
-               "-m accum_kit train --profile_comm ...` (2+ processes, K >= 2, no_sync)")
-
-
-@dataclass(frozen=True)
-class FSDPProfile:
-    """What the plan reads from an FSDP2 ``train --profile_comm`` summary (seconds, bytes, GB/s)."""
-
-    path: str
-    world_size: int
-    gradient_accumulation_steps: int
-    policy: str | None
-    model: str | None
-    block_size: int | None
-    compute_seconds: float  # c, per micro-batch
-    accumulation_seconds: float  # a, per micro-batch that adds into the held unsharded gradient
-    exposed_reduce_scatter_seconds: float  # per sync
-    reduce_scatter_bytes_per_sync: float
-    reduce_scatter_busbw_GBps: float  # effective: S (n-1)/n / exposed per sync
-    all_gather_busbw_GBps: float
-    exposed_comm_seconds_per_step: float
-    optimizer_seconds: float
-    step_seconds: float
-    other_seconds: float  # o
-    units: tuple = ()
-    replicate_size: int = 1  # HSDP's R (1: plain FSDP2); the shard group is world_size / R
-    all_reduce_busbw_GBps: float | None = None  # HSDP: measured across replicas
-
-
-def _number(comm: dict, key: str, path: str) -> float:
-    return profile_number(comm, key, path, PROFILE_FIX)
-
-
-def load_fsdp_profile(path: str) -> FSDPProfile:
-    """Read an FSDP2 profile.
-
-    Raises:
-        UsageError (``--from_profile``): missing or unreadable file, no comm block, a DDP profile,
-            or one without a no-sync micro-batch (K of 1 or ``sync_each_batch``).
-    """
-    summary = checks.json_file("--from_profile", path, PROFILE_FIX)
-    comm = summary.get("comm") if isinstance(summary, dict) else None
-    if not isinstance(comm, dict):
-        raise UsageError("--from_profile", f"{path} has no comm block", PROFILE_FIX)
-    if not comm.get("reduce_scatter_calls"):
-        raise UsageError("--from_profile", f"{path} is not an FSDP2 profile (no reduce-scatter recorded)",
-                         PROFILE_FIX + "; a DDP profile goes to the what-if planner, without --fsdp")
-    if comm.get("backward_seconds_no_sync") is None:
-        raise UsageError("--from_profile", f"{path} has no no-sync micro-batch, so the reduce-scatter's exposed "
-                         "time was not measured", "profile with --gradient_accumulation_steps 2 or more and "
-                         "--accumulation_policy no_sync")
-    world = int(_number(comm, "world_size", path))
-    mesh = comm.get("mesh") or {}
-    replicas = int(mesh.get("dp_replicate_size") or 1)
-    n = world // replicas  # the reduce-scatter's group: the shard group
-    steps = _number(comm, "optimizer_steps", path)
-    k_p = round(_number(comm, "micro_batches", path) / steps) if steps else 0
-    c = _number(comm, "compute_seconds", path)
-    if k_p < 1 or c <= 0:
-        raise UsageError("--from_profile", f"{path} records no optimizer step or no compute", PROFILE_FIX)
-    exposed = _number(comm, "exposed_comm_seconds", path)
-    syncs = max(_number(comm, "syncs", path), 1)
-    ar_busbw = None
-    if replicas > 1:  # the exposed time per sync holds the all-reduce across replicas too: take it out
-        exposed = max(exposed - float(comm.get("all_reduce_seconds") or 0.0) / syncs, 0.0)
-        ar_busbw = ((comm.get("by_group") or {}).get("replicate", {}).get("all_reduce", {}).get("busbw_GBps"))
-    per_sync = _number(comm, "reduce_scatter_bytes", path) / syncs
-    rs_busbw = per_sync * (n - 1) / n / exposed / GB if exposed > 0 else _number(comm, "reduce_scatter_busbw_GBps", path)
-    exposed_step = _number(comm, "exposed_comm_seconds_per_step", path)
-    opt, step = _number(comm, "optimizer_seconds", path), _number(comm, "seconds_per_step", path)
-    acc = float(comm.get("accumulation_seconds") or 0.0)
-    return FSDPProfile(
-        path=str(path), world_size=world, gradient_accumulation_steps=k_p, policy=summary.get("accumulation_policy"),
-        model=summary.get("model"), block_size=summary.get("block_size"), compute_seconds=c,
-        accumulation_seconds=acc,
-        exposed_reduce_scatter_seconds=exposed, reduce_scatter_bytes_per_sync=per_sync,
-        reduce_scatter_busbw_GBps=rs_busbw, all_gather_busbw_GBps=_number(comm, "all_gather_busbw_GBps", path),
-        exposed_comm_seconds_per_step=exposed_step, optimizer_seconds=opt, step_seconds=step,
-        # the profiled no_sync window: K_p micro-batches of compute, the first without the accumulation
-        other_seconds=max(step - (k_p * c - acc) - exposed_step, opt), units=tuple(comm.get("fsdp_units") or ()),
-        replicate_size=replicas, all_reduce_busbw_GBps=ar_busbw)
 
 
 @dataclass(frozen=True)
@@ -175,7 +99,7 @@ class FSDPPlan:
     busbw_source: str
     free_memory_bytes: float | None
     free_memory_source: str
-    profile: FSDPProfile | None
+    profile: MeasuredProfile | None
     rows: tuple[PolicyPlan, ...]
     recommended: str | None
     arithmetic: dict
@@ -190,21 +114,27 @@ class FSDPPlan:
         return asdict(self)
 
 
-def check_fsdp_flags(fsdp: bool, model_preset, num_parameters, num_layers, gpu_memory_GB, free_memory_GB,
-                     mixed_precision, vocab_size) -> None:
-    """Ranges and combinations of the ``--fsdp`` flags.
+#: The flags only ``--fsdp`` reads -> what is wrong when one comes without it (the fix: pass --fsdp too).
+FSDP_FLAGS = {
+    "--model_preset": "only used when planning FSDP2 policies",
+    "--num_parameters": "only used when planning FSDP2 policies",
+    "--num_layers": "only used when planning FSDP2 policies",
+    "--gpu_memory_GB": "only used when planning FSDP2 policies",
+    "--free_memory_GB": "only used when planning FSDP2 policies",
+    "--parallelism_config_dp_replicate_size": "only used when planning sharded runs",
+    "--inter_node_busbw_GBps": "only used when planning sharded runs",
+}
+
+
+def check_fsdp_flags(model_preset, num_parameters, num_layers, gpu_memory_GB, free_memory_GB, mixed_precision,
+                     vocab_size) -> None:
+    """Ranges and combinations of the ``--fsdp`` flags (whether they may be given at all: :data:`FSDP_FLAGS`).
 
     Raises:
-        UsageError: an FSDP flag without ``--fsdp``; both a preset and a parameter count; a count
-            without ``--num_layers``; non-positive sizes; an unknown precision.
+        UsageError: both a preset and a parameter count; a count without ``--num_layers``; non-positive
+            sizes; an unknown precision.
     """
-    given = {"--model_preset": model_preset, "--num_parameters": num_parameters, "--num_layers": num_layers,
-             "--gpu_memory_GB": gpu_memory_GB, "--free_memory_GB": free_memory_GB}
-    if not fsdp:
-        for flag, value in given.items():
-            if value is not None:
-                raise UsageError(flag, "only used when planning FSDP2 policies", "pass --fsdp too")
-        return
+    given = {"--gpu_memory_GB": gpu_memory_GB, "--free_memory_GB": free_memory_GB}
     if model_preset is not None and num_parameters is not None:
         raise UsageError("--num_parameters", "conflicts with --model_preset", "pass one of them")
     if num_parameters is not None:
@@ -281,9 +211,9 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
     Raises:
         UsageError: naming the flag.
     """
-    check_fsdp_flags(True, model_preset, num_parameters, num_layers, gpu_memory_GB, free_memory_GB,
-                     mixed_precision, vocab_size)
-    profile = load_fsdp_profile(from_profile) if from_profile is not None else None
+    check_fsdp_flags(model_preset, num_parameters, num_layers, gpu_memory_GB, free_memory_GB, mixed_precision,
+                     vocab_size)
+    profile = load_profile(from_profile, "sharded") if from_profile is not None else None
     machines = num_machines or 1
     W, K = num_processes, gradient_accumulation_steps
     model = _structure(model_preset, num_parameters, num_layers, vocab_size, block_size, profile)
@@ -307,16 +237,14 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
     else:
         free, free_source = None, "not given (--gpu_memory_GB or --free_memory_GB): every policy is listed as fitting"
 
-    def seconds(c) -> dict:
-        return comm_seconds(c, shard_GBps=rs_bw, all_gather_GBps=ag_bw, replicate_GBps=ar_bw)
-
-    base_comm = seconds(base)["total"]
+    links = BusBandwidths(shard_GBps=rs_bw, all_gather_GBps=ag_bw, replicate_GBps=ar_bw)
+    base_comm = links.seconds(base)["total"]
+    base_step = predicted_step(profile, base, links) if profile else None
     rows = []
     for p, c in costs.items():
-        t = seconds(c)
+        t = links.seconds(c)
         rs_s, ag_s, comm = t["reduce_scatter"], t["all_gather"], t["total"]
-        step = predicted_step(profile, p, K, comm) if profile else None
-        base_step = predicted_step(profile, "sync_each_batch", K, base_comm) if profile else None
+        step = predicted_step(profile, c, links) if profile else None
         need = c.accumulation_bytes
         rows.append(PolicyPlan(policy=p, costs=c.to_dict(), memory_needed_bytes=need,
                                fits=None if free is None else need <= free, reduce_scatter_seconds=rs_s,
@@ -340,14 +268,12 @@ def make_fsdp_plan(*, num_processes: int, gradient_accumulation_steps: int, num_
     if profile is None:
         notes.append("no profile: policies ranked by communication alone (compute is the same for all); pass "
                      "--from_profile for step times")
-    from .fsdp_format import arithmetic_lines
-    from .topology import compare_engines
-
-    # every engine priced from the same table; intra: the plan's shard link when it is HSDP's (inside a
-    # machine), else NVLink's peak on several machines; on one machine every link is the plan's own
+    # every engine priced from the same table; intra: the plan's shard link when its shard group stays inside a
+    # machine (HSDP), else NVLink's peak on several machines; inter: the link across replicas when there is one,
+    # else the plan's shard link (its ring spans the machines); on one machine every link is the plan's own
     if machines > 1:
-        intra = rs_bw if R > 1 else INTERCONNECTS["nvlink"][0]
-        inter, inter_source = (ar_bw, ar_source) if R > 1 else (rs_bw, bw_source)
+        intra = rs_bw if shard_group_inside_machine(base, machines) else INTERCONNECTS["nvlink"][0]
+        inter, inter_source = (ar_bw, ar_source) if ar_bw is not None else (rs_bw, bw_source)
     else:
         intra, inter, inter_source = rs_bw, rs_bw, bw_source
     engines = compare_engines(model, world=W, machines=machines, K=K, element_bytes=(b_p, b_c, b_r),
@@ -379,13 +305,14 @@ def _replicate_bandwidth(R: int, given: float | None, profile) -> tuple[float | 
     return peak, source + " (default across machines)"
 
 
-def predicted_step(profile: FSDPProfile, policy: str, K: int, comm_seconds: float) -> float:
-    """Seconds per optimizer step of ``policy`` at K from a profile and the policy's communication seconds.
+def predicted_step(profile: MeasuredProfile, costs, links: BusBandwidths) -> float:
+    """Seconds per optimizer step of the policy ``costs`` prices, from a profile and the bus bandwidths.
 
-    ``K (c - a) + (K - 1) a + comm + o``; ``sync_each_batch`` never adds into a held unsharded
-    gradient, so its ``(K - 1) a`` term is 0 (see the module docstring).
+    The step-time model (:func:`accum_kit.planning.step_time.step_time`) with every collective exposed:
+    ``K (c - a) + adds x a + comm + o``, the adds from the cost table (see the module docstring).
+
+    Raises:
+        ValueError: bytes to send in a group without a bandwidth.
     """
-    c, a = profile.compute_seconds, profile.accumulation_seconds
-    # ZeRO-2 and 3 reduce every micro-batch (as sync_each_batch); ZeRO-1 sums into a held .grad (as no_sync)
-    held = 0 if policy in ("zero2", "zero3") or (policy in POLICIES and POLICIES[policy].sync_each_batch) else K - 1
-    return K * (c - a) + held * a + comm_seconds + profile.other_seconds
+    return step_time(costs, profile.compute_seconds, links, accumulation_seconds=profile.accumulation_seconds,
+                     other_seconds=profile.other_seconds).seconds

@@ -15,42 +15,28 @@ prices all of them:
   collective over all W processes (:func:`accum_kit.engines.costs.zero_costs`;
   ZeRO-3's parameter all-gathers are not predicted, so its time is a floor).
 
-Memory per process is the table's total: parameter shards + optimizer state
-+ gradients held + gathered parameters kept (activations left out), compared
-with ``--gpu_memory_GB``. Time per step is the communication of
+The meshes, each engine's policies and which link each group crosses come
+from the table too (:func:`accum_kit.engines.costs.engine_layouts`,
+:func:`accum_kit.engines.costs.group_links`): nothing here branches on the
+engine. Memory per process is the table's total: parameter shards + optimizer
+state + gradients held + gathered parameters kept (activations left out),
+compared with ``--gpu_memory_GB``. Time per step is the communication of
 :func:`accum_kit.engines.costs.comm_seconds` (every collective exposed), or
-with a profile the step of :func:`accum_kit.planning.fsdp_plan.predicted_step`.
-The recommendation is the fastest (engine, policy) that fits.
+with a profile the step-time model of :mod:`accum_kit.planning.step_time`.
+The recommendation is the fastest (engine, policy) that fits, among those
+whose communication is predicted in full (not a floor).
 """
 
 from __future__ import annotations
 
-from ..engines.policies import POLICIES, policies_for
-from ..engines.costs import ZERO_STAGES, comm_seconds, policy_costs
-from .whatif import INTERCONNECTS
-
-GB = 1e9
+from ..engines.costs import GB, PolicyCosts, engine_layouts, group_links, policy_costs
+from .interconnects import INTERCONNECTS
+from .step_time import BusBandwidths, step_time
 
 
-def engine_meshes(world: int, machines: int) -> dict[str, tuple[int, int]]:
-    """``{engine: (R, S)}`` for W processes on M machines (HSDP only when M > 1 and S > 1).
-
-    DeepSpeed's ZeRO partitions over all W processes (``R = 1, S = W``); its all-reduces span all W too.
-    """
-    meshes = {"DDP": (world, 1), "FSDP2": (1, world)}
-    if machines > 1 and world // machines > 1:
-        meshes["HSDP"] = (machines, world // machines)
-    meshes["DeepSpeed"] = (1, world)
-    return meshes
-
-
-def engine_policies(engine: str) -> list[str]:
-    """The policies an engine runs: DDP has no FSDP2-only policy, HSDP all five, DeepSpeed its ZeRO stages."""
-    if engine == "DeepSpeed":
-        return list(ZERO_STAGES)
-    if engine == "DDP":
-        return [p for p in POLICIES if not POLICIES[p].fsdp_only]
-    return policies_for(engine == "HSDP")
+def shard_group_inside_machine(costs: PolicyCosts, machines: int) -> bool:
+    """Whether the shard group of ``costs``' mesh stays inside one machine (HSDP with a replica per machine)."""
+    return group_links(costs, machines)["shard"] == "intra"
 
 
 def compare_engines(model, *, world: int, machines: int, K: int, element_bytes: tuple[int, int, int],
@@ -65,41 +51,40 @@ def compare_engines(model, *, world: int, machines: int, K: int, element_bytes: 
         element_bytes: (b_p, b_c, b_r).
         intra_GBps: bus bandwidth inside a machine, GB/s; inter_GBps: across machines (None: InfiniBand's peak).
         gpu_memory_GB: memory per process (1e9 bytes) for the fit; None: everything fits.
-        profile: an :class:`accum_kit.planning.fsdp_plan.FSDPProfile` for step times, or None.
+        profile: a :class:`accum_kit.planning.measured_profile.MeasuredProfile` for step times, or None.
 
     Returns:
         ``{"rows": [...], "recommended": {"engine", "policy"} | None, "intra_GBps", "inter_GBps",
         "inter_source"}``; each row has ``engine``, ``mesh`` (R, S), ``policy``, the link of each group,
-        ``memory_bytes`` (total per process), ``fits``, ``comm`` (seconds by collective) and ``step_seconds``.
+        ``memory_bytes`` (total per process), ``fits``, ``comm`` (seconds by collective), ``step_seconds``
+        and ``comm_is_floor``.
     """
-    from .fsdp_plan import predicted_step
-
     if inter_GBps is None:
         inter_GBps, inter_source = INTERCONNECTS["infiniband"][0], "InfiniBand NDR nominal peak (default)"
-    per_machine = world // machines
+    bandwidth = {"intra": intra_GBps, "inter": inter_GBps}
     b_p, b_c, b_r = element_bytes
     rows = []
-    for engine, (R, S) in engine_meshes(world, machines).items():
-        shard_link = "intra" if machines == 1 or S <= per_machine else "inter"
-        shard_bw = intra_GBps if shard_link == "intra" else inter_GBps
-        # HSDP's and DDP's all-reduces cross machines; ZeRO's span all W on the shard group's link
-        replicate_bw = shard_bw if engine == "DeepSpeed" else (inter_GBps if machines > 1 else intra_GBps)
-        for policy in engine_policies(engine):
+    for layout in engine_layouts(world, machines):
+        R, S = layout.replicate_size, layout.shard_size
+        for policy in layout.policies:
             c = policy_costs(policy, model, world_size=world, accumulation_steps=K, param_bytes=b_p,
                              compute_bytes=b_c, reduce_bytes=b_r, replicate_size=R)
-            t = comm_seconds(c, shard_GBps=shard_bw, replicate_GBps=replicate_bw)
+            links = group_links(c, machines)
+            prices = BusBandwidths(shard_GBps=bandwidth[links["shard"]], replicate_GBps=bandwidth[links["all_reduce"]])
+            t = prices.seconds(c)
             memory = c.total_bytes
-            rows.append({"engine": engine, "mesh": [R, S], "policy": policy,
-                         "shard_link": shard_link if S > 1 else None,
-                         "replicate_link": (("inter" if machines > 1 else "intra") if R > 1 else
-                                            shard_link if engine == "DeepSpeed" else None),
+            step = (step_time(c, profile.compute_seconds, prices, accumulation_seconds=profile.accumulation_seconds,
+                              other_seconds=profile.other_seconds).seconds if profile else None)
+            rows.append({"engine": layout.engine, "mesh": [R, S], "policy": policy,
+                         "shard_link": links["shard"] if S > 1 else None,
+                         "replicate_link": links["all_reduce"] if c.all_reduce_calls else None,
                          "memory_bytes": memory,
                          "fits": None if gpu_memory_GB is None else memory <= gpu_memory_GB * GB,
-                         "comm": t, "step_seconds": predicted_step(profile, policy, K, t["total"]) if profile else None,
+                         "comm": t, "step_seconds": step, "comm_is_floor": c.comm_is_floor,
                          "reduce_scatter_calls": c.reduce_scatter_calls, "all_reduce_calls": c.all_reduce_calls,
                          "all_gather_calls": c.all_gather_calls})
-    # ZeRO-3's time leaves out its parameter all-gathers (a floor): never recommended on a floor
-    fitting = [r for r in rows if r["fits"] is not False and r["policy"] != "zero3"]
+    # a floor (ZeRO-3: its parameter all-gathers are not predicted) is never recommended
+    fitting = [r for r in rows if r["fits"] is not False and not r["comm_is_floor"]]
     best = min(fitting, key=lambda r: (round(r["step_seconds"] or r["comm"]["total"], 12), r["memory_bytes"])) \
         if fitting else None
     return {"rows": rows, "recommended": {"engine": best["engine"], "policy": best["policy"]} if best else None,

@@ -1,25 +1,11 @@
 """The what-if planner: step time, speedup and communication share per K on a target cluster, from a measured profile.
 
 Input: the ``comm`` block of a ``train_summary.json`` written by
-``accum-kit train --profile_comm`` (see
-:func:`accum_kit.profiler.report.local_summary` for its keys). From it
-(the main process's values; per micro-batch and per step are medians):
-
-- ``c`` = ``forward_seconds`` + ``backward_seconds_no_sync``: compute per
-  micro-batch, seconds;
-- ``bytes`` = ``allreduce_bytes`` / ``syncs``: gradient bytes all-reduced per
-  synchronised backward;
-- ``overlap`` = ``overlap_fraction``: the share of the all-reduce hidden behind
-  the backward computation;
-- ``o`` = ``seconds_per_step`` - (K_p c + exposed_p): per-step time that is
-  neither micro-batch compute nor exposed communication (optimizer step,
-  zeroing, batch fetching), at least ``optimizer_seconds``; K_p is the
-  profiled run's K (``micro_batches`` / ``optimizer_steps``);
-- the measured bus bandwidth ``bytes / seconds_per_sync x 2 (n_p - 1) / n_p``
-  (used with ``--interconnect measured``). The comm block's own ``busbw_GBps``
-  divides by the mean time per sync; the median used here is the one its
-  overlap fraction refers to, so that at the profiled n the model gives back
-  the measured exposed time.
+``accum-kit train --profile_comm``, read by the one profile reader
+(:func:`accum_kit.planning.measured_profile.load_profile`, whose docstring
+defines every figure): ``c`` (forward + no-sync backward per micro-batch),
+bytes per synchronised backward, the overlap fraction, ``o`` and the
+measured bus bandwidth (used with ``--interconnect measured``).
 
 Model, for n processes, bus bandwidth ``busbw`` (bytes/s) and K micro-batches per
 optimizer step:
@@ -29,7 +15,11 @@ optimizer step:
   (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md);
 - exposed communication per sync ``e = t_ar x (1 - overlap)``;
 - step time with no_sync (one all-reduce per step) ``K c + e + o``; without
-  (``sync_each_batch``, one all-reduce per micro-batch) ``K (c + e) + o``;
+  (``sync_each_batch``, one all-reduce per micro-batch) ``K (c + e) + o``.
+  Both are the step-time model of :mod:`accum_kit.planning.step_time`
+  (``K (c - a) + adds a + (1 - overlap) T + o``) with DDP's row of the cost
+  table (:func:`accum_kit.engines.costs.ddp_costs`: syncs K or 1, T = syncs
+  x t_ar; a DDP profile measures no separate ``a``, so ``K c``);
 - speedup = the second over the first; communication share = exposed
   communication over step time (``e / (K c + e + o)`` with no_sync);
 - the K that keeps no_sync's share at most ``s``: the smallest integer
@@ -54,151 +44,27 @@ import math
 from dataclasses import asdict, dataclass
 
 from .. import checks
-from ..errors import UsageError
-from .ddp_costs import syncs_per_window
 from ..engines.costs import all_reduce_seconds as ring_allreduce_seconds  # the cost table's all-reduce, under its old name here
+from ..engines.costs import GB, ddp_costs  # noqa: F401 (GB: re-exported)
+from ..errors import UsageError
+from .interconnects import INTERCONNECTS
+from .measured_profile import (  # noqa: F401 (PROFILE_FIX, profile_number, settings_from_profile: re-exported)
+    PROFILE_FIX,
+    MeasuredProfile,
+    load_profile,
+    profile_number,
+    settings_from_profile,
+)
+from .step_time import BusBandwidths, MeasuredCommunication, StepTime, step_time
 
-GB = 1e9
-
-#: ``--interconnect`` name -> (nominal bus bandwidth per link, GB/s per direction; its public source).
-#: Nominal peaks: the bus bandwidth an all-reduce reaches is lower (measure it with nccl-tests'
-#: ``all_reduce_perf``, or profile on the target and use ``measured``).
-INTERCONNECTS = {
-    "nvlink": (450.0, "NVIDIA H100 SXM, fourth-generation NVLink: 900 GB/s total per GPU, i.e. 450 GB/s each "
-                      "way (https://www.nvidia.com/en-us/data-center/nvlink/); within one machine only"),
-    "infiniband": (50.0, "InfiniBand NDR: 400 Gb/s = 50 GB/s per port each way, one port per GPU "
-                         "(https://www.nvidia.com/en-us/networking/infiniband/connectx-7/)"),
-    "ethernet": (12.5, "100 Gigabit Ethernet (IEEE 802.3): 100 Gb/s = 12.5 GB/s per port each way"),
-    "measured": (None, "the profile's: bytes per sync / seconds_per_sync x 2 (n - 1) / n, nccl-tests' definition"),
-}
 DEFAULT_ACCUMULATION_STEPS = (1, 2, 4, 8, 16, 32)
 DEFAULT_MAX_COMM_SHARE = 0.1
 #: The keys of the comm block (:func:`accum_kit.profiler.report.local_summary`) the model reads.
 COMM_KEYS = ("world_size", "optimizer_steps", "micro_batches", "allreduce_calls", "allreduce_bytes", "syncs",
              "seconds_per_sync", "overlap_fraction", "exposed_comm_seconds", "forward_seconds",
              "backward_seconds_no_sync", "optimizer_seconds", "seconds_per_step")
-PROFILE_FIX = "pass the train_summary.json of `accum-kit train --profile_comm` on 2 or more processes"
-
-
-@dataclass(frozen=True)
-class MeasuredProfile:
-    """The profile's figures the model needs (seconds, bytes, GB/s); see the module docstring."""
-
-    path: str
-    world_size: int
-    gradient_accumulation_steps: int  # K_p of the profiled run
-    per_device_train_batch_size: int | None
-    model: str | None
-    forward_seconds: float
-    backward_no_sync_seconds: float
-    compute_seconds: float  # c
-    bytes_per_sync: float
-    seconds_per_sync: float
-    busbw_GBps: float  # bytes_per_sync / seconds_per_sync x 2 (n - 1) / n, GB/s
-    overlap_fraction: float
-    exposed_comm_seconds: float
-    optimizer_seconds: float
-    step_seconds: float
-    other_seconds: float  # o: per-step time besides K_p c + exposed, at least optimizer_seconds
-
-
-def profile_number(comm: dict, key: str, path: str, fix: str = PROFILE_FIX) -> float:
-    """``comm[key]`` of the profile at ``path`` as a finite float.
-
-    Raises:
-        UsageError (``--from_profile``): the key is missing or not a finite number; ``fix`` says what to pass.
-    """
-    value = comm.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise UsageError("--from_profile", f"{path}: the comm block has no number under {key!r} (got {value!r})", fix)
-    return float(value)
-
-
-def load_profile(path: str) -> MeasuredProfile:
-    """Read the figures of :class:`MeasuredProfile` from a ``train_summary.json``.
-
-    Raises:
-        UsageError (``--from_profile``): a missing or unreadable file, no ``comm``
-            block (rerun with ``--profile_comm``), a 1-process profile or one
-            without an all-reduce, or no no-sync micro-batch (K of 1 or
-            ``--sync_each_batch``), so that c or the overlap cannot be measured.
-    """
-    summary = checks.json_file("--from_profile", path, PROFILE_FIX)
-    comm = summary.get("comm") if isinstance(summary, dict) else None
-    if not isinstance(comm, dict):
-        raise UsageError("--from_profile", f"{path} has no comm block",
-                         "rerun `accum-kit train` with --profile_comm and pass its train_summary.json")
-    n = int(profile_number(comm, "world_size", path))
-    if n < 2 or not comm.get("allreduce_calls") or not comm.get("syncs"):
-        raise UsageError("--from_profile", f"{path} is a {n}-process profile with no all-reduce measured",
-                         "profile on 2 or more processes, e.g. accelerate launch --config_file "
-                         "accelerate_configs/cpu_ddp.yaml -m accum_kit train --profile_comm ...")
-    if comm.get("backward_seconds_no_sync") is None or comm.get("overlap_fraction") is None:
-        raise UsageError("--from_profile", f"{path} has no no-sync micro-batch, so neither the compute per "
-                         "micro-batch nor the overlap was measured",
-                         "profile with --gradient_accumulation_steps 2 or more and without --sync_each_batch")
-    fwd, bwd = profile_number(comm, "forward_seconds", path), profile_number(comm, "backward_seconds_no_sync", path)
-    steps = profile_number(comm, "optimizer_steps", path)
-    k_p = round(profile_number(comm, "micro_batches", path) / steps) if steps else 0
-    if k_p < 1:
-        raise UsageError("--from_profile", f"{path} records no optimizer step", PROFILE_FIX)
-    c = fwd + bwd
-    if c <= 0:
-        raise UsageError("--from_profile", f"{path}: compute per micro-batch is {c} s", PROFILE_FIX)
-    exposed, opt = profile_number(comm, "exposed_comm_seconds", path), profile_number(comm, "optimizer_seconds", path)
-    step = profile_number(comm, "seconds_per_step", path)
-    bytes_per_sync = profile_number(comm, "allreduce_bytes", path) / profile_number(comm, "syncs", path)
-    per_sync = profile_number(comm, "seconds_per_sync", path)
-    if per_sync <= 0:
-        raise UsageError("--from_profile", f"{path}: the all-reduce took {per_sync} s per sync", PROFILE_FIX)
-    return MeasuredProfile(
-        path=str(path), world_size=n, gradient_accumulation_steps=k_p,
-        per_device_train_batch_size=summary.get("per_device_train_batch_size"), model=summary.get("model"),
-        forward_seconds=fwd, backward_no_sync_seconds=bwd, compute_seconds=c,
-        bytes_per_sync=bytes_per_sync,
-        seconds_per_sync=per_sync, busbw_GBps=bytes_per_sync / per_sync * 2 * (n - 1) / n / GB,
-        overlap_fraction=profile_number(comm, "overlap_fraction", path), exposed_comm_seconds=exposed,
-        optimizer_seconds=opt, step_seconds=step,
-        # Medians of different things need not add up: never below the optimizer step itself.
-        other_seconds=max(step - k_p * c - exposed, opt),
-    )
-
-
-def settings_from_profile(path: str, per_device_train_batch_size: int | None,
-                          gradient_accumulation_steps: int | None, take_k: bool = True):
-    """The profiled run's batch size and K where the flags leave them unset: a flag given on the command line wins.
-
-    Args:
-        path: a ``train_summary.json`` (its top-level ``per_device_train_batch_size``
-            and ``gradient_accumulation_steps``; under an accumulation schedule, K at step 0).
-        per_device_train_batch_size, gradient_accumulation_steps: the flags' values (None: not given).
-        take_k: False when K is decided otherwise (``--target_batch_size``, ``--accumulation_schedule``).
-
-    Returns:
-        ``(B, K, note)``: K stays None when not taken; ``note`` says what came from the profile, or None.
-
-    Raises:
-        UsageError: the file is unreadable (``--from_profile``), or does not record a
-            value the flags left unset (names that flag).
-    """
-    summary = checks.json_file("--from_profile", path, PROFILE_FIX)
-    summary = summary if isinstance(summary, dict) else {}
-    taken = []
-
-    def recorded(key: str) -> int:
-        value = summary.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UsageError(f"--{key}", f"not given, and {path} records no usable value (got {value!r})",
-                             f"pass --{key}")
-        taken.append(f"--{key} {value}")
-        return value
-
-    if per_device_train_batch_size is None:
-        per_device_train_batch_size = recorded("per_device_train_batch_size")
-    if gradient_accumulation_steps is None and take_k:
-        gradient_accumulation_steps = recorded("gradient_accumulation_steps")
-    note = f"{' and '.join(taken)} from {path} (a flag on the command line overrides)" if taken else None
-    return per_device_train_batch_size, gradient_accumulation_steps, note
+#: The two DDP policies the what-if compares, and the order of their columns.
+MODES = ("no_sync", "sync_each_batch")
 
 
 @dataclass(frozen=True)
@@ -214,28 +80,47 @@ class WhatIfRow:
     examples_per_second_no_sync: float | None  # B K n / no_sync step (None without a per-device batch)
 
 
+def _row(steps: dict[str, StepTime], examples_per_micro_batch: int | None) -> "WhatIfRow":
+    """A :class:`WhatIfRow` from the model's step of each mode (``MODES``)."""
+    ns, se = steps["no_sync"], steps["sync_each_batch"]
+    K = ns.accumulation_steps
+    rate = examples_per_micro_batch * K / ns.seconds if examples_per_micro_batch else None
+    return WhatIfRow(K=K, no_sync_step_seconds=ns.seconds, sync_each_batch_step_seconds=se.seconds,
+                     speedup=se.seconds / ns.seconds, comm_share_no_sync=ns.exposed_seconds / ns.seconds,
+                     comm_share_sync_each_batch=se.exposed_seconds / se.seconds, examples_per_second_no_sync=rate)
+
+
 def predict(K: int, c: float, exposed: float, other: float, examples_per_micro_batch: int | None = None) -> WhatIfRow:
     """The model's row for one K from ``c``, exposed communication per sync ``e`` and per-step ``o`` (seconds).
 
-    ``examples_per_micro_batch`` is B x n over all processes (for the throughput column).
+    The step-time model (:func:`accum_kit.planning.step_time.step_time`) with DDP's syncs per window from the
+    cost table (1 with no_sync, K with sync_each_batch) priced at ``e`` each: ``K c + e + o`` and
+    ``K (c + e) + o``. ``examples_per_micro_batch`` is B x n over all processes (for the throughput column).
     """
-    # syncs per window from the cost table (planning.ddp_costs): 1 with no_sync, K with sync_each_batch
-    e_ns, e_se = (syncs_per_window(policy, K) * exposed for policy in ("no_sync", "sync_each_batch"))
-    ns = K * c + e_ns + other
-    se = K * c + e_se + other
-    rate = examples_per_micro_batch * K / ns if examples_per_micro_batch else None
-    return WhatIfRow(K=K, no_sync_step_seconds=ns, sync_each_batch_step_seconds=se, speedup=se / ns,
-                     comm_share_no_sync=e_ns / ns, comm_share_sync_each_batch=e_se / se,
-                     examples_per_second_no_sync=rate)
+    return _row({mode: step_time(ddp_costs(mode, world_size=1, accumulation_steps=K, gradient_bytes=0.0), c,
+                                 MeasuredCommunication(exposed), other_seconds=other) for mode in MODES},
+                examples_per_micro_batch)
+
+
+def predict_from_profile(K: int, p: MeasuredProfile, num_processes: int, busbw_GBps: float,
+                         examples_per_micro_batch: int | None = None) -> WhatIfRow:
+    """The model's row for one K on ``num_processes`` at ``busbw_GBps``: DDP's rows of the cost table (the profile's
+    bytes per sync, all-reduced over n), priced at the bus bandwidth, the profile's overlap hiding part of it."""
+    link = BusBandwidths(replicate_GBps=busbw_GBps)
+    return _row({mode: step_time(ddp_costs(mode, world_size=num_processes, accumulation_steps=K,
+                                           gradient_bytes=p.bytes_per_sync), p.compute_seconds, link,
+                                 overlap=p.overlap_fraction, other_seconds=p.other_seconds,
+                                 accumulation_seconds=p.accumulation_seconds) for mode in MODES},
+                examples_per_micro_batch)
 
 
 def solve_k_for_comm_share(c: float, exposed: float, other: float, max_comm_share: float) -> int:
     """The smallest K >= 1 with ``e / (K c + e + o) <= max_comm_share`` (no_sync), from the closed form.
 
-    ``K >= (e (1 - s) / s - o) / c``; the integer is then checked against the
-    share itself so that rounding never returns a K one off.
+    ``K >= (e (1 - s) / s - o) / c`` (the model's no_sync share solved for K); the integer is then
+    checked against the model's share itself (:func:`predict`) so that rounding never returns a K one off.
     """
-    share = lambda k: exposed / (k * c + exposed + other)  # noqa: E731
+    share = lambda k: predict(k, c, exposed, other).comm_share_no_sync  # noqa: E731
     bound = (exposed * (1 - max_comm_share) / max_comm_share - other) / c
     k = max(1, math.ceil(bound))
     while share(k) > max_comm_share:
@@ -270,15 +155,21 @@ class WhatIfReport:
 
 
 def check_whatif_flags(from_profile, num_machines, num_processes, interconnect, busbw_GBps, accumulation_steps,
-                       max_comm_share, compare_bench, fsdp: bool = False, replicate_size: int | None = None) -> None:
-    """Ranges and combinations of the what-if flags (values may be None: not given).
+                       max_comm_share, compare_bench, needs_profile: bool = True,
+                       replicate_size: int | None = None) -> None:
+    """Ranges and combinations of the target flags (values may be None: not given).
+
+    Args:
+        needs_profile: the plan section reading these flags predicts from a profile only (the what-if);
+            False for one that uses them without (``--fsdp``'s, see :data:`accum_kit.planning.plan_report.SECTIONS`).
+        replicate_size: HSDP's R when given: a shard group inside one machine may use NVLink.
 
     Raises:
-        UsageError: naming the flag: a what-if flag without ``--from_profile`` (``fsdp``: allowed),
+        UsageError: naming the flag: a target flag without ``--from_profile`` (where ``needs_profile``),
             a non-positive count or bandwidth, ``--max_comm_share`` outside
             (0, 1), processes not a multiple of machines, NVLink across machines.
     """
-    if from_profile is None and not fsdp:  # --fsdp plans use them without a profile
+    if from_profile is None and needs_profile:
         for flag, value in (("--num_machines", num_machines), ("--interconnect", interconnect),
                             ("--busbw_GBps", busbw_GBps), ("--compare_bench", compare_bench)):
             if value is not None:
@@ -302,8 +193,8 @@ def check_whatif_flags(from_profile, num_machines, num_processes, interconnect, 
     if num_processes is not None and num_processes % machines:
         raise UsageError("--num_processes", f"{num_processes} processes do not split evenly over {machines} machines",
                          "pass the total over all machines, a multiple of --num_machines")
-    # under HSDP with one replica per machine the shard group's ring stays inside a machine: NVLink is right there
-    inside = fsdp and replicate_size is not None and replicate_size % machines == 0
+    # with a replica per machine (or several) the shard group's ring stays inside a machine: NVLink is right there
+    inside = replicate_size is not None and replicate_size % machines == 0
     if machines > 1 and interconnect == "nvlink" and busbw_GBps is None and not inside:
         raise UsageError("--interconnect", f"NVLink links GPUs within one machine; a ring over {machines} machines "
                          "runs at the network's speed", "use infiniband or ethernet, or pass --busbw_GBps")
@@ -362,7 +253,7 @@ def make_whatif(from_profile: str, *, num_processes: int | None = None, num_mach
     """
     check_whatif_flags(from_profile, num_machines, num_processes, interconnect, busbw_GBps, accumulation_steps,
                        max_comm_share, None)
-    p = load_profile(from_profile)
+    p = load_profile(from_profile, "all_reduce")
     n, machines = num_processes or p.world_size, num_machines or 1
     name = interconnect or "measured"
     if busbw_GBps is not None:
@@ -374,15 +265,16 @@ def make_whatif(from_profile: str, *, num_processes: int | None = None, num_mach
     if busbw <= 0:
         raise UsageError("--interconnect", f"the profile's measured busbw is {busbw} GB/s",
                          "pass --busbw_GBps or another --interconnect")
-    t_ar = ring_allreduce_seconds(p.bytes_per_sync, n, busbw)
+    t_ar = ring_allreduce_seconds(p.bytes_per_sync, n, busbw)  # one sync, for the arithmetic
     e = t_ar * (1 - p.overlap_fraction)
     c, o = p.compute_seconds, p.other_seconds
     micro = per_device_train_batch_size * n if per_device_train_batch_size else None
-    rows = tuple(predict(k, c, e, o, micro) for k in sorted(set(accumulation_steps)))
+    rows = tuple(predict_from_profile(k, p, n, busbw, micro) for k in sorted(set(accumulation_steps)))
     k_star = solve_k_for_comm_share(c, e, o, max_comm_share)
     ks = [r.K for r in rows]
     show = show_K if show_K is not None else max([k for k in ks if k <= 8] or ks[:1])
-    arithmetic = _arithmetic(p, n, busbw, t_ar, e, predict(show, c, e, o, micro), max_comm_share, k_star)
+    arithmetic = _arithmetic(p, n, busbw, t_ar, e, predict_from_profile(show, p, n, busbw, micro), max_comm_share,
+                             k_star)
     notes = []
     if n == 1:
         notes.append("1 target process: nothing to all-reduce; pass --num_processes (all machines)")

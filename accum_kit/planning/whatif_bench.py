@@ -15,9 +15,8 @@ from tabulate import tabulate
 from .. import checks
 from ..errors import UsageError
 from ..stats import median
-from .whatif import MeasuredProfile, predict
+from .whatif import MODES, MeasuredProfile, predict
 
-MODES = ("no_sync", "sync_each_batch")
 BENCH_FIX = "pass the bench.json written by `accum-kit bench`"
 
 

@@ -10,13 +10,13 @@ import json
 from dataclasses import dataclass, field
 
 from .. import checks
-from ..errors import UsageError
-from ..core.lr_scaling import LEARNING_RATE_FIX, LR_RULES
-from .report import (check_batch_size_given, check_learning_rate_flags, check_schedule_flags, check_target_flags,
-                     format_plan, make_plan)
 from ..core.accumulation_schedule import parse_accumulation_schedule
-from .fsdp_plan import MIXED_PRECISION, check_fsdp_flags
-from .whatif import DEFAULT_ACCUMULATION_STEPS, DEFAULT_MAX_COMM_SHARE, INTERCONNECTS, check_whatif_flags
+from ..core.lr_scaling import LEARNING_RATE_FIX, LR_RULES
+from .fsdp_plan import MIXED_PRECISION
+from .interconnects import INTERCONNECTS
+from .plan_report import (SECTIONS, check_batch_size_given, check_learning_rate_flags, check_schedule_flags,
+                          check_section_flags, check_target_flags, format_plan, make_plan)
+from .whatif import DEFAULT_ACCUMULATION_STEPS, DEFAULT_MAX_COMM_SHARE, check_whatif_flags
 
 DESCRIPTION = (
     "Effective batch size, optimizer steps per epoch, padded/dropped examples, learning-rate scaling, "
@@ -129,14 +129,12 @@ class PlanArguments:
         if self.lr_scaling is not None:
             checks.one_of("--lr_scaling", self.lr_scaling, LR_RULES)
         check_learning_rate_flags(self.base_learning_rate, self.base_batch_size, self.lr_scaling)
+        section = SECTIONS[self.fsdp]
         check_whatif_flags(self.from_profile, self.num_machines, self.num_processes, self.interconnect,
                            self.busbw_GBps, self.accumulation_steps, self.max_comm_share, self.compare_bench,
-                           fsdp=self.fsdp, replicate_size=self.parallelism_config_dp_replicate_size)
-        check_fsdp_flags(self.fsdp, self.model_preset, self.num_parameters, self.num_layers, self.gpu_memory_GB,
-                         self.free_memory_GB, self.mixed_precision, self.vocab_size)
-        for flag in ("parallelism_config_dp_replicate_size", "inter_node_busbw_GBps"):
-            if getattr(self, flag) is not None and not self.fsdp:
-                raise UsageError(f"--{flag}", "only used when planning sharded runs", "pass --fsdp too")
+                           needs_profile=section.needs_profile,
+                           replicate_size=self.parallelism_config_dp_replicate_size)
+        check_section_flags(section, self)  # another section's flags refused, this one's checked
         if self.parallelism_config_dp_replicate_size is not None:
             checks.at_least("--parallelism_config_dp_replicate_size", self.parallelism_config_dp_replicate_size)
 

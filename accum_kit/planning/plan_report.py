@@ -2,30 +2,112 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
 
 from tabulate import tabulate
 
-from ..errors import UsageError
-from ..core.settings import resolve_accumulation_steps
-from .batch import BatchPlan, plan_batch
 from ..core.accumulation_schedule import SchedulePhase, schedule_phases
-from ..core.lr_scaling import LR_RULES, WARMUP_EPOCHS, WARMUP_MULTIPLIER_THRESHOLD, WARMUP_SOURCE, LearningRateScaling, scale_learning_rate
-from .solve import AccumulationSolution, solve_accumulation_steps
-from .whatif import (
-    DEFAULT_ACCUMULATION_STEPS,
-    DEFAULT_MAX_COMM_SHARE,
-    WhatIfReport,
-    check_whatif_flags,
-    format_whatif,
-    load_profile,
-    make_whatif,
-    settings_from_profile,
-)
-from .whatif_bench import compare_with_bench, format_comparison
+from ..core.lr_scaling import (LR_RULES, WARMUP_EPOCHS, WARMUP_MULTIPLIER_THRESHOLD, WARMUP_SOURCE,
+                               LearningRateScaling, scale_learning_rate)
+from ..core.settings import resolve_accumulation_steps
+from ..errors import UsageError
+from .batch import BatchPlan, plan_batch
 from .fsdp_compare import compare_fsdp_bench, format_fsdp_comparison
 from .fsdp_format import format_fsdp_plan
-from .fsdp_plan import FSDPPlan, load_fsdp_profile, make_fsdp_plan
+from .fsdp_plan import FSDP_FLAGS, FSDPPlan, check_fsdp_flags, make_fsdp_plan
+from .measured_profile import load_profile, settings_from_profile
+from .solve import AccumulationSolution, solve_accumulation_steps
+from .whatif import (DEFAULT_ACCUMULATION_STEPS, DEFAULT_MAX_COMM_SHARE, WhatIfReport, check_whatif_flags,
+                     format_whatif, make_whatif)
+from .whatif_bench import compare_with_bench, format_comparison
+
+
+@dataclass(frozen=True)
+class PlanSection:
+    """One of the plan's optional sections: what it reads from a profile, how it is built, compared and printed.
+
+    Attributes:
+        field: its :class:`PlanReport` field (and ``--json`` key).
+        collectives: the profile it reads (:func:`accum_kit.planning.measured_profile.load_profile`).
+        needs_profile: whether it predicts from a profile only (its target flags then need ``--from_profile``).
+        make: ``make(keywords) -> section | None`` from :func:`make_plan`'s keywords (plus ``K``, ``B``).
+        compare: ``compare(section, bench path, keywords) -> section`` with its ``comparison`` filled.
+        lines: ``lines(section) -> list[str]``, its text and its comparison's.
+        flags: the flags only this section reads -> the problem when one is given without it.
+        enable: the fix for that problem (how to ask for the section).
+        check: ``check(args)``: ranges and combinations of those flags (``args``: the flags' values by name).
+    """
+
+    field: str
+    collectives: str
+    needs_profile: bool
+    make: Callable
+    compare: Callable
+    lines: Callable
+    flags: dict = field(default_factory=dict)
+    enable: str = ""
+    check: Callable = lambda args: None
+
+
+def _make_whatif(kw: dict):
+    if kw["from_profile"] is None:
+        return None
+    return make_whatif(kw["from_profile"], num_processes=kw["num_processes"], num_machines=kw["num_machines"],
+                       interconnect=kw["interconnect"], busbw_GBps=kw["busbw_GBps"],
+                       accumulation_steps=kw["accumulation_steps"], max_comm_share=kw["max_comm_share"],
+                       per_device_train_batch_size=kw["B"], show_K=kw["K"])
+
+
+def _compare_whatif(whatif: WhatIfReport, path: str, kw: dict) -> WhatIfReport:
+    p = whatif.profile
+    return replace(whatif, comparison=compare_with_bench(path, p, p.compute_seconds, whatif.exposed_comm_seconds,
+                                                         p.other_seconds, kw["num_processes"]))
+
+
+def _make_fsdp(kw: dict) -> FSDPPlan:
+    return make_fsdp_plan(
+        num_processes=kw["num_processes"], gradient_accumulation_steps=kw["K"], num_machines=kw["num_machines"],
+        model_preset=kw["model_preset"], num_parameters=kw["num_parameters"], num_layers=kw["num_layers"],
+        vocab_size=kw["vocab_size"], block_size=kw["block_size"], mixed_precision=kw["mixed_precision"],
+        gpu_memory_GB=kw["gpu_memory_GB"], free_memory_GB=kw["free_memory_GB"], interconnect=kw["interconnect"],
+        busbw_GBps=kw["busbw_GBps"], from_profile=kw["from_profile"],
+        replicate_size=kw["parallelism_config_dp_replicate_size"], inter_node_busbw_GBps=kw["inter_node_busbw_GBps"])
+
+
+def _with_comparison(lines: Callable, compared: Callable) -> Callable:
+    return lambda section: lines(section) + (compared(section.comparison) if section.comparison is not None else [])
+
+
+#: ``--fsdp`` given -> the section it adds: the FSDP2 / HSDP policy plan (``from_profile`` then an FSDP2 profile,
+#: ``compare_bench`` an FSDP2 bench.json); not given -> the what-if (only with ``from_profile``).
+SECTIONS = {
+    False: PlanSection("whatif", "all_reduce", True, _make_whatif, _compare_whatif,
+                       _with_comparison(format_whatif, format_comparison)),
+    True: PlanSection("fsdp", "sharded", False, _make_fsdp,
+                      lambda plan, path, kw: replace(plan, comparison=compare_fsdp_bench(path, plan)),
+                      _with_comparison(format_fsdp_plan, format_fsdp_comparison), FSDP_FLAGS, "pass --fsdp too",
+                      lambda a: check_fsdp_flags(a.model_preset, a.num_parameters, a.num_layers, a.gpu_memory_GB,
+                                                 a.free_memory_GB, a.mixed_precision, a.vocab_size)),
+}
+
+
+def check_section_flags(section: PlanSection, args) -> None:
+    """The flags of the sections not asked for must not be given; those of ``section`` are checked.
+
+    Args:
+        section: the section the command line asks for (a value of :data:`SECTIONS`).
+        args: an object with the flags' values as attributes (:class:`accum_kit.planning.plan_command.PlanArguments`).
+
+    Raises:
+        UsageError: a flag of another section (naming it, and how to ask for its section), or a bad value
+            of one of ``section``'s own (see its ``check``).
+    """
+    for other in SECTIONS.values():
+        for flag, problem in other.flags.items():
+            if other is not section and getattr(args, flag.removeprefix("--")) is not None:
+                raise UsageError(flag, problem, other.enable)
+    section.check(args)
 
 
 @dataclass(frozen=True)
@@ -165,7 +247,7 @@ def make_plan(
     tokens) per step, steps, and with ``num_examples`` micro-batches and epochs
     over ``num_train_epochs`` epochs (:func:`accum_kit.core.accumulation_schedule.schedule_phases`).
     With ``from_profile``, ``per_device_train_batch_size`` and K default to the
-    profiled run's (:func:`accum_kit.planning.whatif.settings_from_profile`);
+    profiled run's (:func:`accum_kit.planning.measured_profile.settings_from_profile`);
     without it, ``per_device_train_batch_size`` is required.
     ``fsdp`` replaces the what-if section with the FSDP2 policy plan
     (:func:`accum_kit.planning.fsdp_plan.make_fsdp_plan`, which documents its keywords;
@@ -186,11 +268,12 @@ def make_plan(
     check_batch_size_given(per_device_train_batch_size)
     if accumulation_schedule is not None:
         gradient_accumulation_steps = accumulation_schedule[0]
+    section = SECTIONS[bool(fsdp)]
     check_whatif_flags(from_profile, num_machines, num_processes, interconnect, busbw_GBps, accumulation_steps,
-                       max_comm_share, compare_bench, fsdp=fsdp, replicate_size=parallelism_config_dp_replicate_size)
+                       max_comm_share, compare_bench, needs_profile=section.needs_profile,
+                       replicate_size=parallelism_config_dp_replicate_size)
     if num_processes is None:
-        profiled = (load_fsdp_profile if fsdp else load_profile)(from_profile) if from_profile is not None else None
-        num_processes = profiled.world_size if profiled is not None else 1
+        num_processes = load_profile(from_profile, section.collectives).world_size if from_profile is not None else 1
     if target_batch_size is not None:
         solution = solve_accumulation_steps(target_batch_size, per_device_train_batch_size, num_processes)
         B, K = solution.per_device_train_batch_size, solution.gradient_accumulation_steps
@@ -209,31 +292,16 @@ def make_plan(
                                 steps_per_epoch=batch.optimizer_steps_per_epoch)
             for rule in rules
         )
-    whatif = fsdp_plan = None
-    if fsdp:
-        fsdp_plan = make_fsdp_plan(
-            num_processes=num_processes, gradient_accumulation_steps=K, num_machines=num_machines,
-            model_preset=model_preset, num_parameters=num_parameters, num_layers=num_layers, vocab_size=vocab_size,
-            block_size=block_size, mixed_precision=mixed_precision, gpu_memory_GB=gpu_memory_GB,
-            free_memory_GB=free_memory_GB, interconnect=interconnect, busbw_GBps=busbw_GBps, from_profile=from_profile,
-            replicate_size=parallelism_config_dp_replicate_size, inter_node_busbw_GBps=inter_node_busbw_GBps)
-        if compare_bench is not None:
-            fsdp_plan = replace(fsdp_plan, comparison=compare_fsdp_bench(compare_bench, fsdp_plan))
-    elif from_profile is not None:
-        whatif = make_whatif(from_profile, num_processes=num_processes, num_machines=num_machines,
-                             interconnect=interconnect, busbw_GBps=busbw_GBps,
-                             accumulation_steps=accumulation_steps, max_comm_share=max_comm_share,
-                             per_device_train_batch_size=B, show_K=K)
-        if compare_bench is not None:
-            p = whatif.profile
-            whatif = replace(whatif, comparison=compare_with_bench(
-                compare_bench, p, p.compute_seconds, whatif.exposed_comm_seconds, p.other_seconds, num_processes))
+    kw = dict(locals())  # the flags' values, with K, B and num_processes as resolved above
+    built = section.make(kw)
+    if built is not None and compare_bench is not None:
+        built = section.compare(built, compare_bench, kw)
     phases = ()
     if accumulation_schedule is not None:
         phases = tuple(schedule_phases(accumulation_schedule, B, num_processes, block_size=block_size,
                                        micro_batches_per_epoch=batch.micro_batches_per_process,
                                        num_train_epochs=num_train_epochs))
-    return PlanReport(batch, solution, rates, whatif, phases, notes, fsdp_plan)
+    return PlanReport(batch, solution, rates, schedule=phases, notes=notes, **{section.field: built})
 
 
 def _g(x: float) -> str:
@@ -351,12 +419,7 @@ def format_plan(report: PlanReport) -> str:
         lines += _schedule_lines(report.schedule)
     if report.learning_rates:
         lines += _learning_rate_lines(report.learning_rates)
-    if report.fsdp is not None:
-        lines += format_fsdp_plan(report.fsdp)
-        if report.fsdp.comparison is not None:
-            lines += format_fsdp_comparison(report.fsdp.comparison)
-    if report.whatif is not None:
-        lines += format_whatif(report.whatif)
-        if report.whatif.comparison is not None:
-            lines += format_comparison(report.whatif.comparison)
+    for section in SECTIONS.values():
+        built = getattr(report, section.field)
+        lines += section.lines(built) if built is not None else []
     return "\n".join(lines)
