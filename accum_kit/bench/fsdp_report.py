@@ -64,6 +64,7 @@ from __future__ import annotations
 import statistics
 
 from ..engines.costs import ShardedModel, policy_costs
+from ..planning.step_time import MeasuredCommunication, step_time
 from ..stats import interval_verdict, mean_interval, median, quartiles, ratio_interval
 from .saving_parts import format_parts, saving_parts
 from .tables import fmt_ratio
@@ -119,9 +120,10 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
                                 compute_bytes=b["b_c"], reduce_bytes=b["b_r"],
                                 replicate_size=info.get("mesh", {}).get("dp_replicate_size", 1))
             grad, gathered = _m(cell, "gradient_bytes"), _m(cell, "gathered_parameter_bytes")
-            syncs = K if policy == BASE else 1
             g, o = _m(cell, "exposed_all_gather_seconds_per_step"), _m(cell, "optimizer_seconds")
-            ideal = K * c + syncs * a + g + o if None not in (c, a, g, o) else None
+            # the step-time model, syncs per window from the cost table (K with sync_each_batch, else 1) priced at a
+            ideal = (step_time(pred, c, MeasuredCommunication(a, g), other_seconds=o).seconds
+                     if None not in (c, a, g, o) else None)
             pooled = info.get("pooled", {}).get(f"K{K}/{policy}", {})
             est = pooled.get("estimated_seconds_saved_per_step", _m(cell, "estimated_seconds_saved_per_step"))
             own = pooled.get("ideal_seconds_per_step", _m(cell, "ideal_seconds_per_step"))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..planning.ddp_costs import syncs_per_window
+from ..engines.costs import ddp_costs
+from ..planning.step_time import MeasuredCommunication, step_time
 from ..stats import RATIO_INTERVAL_METHOD, interval_verdict, median, quartiles, ratio, ratio_interval
 
 if TYPE_CHECKING:
@@ -45,9 +46,11 @@ def compute_c_a(runs: list[dict]) -> dict:
 
 
 def ideal_step_seconds(mode: str, K: int, c: float, a: float) -> float:
-    """``K c + n a``: compute plus one exposed all-reduce per sync, n syncs per window from the cost table
-    (:func:`accum_kit.planning.ddp_costs.syncs_per_window`: K with ``sync_each_batch``, 1 with ``no_sync``)."""
-    return K * c + syncs_per_window(mode, K) * a
+    """``K c + n a``: compute plus what no_sync cannot skip, one exposed all-reduce per sync, by the step-time
+    model (:func:`accum_kit.planning.step_time.step_time`) with n syncs per window from DDP's row of the cost
+    table (:func:`accum_kit.engines.costs.ddp_costs`: K with ``sync_each_batch``, 1 with ``no_sync``)."""
+    return step_time(ddp_costs(mode, world_size=1, accumulation_steps=K, gradient_bytes=0.0), c,
+                     MeasuredCommunication(a)).seconds
 
 
 def ideal_speedup(K: int, c: float, a: float) -> float:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import time
 
+from ..engines.costs import bus_bandwidth
 from .records import KEEP_RECORDS, CollectiveCall, recent
 
 #: backend method -> (kind, position and keyword of the tensor whose size is S)
@@ -218,8 +219,7 @@ def zero_summary(calls: list, *, steps: int, world_size: int, stage: int, reduct
         k["seconds"] += c.seconds
     out = {}
     for kind, k in sorted(by_kind.items()):
-        factor = 2 if kind == "all_reduce" else 1
-        busbw = (k["bytes"] / k["seconds"] / 1e9 * factor * (world_size - 1) / world_size
+        busbw = (bus_bandwidth(k["bytes"] / k["seconds"] / 1e9, kind, world_size)
                  if k["seconds"] > 0 and world_size > 1 else None)
         out[kind] = {"calls_per_step": k["calls"] / per, "bytes_per_step": k["bytes"] / per,
                      "seconds_per_step": k["seconds"] / per, "busbw_GBps": busbw}

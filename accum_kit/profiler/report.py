@@ -17,6 +17,7 @@ Definitions (per process, then min / median / max over processes):
 
 from __future__ import annotations
 
+from ..engines.costs import bus_bandwidth
 from ..stats import spread
 from .figures import Figures, busy_seconds, from_records
 from .records import ProfileRecords
@@ -76,7 +77,7 @@ def local_summary(records: ProfileRecords | Figures, *, mode: str, world_size: i
         "allreduce_calls_per_sync": f.calls_per_sync or 0,
         "seconds_per_sync": per_sync or 0.0,
         "algbw_GBps": algbw,
-        "busbw_GBps": algbw * 2 * (n - 1) / n if n > 1 else 0.0,
+        "busbw_GBps": bus_bandwidth(algbw, "all_reduce", n) if n > 1 else 0.0,
         "skipped_syncs": skipped,
         "exposed_comm_seconds": exposed if distributed else 0.0,
         # Exposed time can exceed the all-reduce's own span: it also holds the wait for slower

@@ -88,16 +88,19 @@ Definitions (seconds, bytes; "per step" divides by the optimizer steps recorded)
 
 from __future__ import annotations
 
+from ..engines.costs import bus_bandwidth
+from ..planning.step_time import window_seconds
 from .figures import Figures, from_records
 from .records import ProfileRecords
 from .report import GB
 
 
-def _bandwidths(calls: int, nbytes: int, seconds: float, n: int) -> tuple[float | None, float | None]:
+def _bandwidths(calls: int, nbytes: int, seconds: float, n: int,
+                kind: str = "reduce_scatter") -> tuple[float | None, float | None]:
     if not calls or seconds <= 0:
         return None, None
     algbw = nbytes / seconds / GB
-    return algbw, algbw * (n - 1) / n if n > 1 else 0.0
+    return algbw, bus_bandwidth(algbw, kind, n)
 
 
 def sharded_summary(records: ProfileRecords | Figures, *, shard_size: int, units: list[dict],
@@ -149,8 +152,8 @@ def sharded_summary(records: ProfileRecords | Figures, *, shard_size: int, units
     ag_exposed = f.ag_busy_seconds / n_steps
     ar_extra, ar_saved = _replicate_all_reduce(f, n_steps, from_backwards=bool(no_sync and f.rs_calls))
     opt, step = f.optimizer, f.step
-    ideal = (k * compute + syncs / n_steps * exposed_rs + ar_extra + ag_exposed + (opt or 0.0)
-             if (k is not None and compute is not None) else None)
+    ideal = (window_seconds(k, compute, communication_seconds=syncs / n_steps * exposed_rs + ar_extra + ag_exposed,
+                            other_seconds=opt or 0.0).seconds if (k is not None and compute is not None) else None)
 
     ag_saved = 0.0  # per step, against every micro-batch syncing with the same reshard settings
     if k is not None:
@@ -162,7 +165,7 @@ def sharded_summary(records: ProfileRecords | Figures, *, shard_size: int, units
     per_skip = saved_per_skipped_sync(f, exposed_rs, accumulation, shard_size)
     saved_per_step = skipped / n_steps * per_skip["saved_per_skipped_sync_seconds"] + ag_saved + ar_saved
     rs_alg, rs_bus = _bandwidths(f.rs_calls, f.rs_bytes, f.rs_seconds, n)
-    ag_alg, ag_bus = _bandwidths(f.ag_calls, f.ag_bytes, f.ag_seconds, n)
+    ag_alg, ag_bus = _bandwidths(f.ag_calls, f.ag_bytes, f.ag_seconds, n, "all_gather")
     hsdp = {} if replicate_size < 2 else {
         "all_reduce_calls": f.ar_calls,
         "all_reduce_bytes": f.ar_bytes,
@@ -313,15 +316,15 @@ def by_group(f: Figures, n_steps: int, shard_size: int, replicate_size: int) -> 
         time), ``algbw_GBps`` and ``busbw_GBps`` (nccl-tests: ``(n - 1) / n`` for reduce-scatter and
         all-gather, ``2 (n - 1) / n`` for all-reduce, n the group's size).
     """
-    def block(calls: int, nbytes: int, seconds: float, n: int, factor: float = 1.0) -> dict:
-        alg, bus = _bandwidths(calls, nbytes, seconds, n)
+    def block(calls: int, nbytes: int, seconds: float, n: int, kind: str = "reduce_scatter") -> dict:
+        alg, bus = _bandwidths(calls, nbytes, seconds, n, kind)
         return {"calls_per_step": calls / n_steps, "bytes_per_step": nbytes / n_steps,
                 "seconds_per_step": seconds / n_steps, "algbw_GBps": alg,
-                "busbw_GBps": bus * factor if bus is not None else None}
+                "busbw_GBps": bus}
 
     out = {"shard": {"size": shard_size, "reduce_scatter": block(f.rs_calls, f.rs_bytes, f.rs_seconds, shard_size),
-                     "all_gather": block(f.ag_calls, f.ag_bytes, f.ag_seconds, shard_size)}}
+                     "all_gather": block(f.ag_calls, f.ag_bytes, f.ag_seconds, shard_size, "all_gather")}}
     if replicate_size > 1:  # an all-reduce moves 2 (n - 1) / n of its buffer per process
         out["replicate"] = {"size": replicate_size,
-                            "all_reduce": block(f.ar_calls, f.ar_bytes, f.ar_seconds, replicate_size, 2.0)}
+                            "all_reduce": block(f.ar_calls, f.ar_bytes, f.ar_seconds, replicate_size, "all_reduce")}
     return out
