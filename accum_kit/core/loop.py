@@ -193,38 +193,23 @@ def train_loop(
             it was not passed through ``accelerator.prepare``.
     """
     _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization)
-    plan, loss_fn = run_plan_of(accelerator), loss_fn or causal_lm_loss
-    # profiler first: it must see a step before others react to it; the checkpointer after the user's callbacks: it
-    # saves what they did; the engine's own last (DDP's static-graph first sync)
-    hooks = CallbackList([profiler, *callbacks, checkpointer, *plan.engine.loop_callbacks(accelerator, model)])
-    norm = plan.engine.window_normalizer(accelerator, loss_normalization, loss_fn)  # DeepSpeed: counts windows ahead
-    windows = WindowSchedule(accelerator, accumulation_schedule, optimizer, lr_scheduler, lr_scaling,
-                             _examples_per_micro_batch(accelerator, train_dataloader))
-    total = max_train_steps or windows.total_steps(len(train_dataloader), num_train_epochs)
-    state, cursor = LoopState(), DataCursor(train_dataloader)
-    result = LoopResult(accumulation_schedule=schedule_pairs(windows.schedule))
-    if resume_from is not None:  # load_state, then the data position
-        saved = load_checkpoint(accelerator, resume_from, cursor, accumulation_schedule=windows.schedule)
-        result.restore(saved)
-        state.step, state.micro_step = saved["optimizer_steps"], saved["micro_batches"]
-    if checkpointer is not None:
-        checkpointer.attach(cursor, result)
-    epochs = itertools.count(cursor.epoch) if max_train_steps else range(cursor.epoch, num_train_epochs)
-    epochs = epochs if state.step < total else ()  # resumed from the last step: nothing left
-    bar = tqdm(total=total, initial=state.step, desc="optimizer steps",
-               disable=not (progress and accelerator.is_main_process))
+    loss_fn = loss_fn or causal_lm_loss
+    run = _Run.start(accelerator, model, optimizer, train_dataloader, lr_scheduler, loss_fn, loss_normalization,
+                     max_train_steps, num_train_epochs, [profiler, *callbacks, checkpointer], checkpointer,
+                     resume_from, accumulation_schedule, lr_scaling, progress)
+    hooks, norm, state, result = run.hooks, run.norm, run.state, run.result
     model.train()
     restart_window_counter(accelerator)  # an earlier loop may have stopped mid-window; load_state restores it too
-    windows.start(state)  # the schedule's K for the steps done (0, or the resumed step)
+    run.windows.start(state)  # the schedule's K for the steps done (0, or the resumed step)
     hooks("on_train_begin", state)
-    warn_if_batchnorm_trains(accelerator, model, windows.schedule)  # after the hooks: a callback may freeze them
+    warn_if_batchnorm_trains(accelerator, model, run.windows.schedule)  # after the hooks: a callback may freeze them
     last = time.perf_counter()
     try:
-        for state.epoch in epochs:
-            for batch in norm.batches(cursor.batches(state.epoch)):  # set_epoch (reshuffle), skipping on resume
+        for state.epoch in run.epochs:
+            for batch in norm.batches(run.cursor.batches(state.epoch)):  # set_epoch (reshuffle), skipping on resume
                 with accelerator.accumulate(model):
                     state.boundary = accelerator.sync_gradients
-                    state.sync = state.boundary or plan.reduces_each_micro_batch()
+                    state.sync = state.boundary or run.plan.reduces_each_micro_batch()
                     hooks("on_micro_batch_begin", state)
                     summed_loss, num_items = loss_fn(model, batch)
                     hooks("on_forward_end", state)
@@ -240,28 +225,85 @@ def train_loop(
                         if lr_scheduler is not None:
                             lr_scheduler.step()
                         optimizer.zero_grad()
-                        state.step += 1
-                        windows.after_step(state)  # after finish: the closed window used its own K
-                        last = result.record(state.loss, state.window_tokens, state.accumulation_steps, since=last)
-                        hooks("on_step_end", state)  # the checkpointer saves here: .grad is empty
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{state.loss:.4f}", K=state.accumulation_steps)
-                if state.step >= total:
+                        last = run.close_window(last)  # the checkpointer saves in its on_step_end: .grad is empty
+                if state.step >= run.total:
                     break
-            if norm.pending:
-                raise RuntimeError(
-                    "the dataloader ended inside an accumulation window; pass it through accelerator.prepare "
-                    "and keep GradientAccumulationPlugin(sync_with_dataloader=True) so that Accelerate closes "
-                    "the last partial window"
-                )
-            result.epochs = state.epoch + 1
-            if state.step >= total:
+            run.end_epoch()
+            if state.step >= run.total:
                 break
     finally:  # also on an exception (e.g. a notebook interrupt): leave Accelerate's state clean
-        release_dataloader(accelerator, cursor.active)
+        release_dataloader(accelerator, run.cursor.active)
         if checkpointer is not None:
             checkpointer.close()
-        bar.close()
+        run.bar.close()
     result.micro_batches = state.micro_step
     hooks("on_train_end", state)
     return result
+
+
+@dataclass
+class _Run:
+    """One call of :func:`train_loop`: its plan, hooks, normaliser, K schedule, state, data position and results."""
+
+    plan: object
+    hooks: CallbackList
+    norm: object
+    windows: WindowSchedule
+    total: int
+    state: LoopState
+    cursor: DataCursor
+    result: LoopResult
+    epochs: object
+    bar: object
+
+    @classmethod
+    def start(cls, accelerator, model, optimizer, train_dataloader, lr_scheduler, loss_fn, loss_normalization,
+              max_train_steps, num_train_epochs, callbacks, checkpointer, resume_from, accumulation_schedule,
+              lr_scaling, progress) -> "_Run":
+        """Everything the loop needs before its first micro-batch; restores a checkpoint's state and history."""
+        plan = run_plan_of(accelerator)
+        # profiler first: it must see a step before others react to it; the checkpointer after the user's
+        # callbacks: it saves what they did; the engine's own last (DDP's static-graph first sync)
+        hooks = CallbackList([*callbacks, *plan.engine.loop_callbacks(accelerator, model)])
+        norm = plan.engine.window_normalizer(accelerator, loss_normalization, loss_fn)  # DeepSpeed: counts ahead
+        windows = WindowSchedule(accelerator, accumulation_schedule, optimizer, lr_scheduler, lr_scaling,
+                                 _examples_per_micro_batch(accelerator, train_dataloader))
+        total = max_train_steps or windows.total_steps(len(train_dataloader), num_train_epochs)
+        state, cursor = LoopState(), DataCursor(train_dataloader)
+        result = LoopResult(accumulation_schedule=schedule_pairs(windows.schedule))
+        if resume_from is not None:  # load_state, then the data position
+            saved = load_checkpoint(accelerator, resume_from, cursor, accumulation_schedule=windows.schedule)
+            result.restore(saved)
+            state.step, state.micro_step = saved["optimizer_steps"], saved["micro_batches"]
+        if checkpointer is not None:
+            checkpointer.attach(cursor, result)
+        epochs = itertools.count(cursor.epoch) if max_train_steps else range(cursor.epoch, num_train_epochs)
+        epochs = epochs if state.step < total else ()  # resumed from the last step: nothing left
+        bar = tqdm(total=total, initial=state.step, desc="optimizer steps",
+                   disable=not (progress and accelerator.is_main_process))
+        return cls(plan, hooks, norm, windows, total, state, cursor, result, epochs, bar)
+
+    def close_window(self, since: float) -> float:
+        """After the optimizer step: count it, set the next window's K, record it, call ``on_step_end``; returns now."""
+        state = self.state
+        state.step += 1
+        self.windows.after_step(state)  # after finish: the closed window used its own K
+        now = self.result.record(state.loss, state.window_tokens, state.accumulation_steps, since=since)
+        self.hooks("on_step_end", state)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{state.loss:.4f}", K=state.accumulation_steps)
+        return now
+
+    def end_epoch(self) -> None:
+        """After an epoch's batches: no window may be left open; count the epoch.
+
+        Raises:
+            RuntimeError: the dataloader ended inside a window (it was not prepared by Accelerate).
+        """
+        if self.norm.pending:
+            raise RuntimeError(
+                "the dataloader ended inside an accumulation window; pass it through accelerator.prepare "
+                "and keep GradientAccumulationPlugin(sync_with_dataloader=True) so that Accelerate closes "
+                "the last partial window"
+            )
+        self.result.epochs = self.state.epoch + 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 from accelerate.logging import get_logger
@@ -230,28 +231,27 @@ def _save_outputs(cfg: TrainConfig, accelerator, model, tokenizer, summary: dict
         logger.info("saved model, train_summary.json and all_results.json to %s", cfg.output_dir)
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Run the job described by ``cfg``; return the summary (also written to ``output_dir``).
+@dataclass
+class _Prepared:
+    """What :func:`_prepare` builds: the prepared objects, the run's length and what the summary reports of them."""
 
-    Raises:
-        UsageError: bad input, detected before any output is written.
-        ProcessCountError: the launcher and the Accelerator disagree on the process count.
-    """
-    from accelerate.utils import set_seed
+    tokenizer: object
+    model: object
+    optimizer: object
+    train_dl: object
+    eval_dl: object
+    lr_scheduler: object
+    steps: int  # optimizer steps of the run
+    data: tuple  # (train dataset, eval dataset, its source)
+    n_params: int
+
+
+def _prepare(cfg: TrainConfig, accelerator) -> _Prepared:
+    """Tokenizer, data, model, optimizer and LR scheduler, through ``accelerator.prepare`` (Accelerate's order)."""
     from transformers import get_scheduler
 
-    check_output_dir(cfg.output_dir)
-    check_writable(cfg.output_dir)
-    if cfg.trace_dir:
-        check_output_dir(cfg.trace_dir, flag="--trace_dir")
-    accelerator = _accelerator(cfg)
-    k = accelerator.run_plan.first_accumulation_steps
-    resume = _resume_path(cfg)
-    if resume is not None:  # before any work: the data position must mean the same examples
-        check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
-                        per_device_batch_size=cfg.per_device_train_batch_size,
-                        accumulation_schedule=accelerator.run_plan.schedule, engine=engine_name(accelerator))
-    set_seed(cfg.seed)
+    plan = accelerator.run_plan
+    k = plan.first_accumulation_steps
     tokenizer = build_tokenizer(cfg.tokenizer_name or cfg.model_name_or_path, use_slow_tokenizer=cfg.use_slow_tokenizer,
                                 trust_remote_code=cfg.trust_remote_code,
                                 flag="--tokenizer_name" if cfg.tokenizer_name else "--model_name_or_path")
@@ -264,73 +264,100 @@ def run(cfg: TrainConfig) -> dict:
     train_dl = DataLoader(train_ds, shuffle=True, collate_fn=collate, batch_size=cfg.per_device_train_batch_size)
     eval_dl = DataLoader(eval_ds, collate_fn=collate, batch_size=cfg.per_device_eval_batch_size)
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, _optimizer(model, cfg), train_dl, eval_dl)
-
-    schedule = accelerator.run_plan.schedule  # {step: K} or None (K constant)
-    steps = cfg.max_train_steps or scheduled_steps(len(train_dl), schedule or {0: k}, cfg.num_train_epochs)
+    steps = cfg.max_train_steps or scheduled_steps(len(train_dl), plan.schedule or {0: k}, cfg.num_train_epochs)
     # A prepared scheduler steps once per process per optimizer step (Accelerate's convention, every engine)
     lr_scheduler = accelerator.prepare(get_scheduler(
-        cfg.lr_scheduler_type, optimizer=optimizer,
-        num_warmup_steps=cfg.num_warmup_steps * accelerator.num_processes,
-        num_training_steps=steps * accelerator.num_processes,
-    ))
+        cfg.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=cfg.num_warmup_steps * accelerator.num_processes,
+        num_training_steps=steps * accelerator.num_processes))
     n_params = count_parameters(model)
-    effective_batch = cfg.per_device_train_batch_size * k * accelerator.num_processes
     logger.info("%d processes (%s), K=%s, effective batch %d examples, %d optimizer steps, %.2fM parameters, data %s",
-                accelerator.num_processes, accelerator.distributed_type,
-                k if schedule is None else f"{k} at first (schedule {schedule_pairs(schedule)}, lr_scaling {cfg.lr_scaling})",
-                effective_batch, steps, n_params / 1e6, source)
+                accelerator.num_processes, plan.engine.label, k if plan.schedule is None else
+                f"{k} at first (schedule {schedule_pairs(plan.schedule)}, lr_scaling {cfg.lr_scaling})",
+                cfg.per_device_train_batch_size * k * accelerator.num_processes, steps, n_params / 1e6, source)
+    return _Prepared(tokenizer, model, optimizer, train_dl, eval_dl, lr_scheduler, steps, (train_ds, eval_ds, source),
+                     n_params)
 
-    profiler, switches = _profiling(cfg, accelerator, model, steps)
 
+def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared):
+    """The job's loop callbacks: logging, held memory (with its prediction), the profiler's switches, tracking,
+    the compile watch. Returns ``(callbacks, profiler, switches, held, watch)`` (None where not asked for)."""
+    plan, k = accelerator.run_plan, accelerator.run_plan.first_accumulation_steps
+    profiler, switches = _profiling(cfg, accelerator, run.model, run.steps)
     # what the windows hold between micro-batches, with the prediction beside it (train_summary.json["memory"])
-    k_max = max(schedule.values()) if schedule else k  # a schedule's largest window holds the most
-    held = HeldMemory(accelerator, model, lambda: predicted_memory(accelerator, model, k_max))
-    callbacks = [LogEvery(accelerator, lr_scheduler, cfg.logging_steps), held, *switches]
+    k_max = max(plan.schedule.values()) if plan.schedule else k  # a schedule's largest window holds the most
+    held = HeldMemory(accelerator, run.model, lambda: predicted_memory(accelerator, run.model, k_max))
+    callbacks = [LogEvery(accelerator, run.lr_scheduler, cfg.logging_steps), held, *switches]
     if cfg.with_tracking:  # hyperparameters as the tracker's config; figures per step via TrackerLogger
         accelerator.init_trackers("accum_kit", config={
             "gradient_accumulation_steps": k, "world_size": accelerator.num_processes,
-            "per_device_train_batch_size": cfg.per_device_train_batch_size, "effective_batch_size": effective_batch,
+            "per_device_train_batch_size": cfg.per_device_train_batch_size,
+            "effective_batch_size": cfg.per_device_train_batch_size * k * accelerator.num_processes,
             "loss_normalization": cfg.loss_normalization, "lr_scaling": cfg.lr_scaling,
-            "accumulation_schedule": str(schedule_pairs(schedule)) if schedule else "none",
+            "accumulation_schedule": str(schedule_pairs(plan.schedule)) if plan.schedule else "none",
             "tracking": cfg.report_to if cfg.with_tracking else None, "learning_rate": cfg.learning_rate,
             "mixed_precision": accelerator.mixed_precision, "model": _model_name(cfg),
             "block_size": cfg.block_size, "seed": cfg.seed})
-        callbacks.append(TrackerLogger(accelerator, optimizer, profiler))  # logs K and the effective batch per step
-    compiled = compile_settings(accelerator)
-    watch = CompileWatch(warmup_steps=1) if compiled else None  # before the first compiled call (the evaluation)
+        callbacks.append(TrackerLogger(accelerator, run.optimizer, profiler))  # logs K and the effective batch per step
+    watch = CompileWatch(warmup_steps=1) if compile_settings(accelerator) else None  # before the first compiled call
     if watch is not None:
         callbacks.append(watch)
-    eval_before, ppl_before = evaluate_loss(accelerator, model, eval_dl)
-    logger.info("eval loss before training: %.4f (perplexity %.2f)", eval_before, ppl_before)
-    accelerator.log({"eval/loss": eval_before, "eval/perplexity": ppl_before}, step=0)
+    return callbacks, profiler, switches, held, watch
+
+
+def _evaluate(accelerator, run: _Prepared, when: str, step: int) -> tuple[float, float]:
+    """Validation loss and perplexity, logged (``when``: "before" or "after" training) at optimizer step ``step``."""
+    loss, ppl = evaluate_loss(accelerator, run.model, run.eval_dl)
+    logger.info("eval loss %s training: %.4f (perplexity %.2f)", when, loss, ppl)
+    accelerator.log({"eval/loss": loss, "eval/perplexity": ppl}, step=step)
+    return loss, ppl
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Run the job described by ``cfg``; return the summary (also written to ``output_dir``).
+
+    Raises:
+        UsageError: bad input, detected before any output is written.
+        ProcessCountError: the launcher and the Accelerator disagree on the process count.
+    """
+    from accelerate.utils import set_seed
+
+    check_output_dir(cfg.output_dir)
+    check_writable(cfg.output_dir)
+    if cfg.trace_dir:
+        check_output_dir(cfg.trace_dir, flag="--trace_dir")
+    accelerator = _accelerator(cfg)
+    plan, k = accelerator.run_plan, accelerator.run_plan.first_accumulation_steps
+    resume = _resume_path(cfg)
+    if resume is not None:  # before any work: the data position must mean the same examples
+        check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
+                        per_device_batch_size=cfg.per_device_train_batch_size, accumulation_schedule=plan.schedule,
+                        engine=engine_name(accelerator))
+    set_seed(cfg.seed)
+    run = _prepare(cfg, accelerator)
+    callbacks, profiler, switches, held, watch = _callbacks(cfg, accelerator, run)
+    before = _evaluate(accelerator, run, "before", 0)
     checkpointer = Checkpointer(accelerator, cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit)
     try:
-        result = train_loop(
-            accelerator, model, optimizer, train_dl, lr_scheduler=lr_scheduler, max_train_steps=steps,
-            max_grad_norm=cfg.max_grad_norm, loss_normalization=cfg.loss_normalization,
-            callbacks=callbacks, profiler=profiler,
-            checkpointer=checkpointer, resume_from=resume, lr_scaling=cfg.lr_scaling,
-        )
+        result = train_loop(accelerator, run.model, run.optimizer, run.train_dl, lr_scheduler=run.lr_scheduler,
+                            max_train_steps=run.steps, max_grad_norm=cfg.max_grad_norm,
+                            loss_normalization=cfg.loss_normalization, callbacks=callbacks, profiler=profiler,
+                            checkpointer=checkpointer, resume_from=resume, lr_scaling=cfg.lr_scaling)
     except Preempted:
         accelerator.end_training()
         raise
-    eval_after, ppl_after = evaluate_loss(accelerator, model, eval_dl)
-    logger.info("eval loss after training: %.4f (perplexity %.2f)", eval_after, ppl_after)
-    accelerator.log({"eval/loss": eval_after, "eval/perplexity": ppl_after}, step=result.optimizer_steps)
-    comm = _comm_block(profiler, switches, optimizer_steps_per_epoch(len(train_dl), k), accelerator)
+    after = _evaluate(accelerator, run, "after", result.optimizer_steps)
+    comm = _comm_block(profiler, switches, optimizer_steps_per_epoch(len(run.train_dl), k), accelerator)
     if comm is not None and "speedup" in comm:
         accelerator.log({"comm/ab_speedup": comm["speedup"]}, step=result.optimizer_steps)
-
-    summary = _summary(cfg, accelerator, result, k=k, schedule=schedule, checkpointer=checkpointer, resume=resume,
-                       evals=(eval_before, eval_after, ppl_before, ppl_after), data=(train_ds, eval_ds, source),
-                       n_params=n_params)
+    summary = _summary(cfg, accelerator, result, k=k, schedule=plan.schedule, checkpointer=checkpointer, resume=resume,
+                       evals=(before[0], after[0], before[1], after[1]), data=run.data, n_params=run.n_params)
     if comm is not None:
         summary["comm"] = comm
-    summary["compile"] = {**compiled, **watch.summary()} if watch is not None else None  # the last eval counted too
-    if watch is not None:
+    summary["compile"] = {**compile_settings(accelerator), **watch.summary()} if watch is not None else None
+    if watch is not None:  # the last evaluation counted too
         watch.close()
     summary["memory"] = held.summary()  # collective
-    _save_outputs(cfg, accelerator, model, tokenizer, summary)
+    _save_outputs(cfg, accelerator, run.model, run.tokenizer, summary)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
