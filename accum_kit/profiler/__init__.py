@@ -252,6 +252,7 @@ class CommProfiler(LoopCallback):
         self.phases.on_step_begin(state)
 
     def on_step_end(self, state):
+        self.collectives.flush()  # CUDA: the step's collectives into the aggregates (bounded pending events)
         self.phases.on_step_end(state)
         if self.trace is not None:
             self.trace.on_step_end(state)  # advances the trace schedule, enabled or not
@@ -295,6 +296,7 @@ class CommProfiler(LoopCallback):
         ``from_records=True`` computes them from the raw records kept instead, which cover the
         whole run only while it made fewer than ``keep_records`` of each kind.
         """
+        self.collectives.flush()  # CUDA-timed collectives reach the aggregates only when flushed
         records = (self.records(mode=self.mode, tag=tag) if from_records
                    else self.aggregates.figures(mode=self.mode, tag=tag))
         out = local_summary(records, mode=self.mode, world_size=self.world_size, distributed=self.distributed)

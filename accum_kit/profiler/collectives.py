@@ -240,14 +240,20 @@ class CollectiveRecorder:
         with self._lock:
             self._pending.append((fields, begin, end))
 
-    @property
-    def calls(self) -> list[CollectiveCall]:
-        """The most recent recorded collectives (``keep_records`` of them; a copy); waits for pending CUDA ones."""
+    def flush(self) -> None:
+        """Turn the CUDA-timed calls into records, waiting for their end events; until then neither the records
+        nor the sink (the profiler's aggregates, which its summary reads) hold them. The profiler flushes at
+        every optimizer step and before a summary."""
         with self._lock:
             pending, self._pending = self._pending, []
         for fields, begin, end in pending:
             end.synchronize()
             self.add(CollectiveCall(**fields, seconds=begin.elapsed_time(end) / 1000))
+
+    @property
+    def calls(self) -> list[CollectiveCall]:
+        """The most recent recorded collectives (``keep_records`` of them; a copy); waits for pending CUDA ones."""
+        self.flush()
         with self._lock:
             return list(self._calls)
 
