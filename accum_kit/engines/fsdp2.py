@@ -122,13 +122,19 @@ class FSDP2Engine(Engine):
 
             raise UsageError(flag_of(next(iter(ddp_kwargs))), "is a DDP setting and has no effect under FSDP2",
                              "drop it, or launch with a DDP config (accelerate_configs/cpu_ddp.yaml)")
-        if world_size < 2 and on_cpu:
+        self._alone_on_cpu = world_size < 2 and on_cpu  # refused once the plugin is checked (accelerator_kwargs)
+
+    def accelerator_kwargs(self, kwargs, *, accumulation_steps, policy, max_grad_norm, mixed_precision):
+        """The checked plugin (:func:`fsdp_plugin_for`) into ``kwargs``; then FSDP on CPU with one process is refused.
+
+        Raises:
+            UsageError: see :func:`fsdp_plugin_for`; ``--num_processes`` for one CPU process.
+        """
+        kwargs["fsdp_plugin"] = self.plugin = fsdp_plugin_for(policy, self.plugin, mixed_precision)
+        if getattr(self, "_alone_on_cpu", False):
             raise UsageError("--num_processes", "FSDP on CPU needs at least 2 processes (one process has nothing "
                              "to shard with, and Accelerate would run it unsharded)",
                              "launch 2 or more processes, or use accelerate_configs/cpu_single.yaml")
-
-    def accelerator_kwargs(self, kwargs, *, accumulation_steps, policy, max_grad_norm, mixed_precision):
-        kwargs["fsdp_plugin"] = self.plugin = fsdp_plugin_for(policy, self.plugin, mixed_precision)
         return kwargs
 
     def parallelism_config(self, on_cpu: bool):
@@ -229,6 +235,13 @@ class FSDP2Engine(Engine):
                 "param_dtype": str(mp.param_dtype).replace("torch.", "") if mp.param_dtype else None,
                 "reduce_dtype": str(mp.reduce_dtype).replace("torch.", "") if mp.reduce_dtype else None},
         }}
+
+    def profiler_part(self, profiler):
+        """:class:`accum_kit.profiler.parts.CollectivePart`: every unit's all-gather and reduce-scatter (and HSDP's
+        all-reduce across replicas) on the run's mesh."""
+        from ..profiler.parts import CollectivePart
+
+        return CollectivePart(profiler, self.mesh(profiler.accelerator))
 
 
 def policy_name(accelerator) -> str:
