@@ -174,8 +174,11 @@ class EmulatedInterNodeLink:
         self._inner = None
 
     def delay(self, nbytes: int, replicas: int) -> float:
-        """Seconds a ring all-reduce of ``nbytes`` over ``replicas`` processes takes at the emulated busbw."""
-        return 2 * (replicas - 1) / replicas * nbytes / (self.GBps * 1e9)
+        """Seconds a ring all-reduce of ``nbytes`` over ``replicas`` processes takes at the emulated busbw
+        (:func:`accum_kit.engines.costs.all_reduce_seconds`)."""
+        from .costs import all_reduce_seconds
+
+        return all_reduce_seconds(nbytes, replicas, self.GBps)
 
     def install(self) -> "EmulatedInterNodeLink":
         import time
