@@ -2,14 +2,20 @@
 
 :class:`CommProfiler` is the front: it records, for every gradient bucket
 DDP all-reduces (or, under FSDP2, every all-gather and reduce-scatter of
-every unit), the optimizer step and micro-batch it belongs to, its size
-in bytes and its latency in seconds; used as a :func:`accum_kit.train_loop`
-callback it also times the forward, backward and optimizer phases of every
-micro-batch, tagged sync or no-sync. The parts, each usable on its own:
+every unit; under DeepSpeed, every collective of its communication backend),
+the optimizer step and micro-batch it belongs to, its size in bytes and its
+latency in seconds; used as a :func:`accum_kit.train_loop` callback it also
+times the forward, backward and optimizer phases of every micro-batch,
+tagged sync or no-sync. What differs by engine is the engine's part
+(:mod:`.parts`, returned by :meth:`accum_kit.engines.base.Engine.profiler_part`).
+The pieces, each usable on its own:
 
+- :mod:`.parts`: one part per engine (which recorder it attaches, its summary keys);
 - :mod:`.buckets`: :class:`BucketRecorder`, the DDP comm hook;
 - :mod:`.collectives`: :class:`CollectiveRecorder`, FSDP2's custom all-gather
   and reduce-scatter objects; :mod:`.sharded`: their report;
+- :mod:`.deepspeed_comm`: :class:`~accum_kit.profiler.deepspeed_comm.ZeroRecorder`, DeepSpeed's
+  communication backend, and its report;
 - :mod:`.phases`: :class:`PhaseTimer`, the phase timing loop callback;
 - :mod:`.trace`: :class:`StepTrace`, a ``torch.profiler`` Chrome trace through
   Accelerate's ``ProfileKwargs`` / ``accelerator.profile()``;
@@ -24,29 +30,19 @@ micro-batch, tagged sync or no-sync. The parts, each usable on its own:
 
 from __future__ import annotations
 
-import torch
-
 from .. import checks
 from ..core.callbacks import LoopCallback
 from ..compat import sync_each_batch
-from ..engines.mesh import run_mesh
-from .accumulation import GradAccumulationTimer
 from .aggregates import RunningAggregates
 from .buckets import BucketRecorder, allreduce_mean_hook
 from .collectives import CollectiveRecorder
+from .parts import part_for
 from .phases import PhaseTimer
 from .records import COLLECTIVES, KEEP_RECORDS, MODES, BucketCall, CollectiveCall, Labels, MicroBatchTimes, PostBackwardTime, ProfileRecords, StepTimes
 from .report import format_table, local_summary, summarize_processes
 from .sharded import sharded_summary
-from .deepspeed_comm import ZeroRecorder, zero_summary
 from .switches import ABSwitch, AlternatingWindows, OverheadSwitch
 from .trace import StepTrace
-
-#: DDP's all-reduce keys of the summary, left out under FSDP2 (which reduce-scatters instead; the
-#: "upper" estimate assumes no local work around the collective, which FSDP2's copy-in contradicts).
-ALLREDUCE_KEYS = ("allreduce_calls", "allreduce_bytes", "allreduce_seconds", "allreduce_calls_per_step",
-                  "allreduce_bytes_per_step", "allreduce_calls_per_sync", "algbw_GBps", "busbw_GBps",
-                  "estimated_seconds_saved_upper")
 
 __all__ = [
     "ABSwitch", "AlternatingWindows", "BucketCall", "BucketRecorder", "COLLECTIVES", "CollectiveCall",
@@ -57,7 +53,8 @@ __all__ = [
 
 
 class CommProfiler(LoopCallback):
-    """Records every DDP gradient all-reduce (FSDP2: all-gather and reduce-scatter) and the phase times.
+    """Records every DDP gradient all-reduce (FSDP2: all-gather and reduce-scatter; DeepSpeed: its collectives)
+    and the phase times.
 
     Memory stays bounded whatever the run's length: every record is folded
     into running aggregates (:class:`RunningAggregates`), from which the
@@ -74,11 +71,15 @@ class CommProfiler(LoopCallback):
 
     Args:
         accelerator: the ``accelerate.Accelerator`` that prepared ``model``.
-        model: the prepared model; without DDP or FSDP2 (one process) nothing is
-            registered and the report shows zero communication. Under FSDP2
-            (``accelerator.is_fsdp2``) every unit's all-gather and reduce-scatter
-            objects are wrapped (:class:`CollectiveRecorder`) and the summary
-            gains the keys of :func:`accum_kit.profiler.sharded.sharded_summary`.
+        model: the prepared model. The run's engine says what is recorded of it
+            (its part, :mod:`.parts`): a DDP model's buckets through the comm hook;
+            under FSDP2 every unit's all-gather and reduce-scatter objects
+            (:class:`CollectiveRecorder`), the summary then having the keys of
+            :func:`accum_kit.profiler.sharded.sharded_summary` instead of DDP's
+            all-reduce ones; under DeepSpeed its communication backend (those of
+            :func:`accum_kit.profiler.deepspeed_comm.zero_summary`). One process, or
+            a model that is not DDP: nothing is registered and the report shows zero
+            communication.
         hook: a DDP comm hook ``hook(state, bucket) -> Future`` to wrap, such
             as ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook``;
             default: plain all-reduce with mean (DDP's own default). Not for FSDP2.
@@ -93,7 +94,8 @@ class CommProfiler(LoopCallback):
         synchronize: call ``torch.cuda.synchronize()`` at phase boundaries on
             CUDA so phase times are real (default: on when the device is CUDA).
         distributed: whether the loop synchronises gradients over processes;
-            default: True when ``model`` is DDP. Pass True for a plain model whose
+            default: the engine's part says (True for a DDP, FSDP2 or DeepSpeed model
+            on several processes). Pass True for a plain model whose
             loop all-reduces the gradients itself, and report each of those
             all-reduces with :meth:`record_allreduce`.
         keep_records: raw records of each kind kept, the most recent
@@ -101,6 +103,10 @@ class CommProfiler(LoopCallback):
             read them all, such as the bench).
 
     Attributes:
+        part: the engine's :class:`accum_kit.profiler.parts.RecorderPart`.
+        is_ddp: the part registers DDP's comm hook on the model (the model is DDP).
+        replicate_size, shard_size: the mesh of the summary's bandwidths (HSDP's R and S; 1 and W otherwise).
+        accumulation: the part's gradient accumulation timer (FSDP2 on CPU), or None.
         mode: ``"no_sync"`` or ``"sync_each_batch"``, stamped on new records
             (initially the accelerator's ``sync_each_batch`` setting; the
             :class:`ABSwitch` changes it). Summaries cover the current mode.
@@ -120,38 +126,38 @@ class CommProfiler(LoopCallback):
                  trace_wait=1, synchronize=None, distributed=None, keep_records: int | None = KEEP_RECORDS):
         self.accelerator, self.model = accelerator, model
         self.world_size = accelerator.num_processes
-        self.sharded = bool(getattr(accelerator, "is_fsdp2", False)) and self.world_size > 1
-        mesh = run_mesh(accelerator)
-        #: HSDP's replicas R and shard group S (plain FSDP2: 1 and W; DDP: 1 and W, unused)
-        self.replicate_size = mesh.replicate if mesh is not None else 1
-        self.shard_size = self.world_size // self.replicate_size
-        # torch.compile(DDP(model)) (Accelerate's dynamo plugin) forwards attributes to the DDP model it wraps
-        self.is_ddp = isinstance(getattr(model, "_orig_mod", model), torch.nn.parallel.DistributedDataParallel)
-        #: DeepSpeed's collectives are recorded through its communication backend (:mod:`.zero`)
-        self.deepspeed = getattr(accelerator, "deepspeed_plugin", None) is not None and self.world_size > 1
-        self.distributed = (self.sharded or self.is_ddp or self.deepspeed) if distributed is None else bool(distributed)
-        if self.sharded and hook is not None:
-            raise ValueError("hook= wraps a DDP comm hook, and FSDP2 has none; the profiler records FSDP2's "
-                             "all-gathers and reduce-scatters through FSDPModule.set_custom_all_gather / "
-                             "set_custom_reduce_scatter")
+        self.keep_records = keep_records
         self.labels = Labels(mode=MODES[sync_each_batch(accelerator)])
         self.aggregates = RunningAggregates()
         sink = self.aggregates.add
         self.buckets = BucketRecorder(self.labels, hook, hook_state, keep_records=keep_records, sink=sink)
         self.collectives = CollectiveRecorder(self.labels, keep_records=keep_records, sink=sink)
+        self.part = part_for(self)  # the engine's: what is attached to the model, what the summary says
+        self.part.check_hook(hook)
+        self.distributed = self.part.distributed if distributed is None else bool(distributed)
         if synchronize is None:
             synchronize = accelerator.device.type == "cuda"
-        # FSDP2 on CPU: autograd's add into the unsharded gradients, a term of the no_sync estimate
-        self.accumulation = (GradAccumulationTimer(lambda: self.labels.enabled)
-                             if self.sharded and accelerator.device.type == "cpu" else None)
+        self.accumulation = self.part.accumulation
         self.phases = PhaseTimer(self.labels, synchronize=synchronize, keep_records=keep_records, sink=sink,
                                  accumulation=self.accumulation)
         self.trace = StepTrace(accelerator, trace_dir, trace_steps, trace_wait) if trace_dir else None
-        self.zero = ZeroRecorder(self.labels, keep_records) if self.deepspeed else None
-        if self.zero is not None:  # the engine's ZeRO optimizer: its reduction path is timed too
-            self.zero.watch(getattr(model, "optimizer", None))
         self._attached = False
         self._paused = False  # recording paused for a static-graph DDP model's priming sync
+
+    @property
+    def is_ddp(self) -> bool:
+        """Whether the part registers DDP's comm hook on the model (the model is DDP)."""
+        return self.part.hooked
+
+    @property
+    def replicate_size(self) -> int:
+        """R, processes holding the same shard (HSDP's replicas; 1 otherwise)."""
+        return self.part.replicate_size
+
+    @property
+    def shard_size(self) -> int:
+        """S, processes in each all-gather and reduce-scatter (the world unless HSDP)."""
+        return self.part.shard_size
 
     # ---- labels --------------------------------------------------------------------------
     @property
@@ -185,30 +191,24 @@ class CommProfiler(LoopCallback):
 
     # ---- attaching -------------------------------------------------------------------------
     def attach(self) -> "CommProfiler":
-        """Register the comm hook (DDP) or the collective recorders (FSDP2) and start the trace if asked; idempotent."""
+        """Attach the engine's part (DDP: the comm hook; FSDP2: the collective recorders; DeepSpeed: its
+        communication backend) and start the trace if asked; idempotent (a later call re-attaches what
+        :meth:`detach` gave back)."""
         if self._attached:
-            self.collectives.hook_all_reduce()  # given back by detach
-            if self.zero is not None:
-                self.zero.register()
+            self.part.reattach()
             return self
-        if self.sharded:
-            self.collectives.register(self.model)
-        elif self.zero is not None:
-            self.zero.register()
-        elif self.is_ddp:
-            self.buckets.register(self.model)
+        self.part.attach()
         if self.trace is not None:
             self.trace.start()
         self._attached = True
         return self
 
     def detach(self) -> None:
-        """Stop recording and write the trace (the DDP hook and FSDP2 recorders stay, passing calls through;
-        HSDP's wrapped ``torch.distributed.all_reduce`` is given back)."""
+        """Stop recording and write the trace; the part gives back what must not outlive the profiling (the DDP
+        hook and FSDP2 recorders stay, passing calls through; HSDP's wrapped ``torch.distributed.all_reduce``
+        and DeepSpeed's backend methods are given back)."""
         self.enabled = False
-        self.collectives.unregister()
-        if self.zero is not None:
-            self.zero.unregister()
+        self.part.detach()
         if self.trace is not None:
             self.trace.stop()
 
@@ -237,8 +237,8 @@ class CommProfiler(LoopCallback):
         self.phases.on_micro_batch_begin(state)
 
     def on_forward_end(self, state):
-        if self.accumulation is not None and self._attached:  # the units' unsharded parameters exist from now
-            self.accumulation.install(self.collectives.groups)
+        if self._attached:
+            self.part.on_forward_end()
         self.phases.on_forward_end(state)
 
     def on_backward_end(self, state):
@@ -268,8 +268,9 @@ class CommProfiler(LoopCallback):
 
     @property
     def collective_calls(self) -> list[CollectiveCall]:
-        """FSDP2's recorded all-gathers and reduce-scatters, or DeepSpeed's collectives (empty under DDP)."""
-        return self.collectives.calls + (self.zero.calls if self.zero is not None else [])
+        """The collectives recorded: the collective recorder's (FSDP2's all-gathers and reduce-scatters) and the
+        part's own recorder's (DeepSpeed's); empty under DDP."""
+        return self.collectives.calls + self.part.calls()
 
     @property
     def micro_batches(self) -> list[MicroBatchTimes]:
@@ -289,9 +290,12 @@ class CommProfiler(LoopCallback):
     def local_summary(self, tag: str | None = None, *, from_records: bool = False) -> dict:
         """This process's figures for the records of the current ``mode`` (and of ``tag``, if given), whole run.
 
-        See :func:`accum_kit.profiler.report.local_summary` for the keys, and under FSDP2
-        :func:`accum_kit.profiler.sharded.sharded_summary` for those it adds or redefines
-        (``syncs`` are then backward passes that reduce-scattered). Computed from the running
+        The engine's part builds it (:meth:`accum_kit.profiler.parts.RecorderPart.summary`): the keys of
+        :func:`accum_kit.profiler.report.common_summary`, and DDP's all-reduce ones
+        (:func:`accum_kit.profiler.report.allreduce_summary`), or under FSDP2 those of
+        :func:`accum_kit.profiler.sharded.sharded_summary` (``syncs`` are then backward passes that
+        reduce-scattered), or under DeepSpeed those of :func:`accum_kit.profiler.deepspeed_comm.zero_summary`
+        (from its raw records kept). Computed from the running
         aggregates (medians exact up to 2,048 samples, then within 1 %: see :mod:`.quantiles`);
         ``from_records=True`` computes them from the raw records kept instead, which cover the
         whole run only while it made fewer than ``keep_records`` of each kind.
@@ -299,23 +303,14 @@ class CommProfiler(LoopCallback):
         self.collectives.flush()  # CUDA-timed collectives reach the aggregates only when flushed
         records = (self.records(mode=self.mode, tag=tag) if from_records
                    else self.aggregates.figures(mode=self.mode, tag=tag))
-        out = local_summary(records, mode=self.mode, world_size=self.world_size, distributed=self.distributed)
-        if self.deepspeed:  # DeepSpeed: per kind, from the raw records kept (see accum_kit.profiler.deepspeed_comm)
-            for key in ALLREDUCE_KEYS:
-                out.pop(key, None)
-            kept = self.records(mode=self.mode, tag=tag)
-            mine = [c for c in self.zero.calls if c.mode == self.mode and (tag is None or c.tag == tag)]
-            reductions = [c for c in self.zero.reductions if c.mode == self.mode and (tag is None or c.tag == tag)]
-            inside = [c for c in self.zero.inside_reduction if c.mode == self.mode and (tag is None or c.tag == tag)]
-            out.update(zero_summary(mine, steps=len(kept.steps), world_size=self.world_size,
-                                    stage=self.accelerator.deepspeed_plugin.zero_stage, reductions=reductions,
-                                    inside=inside))
-        if self.sharded:
-            for key in ALLREDUCE_KEYS:  # DDP's all-reduce: FSDP2 has none
-                out.pop(key, None)
-            out.update(sharded_summary(records, shard_size=self.shard_size, replicate_size=self.replicate_size,
-                                       units=self.collectives.unit_info()))
-        return out
+        return self.part.summary(records, tag)
+
+    def step_figures(self, step: int) -> dict:
+        """The collectives of optimizer step ``step`` (0-based) as the engine's part counts them, for a tracker:
+        DDP ``allreduce_calls`` / ``allreduce_bytes``; FSDP2 ``reduce_scatter_*`` and ``all_gather_*`` (and
+        under HSDP ``all_reduce_*``, ``shard_seconds``, ``replicate_seconds``); see
+        :meth:`accum_kit.profiler.parts.RecorderPart.step_figures`. Reads the recent records from the newest back."""
+        return self.part.step_figures(step)
 
     def summary(self, tag: str | None = None) -> dict:
         """The ``comm`` block: :meth:`local_summary` of every process, min / median / max over them.

@@ -204,7 +204,7 @@ class RunningAggregates:
             o.ag_calls += 1
             b.ag_busy.add(c.start, c.start + c.seconds)
             b.ag_units.setdefault(c.unit, self._sketch()).add(c.seconds)
-        elif c.kind == "all_reduce":  # HSDP: a shard all-reduced across replicas
+        elif c.kind == "all_reduce":  # a reduce-scattered shard all-reduced across replicas (a 2-D mesh)
             o.ar_calls += 1
             o.ar_seconds += c.seconds
         else:

@@ -224,3 +224,18 @@ class ProfileRecords:
         return ProfileRecords([r for r in self.calls if keep(r)], [r for r in self.micro_batches if keep(r)],
                               [r for r in self.steps if keep(r)], [r for r in self.collectives if keep(r)],
                               [r for r in self.post_backwards if keep(r)])
+
+
+def of_step(records: list, step: int) -> list:
+    """The records of optimizer step ``step`` among ``records`` (in order), read from the newest back.
+
+    ``records`` is any list of records with a ``step`` field, oldest first (what the recorders keep);
+    reading stops at the first older step, so the cost does not grow with the run.
+    """
+    out = []
+    for r in reversed(records):
+        if r.step < step:
+            break
+        if r.step == step:
+            out.append(r)
+    return out[::-1]

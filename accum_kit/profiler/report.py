@@ -24,11 +24,15 @@ from .records import ProfileRecords
 
 GB = 1e9
 
-__all__ = ["GB", "busy_seconds", "format_table", "local_summary", "summarize_processes"]
+__all__ = ["GB", "allreduce_summary", "busy_seconds", "common_summary", "figures_of", "format_table",
+           "local_summary", "summarize_processes"]
 
 
 def local_summary(records: ProfileRecords | Figures, *, mode: str, world_size: int, distributed: bool) -> dict:
-    """One process's figures (seconds, bytes, GB/s) from its records of one mode.
+    """One process's figures (seconds, bytes, GB/s) from its records of one mode, as DDP reports them.
+
+    :func:`common_summary` (what every engine reports) and :func:`allreduce_summary` (DDP's
+    bucket all-reduces) together: the summary of :class:`accum_kit.profiler.parts.BucketPart`.
 
     Args:
         records: the process's records, already selected (one mode, maybe one tag), or
@@ -38,25 +42,34 @@ def local_summary(records: ProfileRecords | Figures, *, mode: str, world_size: i
         world_size: processes in the all-reduce (n of busbw).
         distributed: False when the model is not DDP: nothing was skipped.
 
-    Keys: ``allreduce_calls``, ``allreduce_bytes``, ``allreduce_seconds``
-    (sum of bucket latencies), ``syncs`` (backward passes that all-reduced),
-    ``allreduce_calls_per_step``, ``allreduce_bytes_per_step``,
-    ``allreduce_calls_per_sync`` (median buckets per sync: DDP rebuilds its
-    buckets after the first iteration, so the first sync may differ),
-    ``seconds_per_sync`` (time with at least one bucket all-reduce in
-    flight, median over syncs; the union of the bucket intervals, so
-    queued buckets are not counted twice and the gaps between buckets are
-    left out), ``algbw_GBps`` = bytes / that time summed over syncs,
-    ``busbw_GBps``, ``skipped_syncs``, ``exposed_comm_seconds`` (per sync),
-    ``overlap_fraction``, ``estimated_seconds_saved`` (whole run,
-    exposed-time estimate), ``estimated_seconds_saved_upper`` (full latency),
-    ``estimated_seconds_saved_per_step``, ``forward_seconds``,
-    ``backward_seconds_sync``, ``backward_seconds_no_sync``,
-    ``optimizer_seconds``, ``seconds_per_step`` (medians per micro-batch / step).
+    Keys: those of :func:`common_summary` and :func:`allreduce_summary`.
     """
-    f = records if isinstance(records, Figures) else from_records(records)
-    algbw = f.allreduce_bytes / f.busy_seconds / GB if f.busy_seconds > 0 else 0.0
-    n = world_size
+    f = figures_of(records)
+    return {**common_summary(f, mode=mode, world_size=world_size, distributed=distributed),
+            **allreduce_summary(f, world_size=world_size, distributed=distributed)}
+
+
+def figures_of(records: ProfileRecords | Figures) -> Figures:
+    """``records`` as :class:`accum_kit.profiler.figures.Figures` (computed from raw records, or already figures)."""
+    return records if isinstance(records, Figures) else from_records(records)
+
+
+def common_summary(records: ProfileRecords | Figures, *, mode: str, world_size: int, distributed: bool) -> dict:
+    """The figures every engine's summary has (an engine's part may redefine some: see :mod:`.parts`).
+
+    Args: as :func:`local_summary`.
+
+    Keys: ``world_size``, ``mode``, ``optimizer_steps``, ``micro_batches``, ``syncs`` (backward
+    passes that all-reduced buckets), ``seconds_per_sync`` (time with at least one bucket
+    all-reduce in flight, median over syncs; the union of the bucket intervals, so queued buckets
+    are not counted twice and the gaps between buckets are left out), ``skipped_syncs``,
+    ``exposed_comm_seconds`` (per sync: median backward of sync minus no-sync micro-batches, when
+    buckets were all-reduced), ``overlap_fraction``, ``estimated_seconds_saved`` (whole run,
+    exposed-time estimate), ``estimated_seconds_saved_per_step``, ``forward_seconds``,
+    ``backward_seconds_sync``, ``backward_seconds_no_sync``, ``optimizer_seconds``,
+    ``seconds_per_step`` (medians per micro-batch / step).
+    """
+    f = figures_of(records)
     bwd_sync, bwd_nosync, per_sync = f.backward_sync, f.backward_no_sync, f.seconds_per_sync
     exposed = (max(bwd_sync - bwd_nosync, 0.0)
                if (bwd_sync is not None and bwd_nosync is not None and f.allreduce_calls) else None)
@@ -64,33 +77,54 @@ def local_summary(records: ProfileRecords | Figures, *, mode: str, world_size: i
     n_steps = f.optimizer_steps or f.call_steps or 1
     nothing_skipped = 0.0 if not distributed else None  # one process: no saving, rather than unknown
     return {
-        "world_size": n,
+        "world_size": world_size,
         "mode": mode,
         "optimizer_steps": f.optimizer_steps,
         "micro_batches": f.micro_batches,
-        "allreduce_calls": f.allreduce_calls,
-        "allreduce_bytes": f.allreduce_bytes,
-        "allreduce_seconds": f.allreduce_seconds,
         "syncs": f.syncs,
-        "allreduce_calls_per_step": f.allreduce_calls / n_steps,
-        "allreduce_bytes_per_step": f.allreduce_bytes / n_steps,
-        "allreduce_calls_per_sync": f.calls_per_sync or 0,
         "seconds_per_sync": per_sync or 0.0,
-        "algbw_GBps": algbw,
-        "busbw_GBps": bus_bandwidth(algbw, "all_reduce", n) if n > 1 else 0.0,
         "skipped_syncs": skipped,
         "exposed_comm_seconds": exposed if distributed else 0.0,
         # Exposed time can exceed the all-reduce's own span: it also holds the wait for slower
         # processes to reach the sync. Overlap is then 0, not negative.
         "overlap_fraction": max(0.0, 1 - exposed / per_sync) if (exposed is not None and per_sync) else None,
         "estimated_seconds_saved": skipped * exposed if exposed is not None else nothing_skipped,
-        "estimated_seconds_saved_upper": skipped * (per_sync or 0.0),
         "estimated_seconds_saved_per_step": (skipped / n_steps * exposed) if exposed is not None else nothing_skipped,
         "forward_seconds": f.forward,
         "backward_seconds_sync": bwd_sync,
         "backward_seconds_no_sync": bwd_nosync,
         "optimizer_seconds": f.optimizer,
         "seconds_per_step": f.step,
+    }
+
+
+def allreduce_summary(records: ProfileRecords | Figures, *, world_size: int, distributed: bool) -> dict:
+    """DDP's gradient-bucket all-reduces (the comm hook's records, or a loop's own all-reduces).
+
+    Args: as :func:`local_summary`.
+
+    Keys: ``allreduce_calls``, ``allreduce_bytes``, ``allreduce_seconds`` (sum of bucket
+    latencies), ``allreduce_calls_per_step``, ``allreduce_bytes_per_step``,
+    ``allreduce_calls_per_sync`` (median buckets per sync: DDP rebuilds its buckets after the
+    first iteration, so the first sync may differ), ``algbw_GBps`` = bytes / the time with a
+    bucket in flight summed over syncs, ``busbw_GBps``, ``estimated_seconds_saved_upper``
+    (skipped syncs x that time per sync: the full latency, an upper bound).
+    """
+    f = figures_of(records)
+    algbw = f.allreduce_bytes / f.busy_seconds / GB if f.busy_seconds > 0 else 0.0
+    n = world_size
+    skipped = f.no_sync_micro_batches if distributed else 0
+    n_steps = f.optimizer_steps or f.call_steps or 1
+    return {
+        "allreduce_calls": f.allreduce_calls,
+        "allreduce_bytes": f.allreduce_bytes,
+        "allreduce_seconds": f.allreduce_seconds,
+        "allreduce_calls_per_step": f.allreduce_calls / n_steps,
+        "allreduce_bytes_per_step": f.allreduce_bytes / n_steps,
+        "allreduce_calls_per_sync": f.calls_per_sync or 0,
+        "algbw_GBps": algbw,
+        "busbw_GBps": bus_bandwidth(algbw, "all_reduce", n) if n > 1 else 0.0,
+        "estimated_seconds_saved_upper": skipped * (f.seconds_per_sync or 0.0),
     }
 
 
