@@ -15,6 +15,7 @@ import time
 
 from ..core.callbacks import LoopCallback
 from ..errors import UsageError
+from ..profiler.records import of_step
 from ..stats import median
 
 #: ``--report_to`` values: "all" (every tracker library installed) or one of Accelerate's tracker names.
@@ -58,7 +59,9 @@ class TrackerLogger(LoopCallback):
     all-reduced by this process in that step) and ``comm/exposed_seconds`` (the
     step's synchronised backward passes minus the median no-sync backward of
     the latest window that had one: all-reduce time not hidden behind compute).
-    Under FSDP2, ``comm/reduce_scatter_calls``, ``comm/reduce_scatter_bytes``,
+    The step's collectives are counted by the profiler's engine part
+    (:meth:`accum_kit.profiler.CommProfiler.step_figures`): under FSDP2,
+    ``comm/reduce_scatter_calls``, ``comm/reduce_scatter_bytes``,
     ``comm/all_gather_calls`` and ``comm/all_gather_bytes`` (the collectives of
     that step, bytes as the profiler counts them) replace the all-reduce pair;
     under HSDP also ``comm/all_reduce_calls`` and ``comm/all_reduce_bytes``
@@ -104,30 +107,8 @@ class TrackerLogger(LoopCallback):
         self._no_sync = median(m.backward_seconds for m in micro if not m.sync) or self._no_sync
         synced = [m.backward_seconds for m in micro if m.sync]
         exposed = sum(max(b - self._no_sync, 0.0) for b in synced) if (self._no_sync is not None and calls) else 0.0
-        out = {"comm/allreduce_calls": len(calls), "comm/allreduce_bytes": sum(c.bytes for c in calls),
-               "comm/exposed_seconds": exposed}
-        if getattr(self.profiler, "sharded", False):  # FSDP2: its collectives instead of DDP's buckets
-            coll = of_step(self.profiler.collective_calls, step)
-            del out["comm/allreduce_calls"], out["comm/allreduce_bytes"]
-            hybrid = getattr(self.profiler, "replicate_size", 1) > 1
-            for kind in ("reduce_scatter", "all_gather", "all_reduce") if hybrid else ("reduce_scatter", "all_gather"):
-                mine = [c for c in coll if c.kind == kind]
-                out[f"comm/{kind}_calls"], out[f"comm/{kind}_bytes"] = len(mine), sum(c.bytes for c in mine)
-            if hybrid:  # HSDP: the seconds spent in each mesh dimension's collectives
-                for group in ("shard", "replicate"):
-                    out[f"comm/{group}_seconds"] = sum(c.seconds for c in coll if c.group == group)
-        return out
-
-
-def of_step(records: list, step: int) -> list:
-    """The records of optimizer step ``step`` among ``records`` (in order), read from the newest back."""
-    out = []
-    for r in reversed(records):
-        if r.step < step:
-            break
-        if r.step == step:
-            out.append(r)
-    return out[::-1]
+        counted = self.profiler.step_figures(step)  # the engine's part counts the step's collectives
+        return {**{f"comm/{k}": v for k, v in counted.items()}, "comm/exposed_seconds": exposed}
 
 
 def quiet_other_processes(accelerator) -> None:
