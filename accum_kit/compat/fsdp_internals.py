@@ -194,3 +194,11 @@ def wrap_fsdp_post_backward(group, make_wrapper) -> bool:
 def unwrap_fsdp_post_backward(group) -> None:
     """Give the unit its own post-backward hook back (drop the instance attribute :func:`wrap_fsdp_post_backward` set)."""
     vars(group).pop("post_backward", None)
+
+
+def full_tensor(tensor):
+    """The whole tensor of a parameter or gradient: a ``DTensor`` (FSDP2's and HSDP's shards, on any mesh) gathered
+    with ``DTensor.full_tensor()`` (a collective: every process of its mesh must call it), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -29,12 +29,14 @@ class GradientCapture(torch.optim.Optimizer):
     boundary all-reduce, train_loop's window rescale and clipping; before
     ``zero_grad``). ``captured`` gets one entry per optimizer step: on the
     keeping process a dict ``{parameter name: float32 CPU copy of .grad}``
-    (same shape as the parameter; a None grad becomes zeros; FSDP2's sharded
-    gradients are gathered first, so ``step`` is collective there), elsewhere None;
+    (same shape as the parameter; a None grad becomes zeros; sharded gradients,
+    FSDP2's ``DTensor`` shards, are gathered first with
+    :func:`accum_kit.compat.full_tensor`, so ``step`` is collective there), elsewhere None;
     ``norms`` gets the L2 norm of the whole gradient on every process (for the
-    cross-rank check). Under DeepSpeed ZeRO call :meth:`attach_engine` after
-    ``prepare``: the engine's optimizer hands ``step`` flat partitions, from
-    which the whole gradient is rebuilt (collective).
+    cross-rank check). When ``prepare`` returns an engine object
+    (:meth:`accum_kit.engines.base.Engine.prepared_engine`: DeepSpeed ZeRO's) call
+    :meth:`attach_engine` with it: the engine's optimizer hands ``step`` flat
+    partitions, from which the whole gradient is rebuilt (collective).
 
     Args:
         named_parameters: ``model.named_parameters()`` of the model to watch.
@@ -80,14 +82,12 @@ class GradientCapture(torch.optim.Optimizer):
                 closure()
         if self._zero:
             return self._zero_step()
-        from torch.distributed.tensor import DTensor
+        from ..compat import full_tensor
 
         sq, grads = 0.0, {}
         for name, p in zip(self.names, self.param_groups[0]["params"]):
             g = p.grad.detach() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
-            if isinstance(g, DTensor):  # FSDP2 shard: gather the whole gradient (collective, every process)
-                g = g.full_tensor()
-            g = g.float()
+            g = full_tensor(g).float()  # a sharded gradient gathered whole (collective, every process)
             sq += float(g.double().pow(2).sum())
             if self.keep:
                 grads[name] = g.to("cpu", copy=True)

@@ -25,8 +25,7 @@ from ..core.batchnorm import BatchNormAccumulationWarning
 from ..compat import forget_prepared
 from ..core.loop import train_loop
 from ..core.loss import causal_lm_loss
-from ..engines.fsdp2 import policy_name
-from ..engines.deepspeed import deepspeed_engine, deepspeed_engine_precision
+from ..core.run_plan import run_plan_of
 from . import batchnorm
 from .accelerator import CompileRecord, resolve_accelerator, resolve_tolerances
 from .capture import EvalMode, GradientCapture
@@ -199,13 +198,15 @@ def _plan(accelerator, K: int, *, model, model_name_or_path, model_preset, seed,
     workload = (token_workload(n, seed, spec["vocab_size"], spec["max_length"], loss_fn) if token_data
                 else user_workload(dataset, n, collate_fn, loss_fn or causal_lm_loss))
     trainer_skip = None
-    if trainer_row and deepspeed_engine_precision(accelerator) is not None:
+    plan = run_plan_of(accelerator)
+    engine = plan.engine
+    if trainer_row and engine.owns_backward():
         trainer_row, trainer_skip = False, ("under DeepSpeed Trainer would build its own engine from the "
                                             "launch's config; run it under DDP")
     if trainer_row and (loss_fn is not None or not token_data):
         trainer_row, trainer_skip = False, ("it runs transformers' causal-LM Trainer on verify's own token data; "
                                             "a loss_fn or dataset was given")
-    precision = deepspeed_engine_precision(accelerator) or accelerator.mixed_precision
+    precision = engine.compute_precision(accelerator)
     rtol, atol, normwise = resolve_tolerances(precision, rtol, atol)
     settings = RunSettings(
         gradient_accumulation_steps=K, per_device_train_batch_size=per_device_train_batch_size,
@@ -215,9 +216,10 @@ def _plan(accelerator, K: int, *, model, model_name_or_path, model_preset, seed,
         rtol=rtol, atol=atol, dataparallel=dataparallel, device=str(accelerator.device),
         distributed_type=str(accelerator.distributed_type).split(".")[-1], mixed_precision=precision,
         normwise=normwise, workload=workload,
-        # under DeepSpeed the engine casts the model (not Accelerate's autocast): the compute is low precision too
+        # an engine that casts the model (not Accelerate's autocast) computes in low precision too
         autocast=bool(getattr(accelerator, "native_amp", False)) or precision != accelerator.mixed_precision,
-        batchnorm_layers=bn_layers, accumulation_policy=policy_name(accelerator))
+        batchnorm_layers=bn_layers, accumulation_policy=plan.policy.name, engine=engine.name,
+        casts_model=engine.casts_model())
     return settings, base, trainer_skip
 
 
@@ -267,9 +269,10 @@ def _capture(accelerator, base, s: RunSettings) -> Captured:
     wl = s.workload
     capture = GradientCapture(base.named_parameters(), keep=accelerator.is_main_process)
     pmodel, popt, ploader = accelerator.prepare(base, capture, wl.loader(B))
-    engine = deepspeed_engine(pmodel)
-    if engine is not None:  # ZeRO hands the capture flat partitions, not the parameters
-        capture.attach_engine(engine)
+    engine = run_plan_of(accelerator).engine
+    prepared = engine.prepared_engine(pmodel)
+    if prepared is not None:  # an engine object's optimizer (ZeRO's) hands the capture flat partitions
+        capture.attach_engine(prepared)
     runs = {}  # row name -> (captured grads per window (main) / None, norms per window, indices per window)
     passes = [("tokens", "tokens", EvalMode(pmodel)), ("mean-of-means", "mean", EvalMode(pmodel))]
     if s.batchnorm_layers and K * W > 1:  # (K = W = 1: each window is one forward, the big batch itself)
@@ -280,7 +283,7 @@ def _capture(accelerator, base, s: RunSettings) -> Captured:
             raise RuntimeError(f"expected {K + r} micro-batches per process after sharding, got {len(ploader)}")
         for name, mode, modes in passes[:2]:
             runs[name] = _loop_pass(accelerator, pmodel, popt, ploader, capture, wl, mode, modes)
-        if engine is None:
+        if not engine.owns_backward():  # a plain loss.backward() goes through the engine's reduction
             runs["sum"] = _sum_pass(accelerator, pmodel, popt, ploader, capture, wl)
         for name, mode, modes in passes[2:]:
             runs[name] = _loop_pass(accelerator, pmodel, popt, ploader, capture, wl, mode, modes)
@@ -298,7 +301,8 @@ def _capture(accelerator, base, s: RunSettings) -> Captured:
 
 
 def _sum_pass(accelerator, pmodel, popt, ploader, capture, wl: Workload) -> tuple:
-    """The ``sum`` row (not under DeepSpeed, whose backward must go through its engine)."""
+    """The ``sum`` row (not where the engine owns the backward, :meth:`~accum_kit.engines.base.Engine.owns_backward`:
+    DeepSpeed's must go through its engine)."""
     # reduction="sum": plain backward inside accumulate; only DDP stands between it and the big batch.
     rec, window = IndexRecorder(wl.loss_fn), 0
     pmodel.eval()

@@ -12,6 +12,12 @@ from .batchnorm import finding_lines
 SELECTABLE = {"tokens": "tokens", "mean": "mean-of-means"}
 
 
+#: What averages the gradients over processes, by the engine's name (:attr:`accum_kit.engines.base.Engine.name`).
+REDUCERS = {"ddp": "DDP", "fsdp2": "FSDP2's reduce-scatter", "deepspeed": "DeepSpeed's ZeRO reduction"}
+
+#: Fields that word the text report and stay out of :meth:`VerifyReport.to_dict` (the JSON keeps its keys).
+_TEXT_ONLY = ("engine", "casts_model")
+
 #: Per-window figures of the ``trainer`` row, copied when present (see :func:`accum_kit.verify.trainer.trainer_summary`).
 _EXTRA_WINDOW_KEYS = ("cosine", "norm_ratio", "factor", "target_tokens", "labels_counted_before_shift",
                       "predicted_if_unshifted")
@@ -127,6 +133,8 @@ class VerifyReport:
     data: dict = field(default_factory=dict)  # description, items (what N counts), token_data
     batchnorm: dict | None = None  # the BatchNorm finding (accum_kit.verify.batchnorm.summarize), None: no such layer
     compile: dict | None = None  # torch.compile settings and this process's counts (verify.accelerator.CompileRecord)
+    engine: str = "ddp"  # the run's engine (accum_kit.engines.base.Engine.name); words the text only
+    casts_model: bool = False  # the engine casts the model itself (Engine.casts_model: DeepSpeed); words the text only
 
     def row(self, name: str) -> Row:
         """The row called ``name`` (StopIteration if none)."""
@@ -151,7 +159,7 @@ class VerifyReport:
 
     def to_dict(self) -> dict:
         """JSON-ready dict: the fields, ``rows`` keyed by name, and the derived verdict fields."""
-        d = asdict(self)
+        d = {k: v for k, v in asdict(self).items() if k not in _TEXT_ONLY}
         d["rows"] = {r.name: asdict(r) for r in self.rows}
         d.update(passed=self.passed, exit_code=self.exit_code, selected_row=self.selected_row.name,
                  ddp_sum_ratio_expected=self.ddp_sum_ratio_expected, ddp_semantics=self.ddp_statement())
@@ -159,9 +167,8 @@ class VerifyReport:
 
     @property
     def reducer(self) -> str:
-        """What averages the gradients over processes: FSDP2's reduce-scatter or DDP's all-reduce."""
-        return {"FSDP": "FSDP2's reduce-scatter", "DEEPSPEED": "DeepSpeed's ZeRO reduction"}.get(
-            self.distributed_type, "DDP")
+        """What averages the gradients over processes: DDP's all-reduce, FSDP2's reduce-scatter or ZeRO's reduction."""
+        return REDUCERS.get(self.engine, "DDP")
 
     def ddp_statement(self) -> str:
         """One sentence: what DDP does to a sum loss, with the measured ratio."""
@@ -225,13 +232,13 @@ class VerifyReport:
         return self.data.get("items", "target tokens")
 
     def _weights(self) -> str:
-        """"float32, " unless DeepSpeed casts the model itself (then :meth:`_compute` says to what)."""
-        return "" if self.distributed_type == "DEEPSPEED" and self.mixed_precision != "no" else "float32, "
+        """"float32, " unless the engine casts the model itself (DeepSpeed; then :meth:`_compute` says to what)."""
+        return "" if self.casts_model and self.mixed_precision != "no" else "float32, "
 
     def _compute(self) -> str:
         if self.mixed_precision == "no":
             return "float32 compute"
-        if self.distributed_type == "DEEPSPEED":
+        if self.casts_model:
             return (f"{self.mixed_precision} weights, activations and gradients (DeepSpeed casts the model; its "
                     "optimizer keeps float32 master weights)")
         if not self.autocast:

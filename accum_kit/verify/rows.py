@@ -73,7 +73,7 @@ def evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
     if sum_pairs:
         ratio = sum(c["dot"] for *_, c in sum_pairs) / sum(c["want_sq"] for *_, c in sum_pairs)
         residual = scaled_residual([(g, o) for g, o, _ in sum_pairs], ratio)
-    else:  # DeepSpeed: its engine divides every backward's loss by K and averages over the processes itself
+    else:  # the engine owns the backward (DeepSpeed): it divides every loss by K and averages over the processes
         skipped = Row("sum", HOW["sum"][0], HOW["sum"][1])
         skipped.skipped = ("under DeepSpeed every backward goes through the engine, which divides the loss by K "
                            "and averages over the processes: there is no plain loss.backward() to measure")
@@ -113,7 +113,7 @@ def evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
         selected=s.loss_normalization, ddp_sum_ratio=ratio, ddp_sum_residual=residual,
         dataparallel_sum_ratio=dp_ratio, mixed_precision=s.mixed_precision, normwise=s.normwise,
         autocast=s.autocast, data={"description": wl.description, "items": wl.items, "token_data": wl.token_data},
-        batchnorm=finding, accumulation_policy=s.accumulation_policy,
+        batchnorm=finding, accumulation_policy=s.accumulation_policy, engine=s.engine, casts_model=s.casts_model,
         oracle={"dtype": "float64", "device": str(device),
                 "grad_norm": [w.oracle_grad_norm for w in windows],
                 "sum_grad_norm": [w.oracle_sum_grad_norm for w in windows]},

@@ -74,6 +74,8 @@ class RunSettings:
     accumulation_policy: str = "no_sync"  # the Accelerator's (accum_kit.engines.policies)
     workload: Workload | None = None  # the examples, collate, loss and oracle loss
     batchnorm_layers: tuple = ()  # BatchNorm layers of the given model (the finding runs if any)
+    engine: str = "ddp"  # the run's engine (accum_kit.engines.base.Engine.name)
+    casts_model: bool = False  # the engine casts the model's weights itself (Engine.casts_model: DeepSpeed)
 
     @property
     def windows(self) -> int:
