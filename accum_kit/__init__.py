@@ -85,6 +85,23 @@ MOVED_MODULES = {
     "planning.command": "planning.plan_command",
     "planning.ddp_costs": "engines.costs",
     "profiler.zero": "profiler.deepspeed_comm",
+    "bench.config": "bench.bench_config",
+    "bench.data": "bench.bench_data",
+    "bench.memory": "bench.peak_memory",
+    "bench.records": "bench.run_records",
+    "bench.report": "bench.bench_report",
+    "bench.tune_report": "bench.bench_report",
+    "bench.fsdp_report": "bench.bench_report",
+    "bench.zero_report": "bench.bench_report",
+    "bench.tables": "bench.bench_tables",
+    "bench.files": "bench.bench_files",
+    "bench.fsdp_files": "bench.bench_files",
+    "bench.zero_files": "bench.bench_files",
+    "bench.driver": "bench.sweep",
+    "bench.fsdp": "bench.part_fsdp2",
+    "bench.zero": "bench.part_zero",
+    "bench.tune": "bench.part_tune",
+    "bench.compiled": "bench.part_compiled",
 }
 
 

@@ -32,14 +32,14 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-import accum_kit.bench.fsdp as fsdp_bench
-from accum_kit.bench.config import BenchConfig
+import accum_kit.bench.part_fsdp2 as fsdp_bench
+from accum_kit.bench.bench_config import BenchConfig
 from accum_kit.cli import main, parse
 from accum_kit.profiler import CommProfiler
 
 
 def parse_args(argv: list[str]) -> BenchConfig:
-    """The bench's flags (:class:`accum_kit.bench.config.BenchConfig`).
+    """The bench's flags (:class:`accum_kit.bench.bench_config.BenchConfig`).
 
     Raises:
         accum_kit.cli.ArgumentError, accum_kit.errors.UsageError: as ``accum-kit bench`` does.

@@ -286,9 +286,9 @@ def run_bench(spec, out_dir: Path) -> None:
     ``bench/rank<r>.json`` holds the preset's info, its rows and every run record of this process."""
     from accelerate.state import AcceleratorState
 
-    from accum_kit.bench.config import BenchConfig
-    from accum_kit.bench.zero import bench_zero_preset
-    from accum_kit.bench.zero_report import summarize_zero_preset
+    from accum_kit.bench.bench_config import BenchConfig
+    from accum_kit.bench.part_zero import ZeroBench
+    from accum_kit.bench.sweep import sweep_preset
 
     AcceleratorState._reset_state(reset_partial_state=True)
     t0 = time.perf_counter()
@@ -296,8 +296,9 @@ def run_bench(spec, out_dir: Path) -> None:
     cfg = BenchConfig(model_presets=["tiny"], accumulation_steps=b["K"], repeats=b["repeats"], steps=b["steps"],
                       warmup_steps=0, output_dir=str(out_dir / "bench"))
     accelerator = accum_kit.build_accelerator(max(cfg.accumulation_steps))
-    info, runs = bench_zero_preset(cfg, "tiny", accelerator, _NoBar())
-    info.update(summarize_zero_preset("tiny", info, runs, cfg, accelerator.num_processes))
+    part = ZeroBench()
+    info, runs = sweep_preset(part, cfg, "tiny", accelerator, _NoBar())
+    info.update(part.summarize("tiny", info, runs, cfg, accelerator.num_processes))
     d = out_dir / "bench"
     d.mkdir(parents=True, exist_ok=True)
     (d / f"rank{accelerator.process_index}.json").write_text(json.dumps(

@@ -138,22 +138,37 @@ def test_cli_lists_and_dispatches_bench(capsys):
 
 
 def test_report_side_imports_nothing_from_the_sweep():
-    """One-way dependency: config <- sweep -> records; report, tables and files never import the sweep side."""
+    """One-way dependency: config <- sweep (and the parts) -> records; report, tables and files never import the
+    sweep side."""
     import ast
     from pathlib import Path
 
     import accum_kit.bench
 
     pkg = Path(accum_kit.bench.__file__).parent
-    for name in ("report.py", "tables.py", "files.py"):
+    sweep_side = {"sweep", "parts", "part_ddp", "part_tune", "part_fsdp2", "part_zero", "part_compiled", "peers", "runs",
+                  "run_records", "peak_memory", "bench_data", "torch", "accum_kit.bench.sweep"}
+    for name in ("bench_report.py", "bench_tables.py", "bench_files.py"):
         tree = ast.parse((pkg / name).read_text())
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
-        assert not imported & {"sweep", "records", "memory", "data", "torch", "accum_kit.bench.sweep"}, (name, imported)
+        assert not imported & sweep_side, (name, imported)
+
+
+def test_old_bench_module_names_are_the_moved_modules():
+    """``accum_kit.bench.report`` and the other names bench's modules had keep importing, as the same objects."""
+    import importlib
+
+    from accum_kit import MOVED_MODULES
+
+    moved = {old: new for old, new in MOVED_MODULES.items() if old.startswith("bench.")}
+    assert {"bench.config", "bench.data", "bench.report", "bench.tables", "bench.zero", "bench.fsdp"} <= set(moved)
+    for old, new in moved.items():
+        assert importlib.import_module(f"accum_kit.{old}") is importlib.import_module(f"accum_kit.{new}"), old
 
 
 def test_variable_target_labels_keep_inputs_and_at_least_one_target():
-    from accum_kit.bench.data import synthetic_tokens, variable_target_labels
+    from accum_kit.bench.bench_data import synthetic_tokens, variable_target_labels
 
     tokens = synthetic_tokens(64, 16, 384, seed=1)
     labels = variable_target_labels(tokens, seed=2)
@@ -165,7 +180,7 @@ def test_variable_target_labels_keep_inputs_and_at_least_one_target():
 
 
 def test_ideal_speedup_formula():
-    from accum_kit.bench.report import ideal_speedup
+    from accum_kit.bench.bench_report import ideal_speedup
 
     assert ideal_speedup(1, 0.3, 0.1) == pytest.approx(1.0)
     assert ideal_speedup(8, 0.2, 0.2) == pytest.approx((1.6 + 1.6) / (1.6 + 0.2))

@@ -106,7 +106,7 @@ def _runs(step_by_repeat: dict) -> list[dict]:
 
 
 def test_paired_estimate_pairs_within_repeats():
-    from accum_kit.bench.report import paired_estimate
+    from accum_kit.bench.bench_report import paired_estimate
 
     # Drift: repeat 1 is twice as slow for both modes; the paired ratios stay 1.5, 1.6, 1.4.
     runs = _runs({"sync_each_batch": [3.0, 6.4, 2.8], "no_sync": [2.0, 4.0, 2.0]})
@@ -126,7 +126,7 @@ def _per_k(point, lo, hi, ideal=1.5, raw=(1.0, 0.98, 1.02)):
 
 
 def test_bars_judge_by_the_interval_not_the_point():
-    from accum_kit.bench.report import evaluate_bars
+    from accum_kit.bench.bench_report import evaluate_bars
 
     bars = {b["name"]: b for b in evaluate_bars([], [_per_k(1.45, 1.40, 1.50)])}
     assert bars["speedup"]["verdict"] == "PASS" and bars["speedup"]["passed"] is True
@@ -144,7 +144,7 @@ def test_bars_judge_by_the_interval_not_the_point():
 
 
 def test_memory_bar_uses_the_per_repeat_ratio_of_the_two_runs():
-    from accum_kit.bench.report import evaluate_bars
+    from accum_kit.bench.bench_report import evaluate_bars
 
     runs = []
     for rep, (lo, hi) in enumerate([(100.0, 101.0), (102.0, 102.5), (99.0, 100.5)]):
@@ -159,7 +159,7 @@ def test_memory_bar_uses_the_per_repeat_ratio_of_the_two_runs():
 
 
 def test_ratio_cells_mark_intervals_that_contain_one():
-    from accum_kit.bench.tables import fmt_ratio
+    from accum_kit.bench.bench_tables import fmt_ratio
 
     assert fmt_ratio(0.99, 0.95, 1.03) == "0.990 [0.950-1.030] not resolved"
     assert fmt_ratio(1.45, 1.40, 1.50, "{:.2f}", "x") == "1.45x [1.40-1.50]"
@@ -195,7 +195,7 @@ def _tune_runs(factor: dict, reps=4):
 
 
 def test_tune_summary_and_recommendation():
-    from accum_kit.bench.tune_report import recommend, summarize_tune
+    from accum_kit.bench.bench_report import recommend, summarize_tune
 
     settings = {"base": {}, "bucket_cap_mb=5": {"bucket_cap_mb": 5}, "find_unused_parameters": {"find_unused_parameters": True}}
     rows = summarize_tune("comm_heavy", _tune_runs({"base": 1.0, "bucket_cap_mb=5": 0.9, "find_unused_parameters": 1.1}), settings)
@@ -216,7 +216,7 @@ def test_tune_summary_and_recommendation():
 
 
 def test_schedule_defaults_quick_and_tune(monkeypatch):
-    from accum_kit.bench.config import QUICK_SCHEDULE, BenchConfig
+    from accum_kit.bench.bench_config import QUICK_SCHEDULE, BenchConfig
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     d = BenchConfig()
@@ -251,7 +251,7 @@ def test_ddp_flags_reach_the_accelerators_ddp_kwargs(accelerator):
     (The ``accelerator`` fixture resets Accelerate's state around the test.)
     """
     from accum_kit import build_accelerator
-    from accum_kit.bench.config import BenchConfig
+    from accum_kit.bench.bench_config import BenchConfig
     from accum_kit.cli import parse
     from accum_kit.job.config import TrainConfig
     from accum_kit.engines.ddp import ddp_kwargs
@@ -289,7 +289,7 @@ def test_train_refuses_a_bad_bucket_size(tmp_path, capsys):
 
 def test_fsdp_launch_schedule_and_the_flags_of_the_other_launch_kind(monkeypatch, tmp_path):
     """Under an FSDP2 launch: one warm-up window, the DDP-only flags refused; under DDP the policies refused."""
-    from accum_kit.bench.config import BenchConfig
+    from accum_kit.bench.bench_config import BenchConfig
     from accum_kit.errors import UsageError
 
     out = str(tmp_path / "bench")

@@ -37,8 +37,9 @@ average gradients by hand and two peers), on the same model, data and seed:
   They are not in the default because a Trainer run builds a new Trainer,
   Accelerator and DDP wrapper (seconds per run on 2 CPU cores).
 
-``sync_each_batch`` and ``no_sync`` share one prepared model (the flag is
-flipped between runs through :mod:`accum_kit.compat`, as
+``sync_each_batch`` and ``no_sync`` share one prepared model (the run plan puts
+one policy or the other in force between runs,
+:meth:`accum_kit.core.run_plan.RunPlan.use_policy`, as
 :class:`accum_kit.profiler.ABSwitch` does); before
 every run the weights and the AdamW state are reset to the same initial
 values, so the three modes compute the same losses (the JSON records them and
@@ -110,10 +111,10 @@ Derived figures (per preset; seconds):
 Peak memory per run: on CPU the process's resident set high-water mark
 (``VmHWM`` in ``/proc/self/status``), reset before each run by writing 5 to
 ``/proc/self/clear_refs``; on CUDA ``torch.cuda.max_memory_allocated`` after
-``reset_peak_memory_stats`` (:mod:`accum_kit.bench.memory`).
+``reset_peak_memory_stats`` (:mod:`accum_kit.bench.peak_memory`).
 
 Bars, printed PASS / FAIL / UNRESOLVED / SKIP (checked on what this one run
-measured, never in unit tests; :func:`accum_kit.bench.report.evaluate_bars`),
+measured, never in unit tests; :func:`accum_kit.bench.bench_report.evaluate_bars`),
 judged by the 95 % intervals, not the point estimates: PASS when the whole
 interval meets the bar, FAIL when none of it does, UNRESOLVED otherwise. On
 the communication-heavy preset at K=8, ``no_sync`` must be at least 1.25x
@@ -126,19 +127,18 @@ bench``) the sweep compares the accumulation policies (``--accumulation_policies
 instead of the modes above: step time with a paired 95 % interval of the speedup over ``sync_each_batch``,
 reduce-scatters and all-gathers per step, bytes, gradient memory held between micro-batches against its
 prediction, the ideal step from the profile, and a plot of seconds saved against memory added
-(:mod:`.fsdp`, :mod:`.fsdp_report`, :mod:`.fsdp_files`; docs/fsdp_costs.md).
+(:mod:`.part_fsdp2`; docs/fsdp_costs.md).
 
 Under a DeepSpeed launch (``accelerate launch --config_file accelerate_configs/cpu_deepspeed.yaml -m accum_kit
 bench``) it compares the ZeRO stages (``--zero_stages``, default 1 2 3) per K, one engine per stage and K in the
 same processes, windows rotated across them: step time with a paired 95 % interval of the ratio to ZeRO-1,
 collectives per step, the time in the gradient reduction path, gradient and parameter memory held against
-their prediction, and the profiler's estimate of ZeRO-1's saving over ZeRO-2 (:mod:`.zero`, :mod:`.zero_report`,
-:mod:`.zero_files`; docs/deepspeed.md).
+their prediction, and the profiler's estimate of ZeRO-1's saving over ZeRO-2 (:mod:`.part_zero`; docs/deepspeed.md).
 
-``--torch_compile`` (:mod:`.compiled`) runs instead the ``no_sync`` loop compiled against eager, paired and
+``--torch_compile`` (:mod:`.part_compiled`) runs instead the ``no_sync`` loop compiled against eager, paired and
 interleaved per K, with compile seconds and the break-even step count (``compile.json``; docs/compile.md).
 
-``--tune`` (:mod:`.tune`, :mod:`.tune_report`) runs instead the ``no_sync``
+``--tune`` (:mod:`.part_tune`) runs instead the ``no_sync``
 loop at one K under several DDP settings, each on its own copy of the model:
 the bench's own DDP flags, then each bucket size of ``--tune_bucket_cap_mb``,
 ``gradient_as_bucket_view``, ``static_graph`` and ``find_unused_parameters``
@@ -147,11 +147,12 @@ its limit ``max(0, all-reduce - backward)``, s/step and its paired ratio to
 the base with intervals, peak memory; then it recommends the setting that is
 resolvably faster than the base, or says none is (tune.json, tune.csv).
 
-Modules, one way: :mod:`.config` (flags) -> :mod:`.sweep` and :mod:`.tune` (runs, using
-:mod:`.runs`, :mod:`.data`, :mod:`.memory`, :mod:`.records`, :mod:`.peers`) -> :mod:`.report` and
-:mod:`.tune_report` (figures, intervals, bars, recommendation) -> :mod:`.tables` (text) and
-:mod:`.files` (JSON, CSV, PNG); the report side imports nothing from the sweep. Under FSDP2: :mod:`.fsdp` ->
-:mod:`.fsdp_report` -> :mod:`.fsdp_files`.
+Modules, one way: :mod:`.bench_config` (flags) -> :mod:`.sweep` (the one sweep, the same under every engine)
+with the run's part (:mod:`.parts`: the engine's, chosen by the launch's engine name; :mod:`.part_ddp` with
+:mod:`.peers`, :mod:`.part_tune`, :mod:`.part_fsdp2`, :mod:`.part_zero`, :mod:`.part_compiled`), using
+:mod:`.runs`, :mod:`.bench_data`, :mod:`.peak_memory`, :mod:`.run_records`, :mod:`.saving_parts` ->
+:mod:`.bench_report` (figures, intervals, verdicts, for every part) -> :mod:`.bench_tables` (text) and
+:mod:`.bench_files` (the one writer: JSON, CSV, PNG); the report side imports nothing from the sweep.
 
 Outputs in ``--output_dir`` (default ``runs/bench``), each written atomically:
 ``bench.json`` (everything, including every run), ``bench.csv`` (one row per
@@ -161,7 +162,7 @@ ideal, and the share of time spent in communication).
 
 from __future__ import annotations
 
-from .config import ALL_MODES, COMM_HOOKS, MODES, PEERS, BenchConfig
+from .bench_config import ALL_MODES, COMM_HOOKS, MODES, PEERS, BenchConfig
 from .sweep import run
 
 __all__ = ["ALL_MODES", "ARGUMENTS", "COMM_HOOKS", "DESCRIPTION", "MODES", "PEERS", "BenchConfig", "run", "run_command"]
@@ -180,26 +181,9 @@ DESCRIPTION = (
 def run_command(cfg: BenchConfig) -> int:
     """``accum-kit bench``: run the sweep and write its files; 0 on success (bad input raises, the CLI exits 2).
 
-    Under an FSDP2 launch (``accelerate_configs/cpu_fsdp.yaml``) the sweep compares the accumulation
-    policies instead (:mod:`accum_kit.bench.fsdp`).
+    The launch's engine picks the part that runs (:mod:`accum_kit.bench.parts`): under an FSDP2 launch
+    (``accelerate_configs/cpu_fsdp.yaml``) the sweep compares the accumulation policies, under DeepSpeed the
+    ZeRO stages, under DDP the modes (or ``--tune``'s settings, or ``--torch_compile``'s eager and compiled).
     """
-    from ..engines.mesh import launched_replicas
-    from ..engines.fsdp2 import fsdp_requested
-    from ..engines.deepspeed import deepspeed_requested
-
-    cfg.check_hsdp_flags(fsdp_requested() and launched_replicas() > 1)
-    if cfg.torch_compile:  # compiled against eager instead of the modes (:mod:`.compiled`)
-        from .compiled import run as run_compiled
-
-        run_compiled(cfg)
-    elif fsdp_requested():
-        from .fsdp import run as run_fsdp
-
-        run_fsdp(cfg)
-    elif deepspeed_requested():  # ZeRO stages x K instead of the modes (:mod:`.zero`)
-        from .zero import run as run_zero
-
-        run_zero(cfg)
-    else:
-        run(cfg)
+    run(cfg)
     return 0

@@ -53,9 +53,11 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from ..compat import keep_gradient_plugin
 from ..core.callbacks import CallbackList, LoopState
-from ..compat import keep_gradient_plugin, restart_window_counter, set_sync_each_batch
+from ..core.run_plan import run_plan_of
 from ..profiler import CommProfiler
+
 
 def constant_schedule(optimizer):
     """A ``LambdaLR`` that keeps every learning rate as set (the guide's loop calls ``scheduler.step()``)."""
@@ -67,7 +69,7 @@ def train_accelerate_guide(accelerator, model, optimizer, scheduler, dataloader,
 
     Args:
         accelerator: the Accelerator that prepared ``model``, ``optimizer``,
-            ``scheduler`` and ``dataloader`` (its K is set to ``K`` here).
+            ``scheduler`` and ``dataloader`` (its run plan is set to ``K`` and ``no_sync`` here).
         model: a prepared causal LM that returns ``.loss`` given ``labels``.
         dataloader: a prepared DataLoader of ``{"input_ids", "labels"}`` with
             a multiple of ``K`` batches per process.
@@ -79,9 +81,9 @@ def train_accelerate_guide(accelerator, model, optimizer, scheduler, dataloader,
         One loss per optimizer step: the mean over the window's micro-batches
         and over processes of each micro-batch's mean token loss, nats.
     """
-    accelerator.gradient_accumulation_steps = K
-    set_sync_each_batch(accelerator, False)
-    restart_window_counter(accelerator)
+    plan = run_plan_of(accelerator)
+    plan.set_accumulation_steps(K)  # also restarts Accelerate's window counter
+    plan.use_policy("no_sync")
     hooks, st, local = CallbackList(callbacks), LoopState(), []
     model.train()
     hooks("on_train_begin", st)
@@ -187,7 +189,7 @@ def run_trainer(model, dataset, cfg, K: int, steps: int, accelerator, hook, make
         dataset: map-style dataset of ``{"input_ids", "labels"}`` rows, exactly
             ``steps`` x K x world size x batch size of them, in the order the
             toolkit's prepared DataLoader shards them.
-        cfg: the bench's :class:`~accum_kit.bench.config.BenchConfig`.
+        cfg: the bench's :class:`~accum_kit.bench.bench_config.BenchConfig`.
         accelerator, hook, make_callbacks: see :class:`TrainerHooks`.
 
     Raises:

@@ -1,21 +1,25 @@
-"""What every bench run shares: the toolkit loop's call, resetting weights and optimizer, the comm hook."""
+"""What every bench run shares: the toolkit loop's call, resetting weights and optimizer, the comm hook, memory."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.distributed as dist
 
 from ..core.loop import train_loop
+from ..core.run_plan import run_plan_of
 
 
 def run_toolkit(accelerator, model, optimizer, dataloader, K: int, steps: int, callbacks) -> list[float]:
-    """``sync_each_batch`` or ``no_sync`` (the caller sets the flag): :func:`accum_kit.train_loop`; returns the losses.
+    """The policy in force (the caller puts it in force through the run plan) at ``K``: :func:`accum_kit.train_loop`;
+    returns the losses.
 
-    ``train_loop`` restarts Accelerate's window counter itself, so every run's
-    windows start at the dataloader's first batch.
+    K is set through the run plan (:meth:`accum_kit.core.run_plan.RunPlan.set_accumulation_steps`);
+    ``train_loop`` restarts Accelerate's window counter itself, so every run's windows start at the
+    dataloader's first batch.
     """
-    accelerator.gradient_accumulation_steps = K
+    run_plan_of(accelerator).set_accumulation_steps(K)
     profiler, *others = callbacks
     result = train_loop(accelerator, model, optimizer, dataloader, max_train_steps=steps, progress=False,
                         profiler=profiler, callbacks=others)
@@ -42,6 +46,14 @@ def reset_training_state(model, initial: list, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def device_ids(accelerator) -> list[int] | None:
+    """``device_ids`` for a plain ``DistributedDataParallel`` on the accelerator's device (None on CPU)."""
+    device = accelerator.device
+    if device.type != "cuda":
+        return None
+    return [device.index if device.index is not None else accelerator.local_process_index]
+
+
 def comm_hook(name: str):
     """The DDP comm hook for ``--comm_hook`` (None: DDP's default all-reduce)."""
     if name == "none":
@@ -57,3 +69,13 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except OSError:
         return None
+
+
+def gathered_peaks(memory, device) -> tuple[float | None, float | None]:
+    """``memory``'s (a :class:`accum_kit.bench.peak_memory.PeakMemory`) peak and rise since its reset, MB, the
+    most over processes (a collective: every process calls it); None where the platform measures neither."""
+    peak, increase = memory.peak()
+    mem = torch.tensor([-1.0 if peak is None else peak, -1.0 if increase is None else increase],
+                       dtype=torch.float64, device=device)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    return None if peak is None else mem[0].item(), None if increase is None else mem[1].item()

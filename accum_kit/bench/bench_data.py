@@ -48,6 +48,14 @@ def variable_target_labels(tokens, seed: int):
     return tokens.masked_fill(torch.arange(block).unsqueeze(0) >= keep, -100)
 
 
+def synthetic_rows(cfg, n_rows: int):
+    """``(tokens, labels)``: ``n_rows`` rows of ``cfg.block_size`` synthetic token ids (seed ``cfg.seed + 1``) and
+    their labels (the tokens themselves, or with ``cfg.variable_targets`` a random number of targets per row,
+    seed ``cfg.seed + 2``); ``cfg``: a ``BenchConfig``. Every part of the sweep takes its data from here."""
+    tokens = synthetic_tokens(n_rows, cfg.block_size, cfg.vocab_size, cfg.seed + 1)
+    return tokens, variable_target_labels(tokens, cfg.seed + 2) if cfg.variable_targets else tokens
+
+
 def data_description(cfg) -> str:
     """One line for bench.json's ``data``: what the synthetic rows hold under ``cfg`` (a ``BenchConfig``)."""
     targets = ("a random number of targets per row (--variable_targets), seed --seed + 2" if cfg.variable_targets

@@ -1,19 +1,21 @@
-"""The flags of ``accum-kit bench`` (one dataclass, parsed with HfArgumentParser) and the names they choose from."""
+"""The flags of ``accum-kit bench`` (one dataclass, parsed with HfArgumentParser) and the names they choose from.
+
+What a flag means under the launch's engine is its part's to say (:mod:`accum_kit.bench.parts`): the default
+schedule, the default policies, and the flags refused because they mean nothing there.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from .. import checks
-from ..engines.ddp import check_ddp_flags, ddp_field, flag_of
-from ..engines.ddp import ddp_kwargs as _ddp_kwargs
 from ..engines.compiling import resolve_flags
+from ..engines.ddp import check_ddp_flags, ddp_field
+from ..engines.ddp import ddp_kwargs as _ddp_kwargs
+from ..engines.policies import POLICIES
 from ..errors import UsageError
 from ..job.models import PRESETS
 from ..outputs import check_output_dir
-from ..engines.mesh import launched_replicas
-from ..engines.policies import POLICIES, fsdp_launched, policies_for
-from ..engines.deepspeed import deepspeed_requested
 
 #: The three loops the sweep compares by default, in their default order.
 MODES = ("sync_each_batch", "no_sync", "raw_ddp")
@@ -34,9 +36,9 @@ DEFAULT_KS = (1, 2, 4, 8, 16)
 #: figures that chose it are in benchmarks/README.md. ``--quick`` is the short run of earlier versions.
 DEFAULT_SCHEDULE = (1, 0, 24)
 QUICK_SCHEDULE = (2, 1, 3)
-#: Under an FSDP2 launch a run's windows rotate through the policies, so ``steps`` counts cycles of one
-#: window per policy; one unmeasured window first keeps a run's start-up out of whichever policy leads
-#: (the schedule of the FSDP2 figures in docs/fsdp_costs.md).
+#: Under an FSDP2 or DeepSpeed launch a run's windows rotate through the arms (policies, stages), so ``steps``
+#: counts cycles of one window per arm; one unmeasured window first keeps a run's start-up out of whichever
+#: arm leads (the schedule of the FSDP2 figures in docs/fsdp_costs.md).
 FSDP_SCHEDULE = (5, 1, 3)
 #: ``--tune``: the K and preset it uses unless given, and the bucket sizes it tries (MB).
 TUNE_K = 8
@@ -119,13 +121,13 @@ class BenchConfig:
     output_dir: str = field(default="runs/bench", metadata={"help": "Where bench.json, bench.csv and bench.png go."})
 
     def __post_init__(self):
-        fsdp = fsdp_launched()
-        deepspeed = deepspeed_requested()
-        hybrid = fsdp and launched_replicas() > 1
+        from .parts import engine_part
+
+        part = engine_part()  # the launch's engine says what its flags mean there
         policies_given = self.accumulation_policies is not None
         if not policies_given:
-            self.accumulation_policies = policies_for(hybrid)
-        steps, warmup, repeats = QUICK_SCHEDULE if self.quick else FSDP_SCHEDULE if fsdp or deepspeed else DEFAULT_SCHEDULE
+            self.accumulation_policies = part.default_policies()
+        steps, warmup, repeats = QUICK_SCHEDULE if self.quick else part.default_schedule
         self.steps = steps if self.steps is None else self.steps
         self.warmup_steps = warmup if self.warmup_steps is None else self.warmup_steps
         self.repeats = repeats if self.repeats is None else self.repeats
@@ -167,9 +169,8 @@ class BenchConfig:
                 raise UsageError("--tune_bucket_cap_mb", "no value given", "pass one or more sizes in MB, e.g. 5 100")
             for mb in self.tune_bucket_cap_mb:
                 checks.positive("--tune_bucket_cap_mb", mb, fix="pass sizes in MB, e.g. 5 100")
-        self._check_launch_kind(fsdp, policies_given and not deepspeed)
-        self._check_zero_stages(deepspeed, policies_given)
-        self._check_compile(fsdp)
+        self._check_compile()
+        part.check_flags(self, policies_given)
         if self.emulate_inter_node_GBps is not None:
             checks.positive("--emulate_inter_node_GBps", self.emulate_inter_node_GBps,
                             fix="pass the emulated inter-node bus bandwidth in GB/s, e.g. 0.1")
@@ -178,63 +179,32 @@ class BenchConfig:
     def check_hsdp_flags(self, hybrid: bool) -> None:
         """At run time, once the launch is known: the HSDP-only flag and policy need a replicate group.
 
+        Args:
+            hybrid: the launch has a replicate group (:meth:`accum_kit.bench.parts.BenchPart.hybrid`).
+
         Raises:
             UsageError: ``--emulate_inter_node_GBps`` or ``reduce_scatter_each_batch`` outside HSDP.
         """
-        if self.emulate_inter_node_GBps is not None and not hybrid:
+        if hybrid:
+            return
+        if self.emulate_inter_node_GBps is not None:
             raise UsageError("--emulate_inter_node_GBps", "emulates the link HSDP all-reduces across replicas "
                              "over, and this launch is not HSDP", "launch with accelerate_configs/cpu_hsdp.yaml, "
                              "or drop the flag")
-        for p in self.accumulation_policies if not hybrid else ():
-            if POLICIES[p].hsdp_only:
-                raise UsageError("--accumulation_policies", f"{p} needs HSDP (a replicate group)",
-                                 "launch with accelerate_configs/cpu_hsdp.yaml, or leave it out")
+        needs_replicas = [p for p in self.accumulation_policies if POLICIES[p].hsdp_only]
+        if needs_replicas:
+            raise UsageError("--accumulation_policies", f"{needs_replicas[0]} needs HSDP (a replicate group)",
+                             "launch with accelerate_configs/cpu_hsdp.yaml, or leave it out")
 
-    def _check_compile(self, fsdp: bool) -> None:
-        """``--torch_compile*``: known backend and mode, DDP launch, not with --tune (both replace the modes)."""
+    def _check_compile(self) -> None:
+        """``--torch_compile*``: known backend and mode (either implies ``--torch_compile``), not with --tune
+        (both replace the modes). Where the launch's engine cannot compare them, its part refuses it."""
         if resolve_flags(self.torch_compile, self.torch_compile_backend, self.torch_compile_mode) is None:
             return
         self.torch_compile = True
-        for flag, given in (("--tune", self.tune), ("--accumulation_policies", fsdp)):
-            if given:
-                raise UsageError("--torch_compile", f"compares compiled with eager under DDP and cannot run with {flag}"
-                                 if flag == "--tune" else "compares compiled with eager under DDP, and this launch "
-                                 "is sharded", "drop one of them" if flag == "--tune" else
-                                 "launch with accelerate_configs/cpu_ddp.yaml")
-
-    def _check_launch_kind(self, fsdp: bool, policies_given: bool) -> None:
-        """Refuse the flags that mean nothing for this launch (DDP's under FSDP2, the policies under DDP)."""
-        if fsdp:
-            ddp_only = [("--tune", self.tune), ("--comm_hook", self.comm_hook != "none"),
-                        *((flag_of(name), True) for name in self.ddp_kwargs())]
-            for flag, given in ddp_only:
-                if given:
-                    raise UsageError(flag, "is a DDP setting; under an FSDP2 config the bench compares "
-                                     "accumulation policies", f"drop {flag}, or launch with accelerate_configs/cpu_ddp.yaml")
-        elif policies_given:
-            raise UsageError("--accumulation_policies", "compares FSDP2 policies, and this launch is not sharded",
-                             "launch with accelerate_configs/cpu_fsdp.yaml, or pass --modes for the DDP loops")
-
-    def _check_zero_stages(self, deepspeed: bool, policies_given: bool) -> None:
-        """``--zero_stages``: stages 1-3, each once, only under a DeepSpeed launch; there the DDP and FSDP2
-        choices mean nothing (the stage is the policy) and are refused."""
-        if not deepspeed:
-            if self.zero_stages is not None:
-                raise UsageError("--zero_stages", "compares DeepSpeed ZeRO stages, and this launch is not DeepSpeed",
-                                 "launch with accelerate_configs/cpu_deepspeed.yaml")
-            return
-        if self.zero_stages is None:
-            self.zero_stages = [1, 2, 3]
-        checks.distinct_choices("--zero_stages", self.zero_stages, [1, 2, 3])
-        self.zero_stages = sorted(self.zero_stages)
-        refused = [("--accumulation_policies", policies_given), ("--modes", list(self.modes) != list(MODES)),
-                   ("--tune", self.tune), ("--comm_hook", self.comm_hook != "none"),
-                   ("--torch_compile", self.torch_compile), *((flag_of(name), True) for name in self.ddp_kwargs())]
-        for flag, given in refused:
-            if given:
-                raise UsageError(flag, "has no meaning under a DeepSpeed config: the bench compares ZeRO stages "
-                                 "(the stage decides what a window reduces)", f"drop {flag} (pick stages with "
-                                 "--zero_stages), or launch with accelerate_configs/cpu_ddp.yaml or cpu_fsdp.yaml")
+        if self.tune:
+            raise UsageError("--torch_compile", "compares compiled with eager under DDP and cannot run with --tune",
+                             "drop one of them")
 
     def ddp_kwargs(self) -> dict:
         """The DDP constructor arguments (DDP's names) that differ from DDP's defaults (the same for every mode)."""

@@ -1,0 +1,301 @@
+"""The FSDP2 part of ``accum-kit bench`` (HSDP: FSDP2 on a 2-D mesh): the accumulation policies x K in one run.
+
+Run it with::
+
+    accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m accum_kit bench \\
+        --model_presets small --accumulation_steps 2 4 8 --repeats 5
+
+Arms: ``--accumulation_policies`` (default: the four of :data:`accum_kit.engines.policies.POLICIES` that
+apply to FSDP2; under HSDP all five), on one prepared model (one ``fully_shard`` per layer, per the config).
+
+Schedule: for each repeat and K, one :func:`accum_kit.train_loop` run from the same initial weights and
+AdamW state, whose windows rotate through the policies (:class:`PolicyRotation`): ``--warmup_steps``
+unmeasured windows, then ``--steps`` cycles of one window per policy, the order rotated by one from one
+(repeat, K) run to the next. Between windows the policy is switched (:func:`apply_policy`): the run plan
+puts it in force (:meth:`accum_kit.core.run_plan.RunPlan.use_policy`: Accelerate's ``sync_each_batch``
+switch, and the policy FSDP2's engine applies inside ``no_sync``), and every unit's reshard-after-forward
+setting follows it through :mod:`accum_kit.compat` (off for ``no_sync_no_reshard``, FSDP2's own
+otherwise: ``fully_shard`` fixes it when the model is prepared, and only a sweep that changes policy in
+the middle of a run needs to change it). Parameters do not change inside a window and every policy gives
+the same update, so this is one ordinary training run. Comparing policies in adjacent windows, seconds
+apart, rather than in runs minutes apart, keeps a shared machine's changing load out of the ratios. One
+unrecorded run comes first (a fresh model's first steps pay page faults). A
+:class:`accum_kit.profiler.CommProfiler` records every all-gather and reduce-scatter, a
+:class:`accum_kit.profiler.held_memory.HeldMemory` the bytes held between micro-batches per policy, and the
+process's peak memory is taken per window.
+
+The figures are :func:`accum_kit.bench.bench_report.summarize_fsdp_preset`'s; data and timing conventions
+are the DDP part's (:mod:`accum_kit.bench`): synthetic tokens, step times from process 0, memory the
+maximum over processes.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ..compat import (fsdp_reshard_after_forward_state, fsdp_units, keep_fsdp_parameters_after_forward,
+                      restore_fsdp_reshard_after_forward)
+from ..core.callbacks import LoopCallback
+from ..core.loop import train_loop
+from ..core.run_plan import run_plan_of
+from ..engines.fsdp2 import element_bytes, sharded_model
+from ..engines.mesh import EmulatedInterNodeLink, launched_replicas
+from ..engines.policies import POLICIES
+from ..job.models import build_model, count_parameters
+from ..profiler import CommProfiler, ProfileRecords, sharded_summary
+from ..profiler.held_memory import HeldMemory
+from .bench_config import MODES
+from .bench_data import TokenRows, synthetic_rows
+from .bench_files import plot_policies_png
+from .bench_report import FSDP_CSV_FIELDS, evaluate_targets, summarize_fsdp_preset
+from .bench_tables import format_fsdp_table
+from .parts import WindowedPart
+from .peak_memory import PeakMemory
+from .runs import reset_training_state
+from .saving_parts import window_parts
+
+#: The profiler's mode for each policy (``sync_each_batch`` or not: what Accelerate's flag says).
+MODE = {name: "sync_each_batch" if p.sync_each_batch else "no_sync" for name, p in POLICIES.items()}
+#: The profiler summary keys a run record keeps (see :mod:`accum_kit.profiler.sharded`).
+SUMMARY_KEYS = ("reduce_scatter_calls_per_step", "reduce_scatter_bytes_per_step", "reduce_scatter_busbw_GBps",
+                "all_gather_calls_per_step", "all_gather_bytes_per_step", "all_gather_busbw_GBps",
+                "all_reduce_calls_per_step", "all_reduce_bytes_per_step", "by_group", "syncs",
+                "skipped_syncs", "compute_seconds", "accumulation_seconds", "accumulation_source", "exposed_comm_seconds",
+                "exposed_all_gather_seconds_per_step",
+                "optimizer_seconds", "ideal_seconds_per_step", "estimated_seconds_saved_per_step",
+                "post_backward_sync_seconds", "post_backward_no_sync_seconds", "post_backward_adding_seconds",
+                "shard_add_seconds", "shard_add_source", "saved_per_skipped_sync_seconds",
+                "estimated_cpu_seconds_saved_per_step", "saved_per_skipped_sync_cpu_seconds",
+                "accumulation_cpu_seconds", "shard_add_cpu_seconds", "post_backward_sync_cpu_seconds",
+                "post_backward_no_sync_cpu_seconds", "post_backward_adding_cpu_seconds")
+
+
+class FSDP2Bench(WindowedPart):
+    """The accumulation policies under FSDP2 / HSDP (see the module docstring)."""
+
+    name = "fsdp2"
+    schema = "accum_kit.bench.fsdp/1"
+    progress = "bench runs (FSDP2)"
+    arm_key = "policy"
+    needs = "the FSDP2 bench needs"
+    csv_fields = FSDP_CSV_FIELDS
+    plot = staticmethod(plot_policies_png)
+    figures = staticmethod(summarize_fsdp_preset)
+    table = staticmethod(format_fsdp_table)
+    targets = staticmethod(evaluate_targets)
+
+    def hybrid(self) -> bool:
+        return launched_replicas() > 1
+
+    def check_flags(self, cfg, policies_given: bool) -> None:
+        """Refuse DDP's flags (``--tune``, ``--comm_hook``, the constructor settings), DDP's ``--modes``,
+        ``--torch_compile`` and ``--zero_stages``: under FSDP2 the bench compares accumulation policies.
+
+        Raises:
+            UsageError: naming the flag.
+        """
+        self.refuse(self.ddp_only_flags(cfg), "is a DDP setting; under an FSDP2 config the bench compares "
+                    "accumulation policies", "drop {flag}, or launch with accelerate_configs/cpu_ddp.yaml")
+        self.refuse([("--modes", list(cfg.modes) != list(MODES))], "chooses DDP loops; under an FSDP2 config the "
+                    "bench compares accumulation policies", "drop --modes and pass --accumulation_policies")
+        self.refuse([("--torch_compile", cfg.torch_compile)], "compares compiled with eager under DDP, and this "
+                    "launch is sharded", "launch with accelerate_configs/cpu_ddp.yaml")
+        self.refuse_stages(cfg)
+
+    def config_file(self) -> tuple[str, int]:
+        return ("cpu_hsdp.yaml", 4) if self.hybrid() else ("cpu_fsdp.yaml", 2)
+
+    def arms(self, cfg) -> list:
+        return list(cfg.accumulation_policies)
+
+    def session(self, cfg, preset: str, accelerator) -> "FSDP2Session":
+        return FSDP2Session(cfg, preset, accelerator)
+
+
+def apply_policy(accelerator, model, policy: str, fsdp_defaults: list) -> None:
+    """Make the next window run ``policy`` on the prepared FSDP2 ``model`` (call between windows only).
+
+    The run plan puts the policy in force; every unit's reshard-after-forward setting is put back to
+    ``fsdp_defaults`` (:func:`accum_kit.compat.fsdp_reshard_after_forward_state`, taken after the model's
+    first forward, when FSDP2 has settled its root) and switched off where the policy keeps parameters
+    gathered through the window.
+    """
+    run_plan_of(accelerator).use_policy(policy)
+    restore_fsdp_reshard_after_forward(fsdp_defaults)
+    if POLICIES[policy].reshard_after_forward is False:
+        keep_fsdp_parameters_after_forward(model)
+
+
+class PolicyRotation(LoopCallback):
+    """Loop callback: the run's windows rotate through the policies, one window each, so that they are compared
+    seconds apart (a shared machine's load changes on that scale too).
+
+    The first ``warmup`` windows run ``policies[0]`` and are tagged ``warmup/<label>``; then window ``w`` runs
+    ``policies[(w - warmup) % n]`` (cycle ``(w - warmup) // n``), tagged ``<policy>/<label>``. The policy is applied
+    between windows (in ``on_step_end``, after the profiler has recorded the step), and the process's peak memory
+    is taken per window (:class:`accum_kit.bench.peak_memory.PeakMemory`).
+
+    Attributes:
+        windows: per measured window: ``step`` (its index), ``policy``, ``cycle``, ``peak_mb``.
+    """
+
+    def __init__(self, accelerator, model, profiler, policies: list[str], warmup: int, label: str, defaults: list,
+                 memory: PeakMemory):
+        self.accelerator, self.model, self.profiler, self.policies = accelerator, model, profiler, policies
+        self.warmup, self.label, self.defaults, self.memory = warmup, label, defaults, memory
+        self.windows: list[dict] = []
+
+    def tag(self, policy: str) -> str:
+        return f"{policy}/{self.label}"
+
+    def _policy(self, w: int) -> str:
+        return self.policies[0] if w < self.warmup else self.policies[(w - self.warmup) % len(self.policies)]
+
+    def _start(self, w: int) -> None:
+        policy = self._policy(w)
+        apply_policy(self.accelerator, self.model, policy, self.defaults)
+        self.profiler.mode = MODE[policy]
+        self.profiler.tag = f"warmup/{self.label}" if w < self.warmup else self.tag(policy)
+        self.memory.reset()
+
+    def on_train_begin(self, state):
+        self._start(0)
+
+    def on_step_end(self, state):
+        w = state.step - 1  # the window that just ended
+        if w >= self.warmup:
+            self.windows.append({"step": w, "policy": self._policy(w), "cycle": (w - self.warmup) // len(self.policies),
+                                 "peak_mb": self.memory.peak()[0]})
+        self._start(state.step)
+
+
+def pooled_summaries(prof, cfg, order: list[str]) -> dict:
+    """The profiler's figures per (K, policy) over all repeats at once (``"K<K>/<policy>"`` -> SUMMARY_KEYS).
+
+    Pooling the repeats' records gives the medians behind the exposed
+    reduce-scatter (one synchronised backward per window) several times the
+    samples of one run. Read with FSDP2's own reshard settings in force, so the
+    all-gathers the estimated saving compares with are those of the real
+    ``sync_each_batch``. Each also has ``window_parts``
+    (:func:`accum_kit.bench.saving_parts.window_parts`).
+    """
+    units = prof.collectives.unit_info()
+    every = prof.records()
+    out = {}
+    for K in cfg.accumulation_steps:
+        for policy in order:
+            tags = {f"{policy}/K{K}/r{rep}" for rep in range(cfg.repeats)}
+            mine = ProfileRecords(*([r for r in records if r.tag in tags] for records in
+                                    (every.calls, every.micro_batches, every.steps, every.collectives,
+                                     every.post_backwards)))
+            summary = sharded_summary(mine, shard_size=prof.shard_size, replicate_size=prof.replicate_size, units=units)
+            out[f"K{K}/{policy}"] = {**{k: summary.get(k) for k in SUMMARY_KEYS}, "window_parts": window_parts(mine)}
+    return out
+
+
+class FSDP2Session:
+    """The runs of one preset under FSDP2: one prepared model, its profiler (and, under the emulation, the
+    slow link), the data of every K."""
+
+    def __init__(self, cfg, preset: str, accelerator):
+        self.cfg, self.preset, self.accelerator = cfg, preset, accelerator
+        world, device = accelerator.num_processes, accelerator.device
+        model = build_model(preset, cfg.vocab_size, cfg.block_size, seed=cfg.seed)
+        self.n_params = count_parameters(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
+        self.model, self.opt = accelerator.prepare(model, opt)
+        self.initial = [p.detach().clone() for p in self.model.parameters()]  # DTensor shards
+        self.link = (EmulatedInterNodeLink(self.model, cfg.emulate_inter_node_GBps).install()
+                     if cfg.emulate_inter_node_GBps is not None else None)  # before the profiler: its timings include it
+        self.prof = CommProfiler(accelerator, self.model, keep_records=None)  # short runs: every raw record
+
+        self.order = list(cfg.accumulation_policies)
+        self.run_steps = cfg.warmup_steps + cfg.steps * len(self.order)
+        B, K_max = cfg.per_device_train_batch_size, max(cfg.accumulation_steps)
+        tokens, labels = synthetic_rows(cfg, self.run_steps * K_max * world * B)
+        self.loaders = {}
+        for K in cfg.accumulation_steps:
+            n = self.run_steps * K * world * B
+            self.loaders[K] = accelerator.prepare(DataLoader(TokenRows(tokens[:n], labels[:n]), batch_size=B,
+                                                             shuffle=False))
+        self.memory = PeakMemory(device)
+        with torch.no_grad():  # FSDP2 settles its root's reshard setting at the first forward: save them after it
+            self.model(input_ids=tokens[:1].to(device))
+        for unit, _ in fsdp_units(self.model):  # without a backward the units kept after forward stay gathered
+            unit.reshard()
+        self.defaults = fsdp_reshard_after_forward_state(self.model)
+        self.layout = sharded_model(self.model)  # read with FSDP2's own settings in force
+
+    def one_run(self, K: int, rep, policies: list[str]) -> list[dict]:
+        """One train_loop whose windows rotate through ``policies``; one record per policy, in that order."""
+        accelerator, prof, device = self.accelerator, self.prof, self.accelerator.device
+        reset_training_state(self.model, self.initial, self.opt)
+        prof.enabled = True  # the previous run's on_train_end switched it off
+        held = HeldMemory(accelerator, self.model)
+        rotation = PolicyRotation(accelerator, self.model, prof, policies, self.cfg.warmup_steps, f"K{K}/r{rep}",
+                                  self.defaults, self.memory)
+        run_plan_of(accelerator).set_accumulation_steps(K)
+        gc.collect()
+        dist.barrier()
+        t0 = time.perf_counter()
+        result = train_loop(accelerator, self.model, self.opt, self.loaders[K], max_train_steps=self.run_steps,
+                            progress=False, profiler=prof, callbacks=[rotation, held])
+        wall = time.perf_counter() - t0
+        by_policy = held.local()["by_policy"]
+        mem = torch.tensor([[by_policy.get(p, {}).get("gradient_bytes", 0),
+                             by_policy.get(p, {}).get("gathered_parameter_bytes", 0)] for p in policies] +
+                           [[w["peak_mb"] if w["peak_mb"] is not None else -1.0, 0] for w in rotation.windows],
+                           dtype=torch.float64, device=device)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # memory: the most over processes
+        peaks = mem[len(policies):, 0].tolist()
+        records = []
+        for i, policy in enumerate(policies):
+            tag = rotation.tag(policy)
+            prof.mode = MODE[policy]  # the profiler summarises the records of its current mode
+            s = prof.local_summary(tag)
+            mine = [(w, pk) for w, pk in zip(rotation.windows, peaks) if w["policy"] == policy]
+            steps = {x.step: x for x in prof.records(tag=tag).steps}
+            records.append({
+                "preset": self.preset, "K": K, "policy": policy, "run_wall_seconds": wall,
+                "losses": result.train_loss, "cycles": [w["cycle"] for w, _ in mine],
+                "step_seconds": [steps[w["step"]].step_seconds for w, _ in mine], "optimizer_steps": len(mine),
+                "step_cpu_seconds": [steps[w["step"]].cpu_seconds for w, _ in mine],
+                "peak_rss_mb": max((pk for _, pk in mine), default=None) if self.memory.method else None,
+                "gradient_bytes": mem[i, 0].item(), "gathered_parameter_bytes": mem[i, 1].item(),
+                **{k: s.get(k) for k in SUMMARY_KEYS}})
+        return records
+
+    def warm_up(self) -> None:
+        """One unrecorded run: a fresh model's first steps are slow."""
+        self.one_run(self.cfg.accumulation_steps[0], "preset_warmup", self.order)
+        self.element_bytes = element_bytes(self.accelerator, self.model)
+
+    def run_block(self, K: int, repeat: int, order: list[str]) -> list[dict]:
+        """One run at ``K`` whose windows rotate through ``order``."""
+        return self.one_run(K, repeat, order)
+
+    def close(self) -> dict:
+        """Put ``no_sync`` and FSDP2's reshard settings back, remove the emulated link, detach the profiler;
+        returns the info (the pooled profiler figures, the mesh, the units, the element sizes)."""
+        cfg, prof, link = self.cfg, self.prof, self.link
+        b_p, b_c, b_r = self.element_bytes
+        apply_policy(self.accelerator, self.model, "no_sync", self.defaults)
+        if link is not None:
+            link.remove()
+        prof.detach()
+        info = {"pooled": pooled_summaries(prof, cfg, self.order), "parameters": self.n_params,
+                "micro_batch": f"{cfg.per_device_train_batch_size}x{cfg.block_size} tokens",
+                "memory_method": self.memory.method,
+                "mesh": {"dp_replicate_size": prof.replicate_size, "dp_shard_size": prof.shard_size},
+                "emulated_inter_node_GBps": cfg.emulate_inter_node_GBps,
+                "emulated_seconds_added": link.seconds_added if link is not None else 0.0,
+                "units": {"resharded": list(self.layout.resharded), "kept": list(self.layout.kept)},
+                "element_bytes": {"b_p": b_p, "b_c": b_c, "b_r": b_r}}
+        self.model = self.opt = self.loaders = self.prof = None
+        self.accelerator.free_memory()
+        return info
