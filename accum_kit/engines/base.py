@@ -177,6 +177,20 @@ class Engine:
             if p.grad is not None:
                 yield "grad", p.grad
 
+    def window_costs(self, accelerator, model, accumulation_steps: int, policy: str):
+        """What one window of K micro-batches sends and holds per process under ``policy``: the cost table's row
+        (:class:`accum_kit.engines.costs.PolicyCosts`; collectives' calls and bytes, bytes held).
+
+        DDP: the table's row with a shard group of one (:func:`accum_kit.engines.costs.ddp_costs`): the whole
+        gradient, ``P b_p`` bytes, all-reduced once per synchronised backward.
+        """
+        from .costs import ddp_costs
+
+        P = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        b_p = next((p.element_size() for p in model.parameters()), 4)
+        return ddp_costs(policy, world_size=accelerator.num_processes, accumulation_steps=accumulation_steps,
+                         gradient_bytes=P * b_p, reduce_bytes=b_p)
+
     def predicted_memory(self, accelerator, model, accumulation_steps: int, policies) -> dict:
         """``{policy: PolicyCosts.to_dict()}``: what each of ``policies`` holds between micro-batches, in bytes.
 

@@ -527,16 +527,19 @@ class ZeroEngine(Engine):
             return
         yield from deepspeed_held_gradients(model)
 
-    def predicted_memory(self, accelerator, model, accumulation_steps, policies) -> dict:
-        """One entry, the stage (``"zero2"``...), from :func:`accum_kit.engines.costs.zero_costs` (ZeRO-3's
-        ``ds_numel``: the unpartitioned size)."""
+    def window_costs(self, accelerator, model, accumulation_steps, policy):
+        """:func:`accum_kit.engines.costs.zero_costs` of the engine's stage (``policy`` is its name, ``zero2``...;
+        ZeRO-3's ``ds_numel``: the unpartitioned size)."""
         from .costs import zero_costs
 
-        stage = f"zero{self.stage}"
         P = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
         groups = len(getattr(getattr(model, "optimizer", None), "param_groups", None) or [None])
-        return {stage: zero_costs(stage, P, world_size=accelerator.num_processes, accumulation_steps=accumulation_steps,
-                                  param_groups=groups).to_dict()}
+        return zero_costs(f"zero{self.stage}", P, world_size=accelerator.num_processes,
+                          accumulation_steps=accumulation_steps, param_groups=groups)
+
+    def predicted_memory(self, accelerator, model, accumulation_steps, policies) -> dict:
+        """One entry, the stage (``"zero2"``...): :meth:`window_costs`; the stage is the run's only policy."""
+        return {f"zero{self.stage}": self.window_costs(accelerator, model, accumulation_steps, None).to_dict()}
 
     def compute_precision(self, accelerator) -> str:
         """``"bf16"``, ``"fp16"`` or ``"no"``, from the DeepSpeed config (see :func:`deepspeed_engine_precision`)."""

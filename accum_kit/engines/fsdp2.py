@@ -206,18 +206,21 @@ class FSDP2Engine(Engine):
 
         return run_mesh(accelerator)
 
-    def predicted_memory(self, accelerator, model, accumulation_steps, policies) -> dict:
-        """From :func:`accum_kit.engines.costs.policy_costs` with the model's units and the run's mesh."""
+    def window_costs(self, accelerator, model, accumulation_steps, policy):
+        """:func:`accum_kit.engines.costs.policy_costs` with the prepared model's units, the mixed-precision
+        policy's element sizes and the run's mesh (HSDP: its replicas)."""
         from .costs import policy_costs
 
-        layout = sharded_model(model)
-        if layout is None:
-            return super().predicted_memory(accelerator, model, accumulation_steps, policies)
         b_p, b_c, b_r = element_bytes(accelerator, model)
-        replicas = self.mesh(accelerator).replicate
-        return {n: policy_costs(n, layout, world_size=accelerator.num_processes, accumulation_steps=accumulation_steps,
-                                param_bytes=b_p, compute_bytes=b_c, reduce_bytes=b_r,
-                                replicate_size=replicas).to_dict() for n in policies}
+        return policy_costs(policy, sharded_model(model), world_size=accelerator.num_processes,
+                            accumulation_steps=accumulation_steps, param_bytes=b_p, compute_bytes=b_c,
+                            reduce_bytes=b_r, replicate_size=self.mesh(accelerator).replicate)
+
+    def predicted_memory(self, accelerator, model, accumulation_steps, policies) -> dict:
+        """:meth:`window_costs` per policy (before the model is sharded: as under DDP)."""
+        if sharded_model(model) is None:
+            return super().predicted_memory(accelerator, model, accumulation_steps, policies)
+        return {n: self.window_costs(accelerator, model, accumulation_steps, n).to_dict() for n in policies}
 
     def summary_blocks(self, accelerator) -> dict:
         """``{"fsdp": {"version": 2, "mesh": {"dp_replicate_size", "dp_shard_size"}, "accumulation_policy": str,
