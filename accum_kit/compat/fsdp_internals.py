@@ -14,8 +14,10 @@ def fsdp_units(model) -> list:
     Each entry is ``(module, group)``: the first ``FSDPModule`` that owns the
     group (a ``fully_shard([a, b])`` call makes one state shared by several
     modules; it is listed once) and its ``FSDPParamGroup``. Touches
-    ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` (torch 2.13). Empty
-    for a model that is not FSDP2.
+    ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` (a list, torch 2.13);
+    torch 2.11 keeps one group per state as ``_fsdp_param_group`` (None when
+    the module holds no parameter of its own), found on an H200 where the
+    plural raised ``AttributeError``. Empty for a model that is not FSDP2.
     """
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -29,7 +31,11 @@ def fsdp_units(model) -> list:
         if id(state) in seen:
             continue
         seen.add(id(state))
-        units += [(module, group) for group in state._fsdp_param_groups]
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch 2.11: one group per state, or None
+            single = getattr(state, "_fsdp_param_group", None)
+            groups = [single] if single is not None else []
+        units += [(module, group) for group in groups]
     return units
 
 
