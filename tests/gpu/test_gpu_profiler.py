@@ -43,7 +43,10 @@ def check_phases(p: dict) -> dict:
         "forward_median": statistics.median(m["forward"] for m in micro),
         "allreduce_seconds_median": statistics.median(c["seconds"] for c in buckets) if buckets else None,
         "buckets_per_micro_batch": len(buckets) / max(len(micro), 1)})
-    assert p["synchronize"] is True and p["is_ddp"] is True, p
+    assert p["synchronize"] is True, p
+    # one GPU: Accelerate 1.15 wraps no DDP around the model (measured on an H200: a plain GPT2LMHeadModel, 0
+    # buckets); with several, DDP and its buckets
+    assert p["is_ddp"] is (p["num_processes"] > 1), p
     n_micro = 2 * len(common.EXAMPLES) // common.B
     assert len(steps) == n_steps and len(micro) == p["micro_batches"] == len(spans) == n_micro, figures
     for m, span in zip(micro, spans):
@@ -54,8 +57,11 @@ def check_phases(p: dict) -> dict:
         inside = sum(m["forward"] + m["backward"] for m in micro if m["step"] == s["step"])
         assert s["optimizer"] > 0 and inside + s["optimizer"] <= s["step_seconds"] + 1e-4, (s, inside, figures)
     assert figures["sum_step_seconds"] <= p["loop_wall_seconds"] + 1e-3, figures
-    # DDP at world size 1 still all-reduces (Accelerate skips no_sync with one process): every micro-batch,
-    # the whole gradient, in buckets whose sizes add up to the model's gradient bytes
+    if not p["is_ddp"]:  # nothing is all-reduced, and the profiler recorded nothing
+        assert not buckets, figures
+        return figures
+    # DDP all-reduces the whole gradient on every synchronising micro-batch, in buckets whose sizes add up to the
+    # model's gradient bytes
     per_sync = {}
     for c in buckets:
         per_sync.setdefault(c["sync"], []).append(c)
@@ -95,7 +101,8 @@ def test_collective_recorder_cuda_events_time_the_collective_and_reach_the_summa
 
 
 @pytest.mark.xfail(reason="BucketRecorder times DDP's comm-hook future, which NCCL completes when the all-reduce is "
-                          "queued, not when it ends (accum_kit/profiler/buckets.py); informational", strict=False)
+                          "queued, not when it ends (accum_kit/profiler/buckets.py); informational, and with one GPU "
+                          "there is no DDP (0 buckets): it needs 2 GPUs", strict=False)
 def test_ddp_bucket_seconds_cover_gpu_work_queued_before_the_allreduce(gpu_workers):
     with common.recording("profiler_allreduce_behind_spin"):
         d = gpu_workers["ddp"].task("delayed_allreduce")
