@@ -21,10 +21,6 @@ import os
 
 from ..errors import UsageError
 
-#: The engine families, by their ``Engine.name``.
-ENGINE_NAMES = ("ddp", "fsdp2", "deepspeed")
-
-
 def _launched(variable: str) -> bool:
     return os.environ.get(variable, "false").lower() == "true"
 
