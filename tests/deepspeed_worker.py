@@ -145,7 +145,7 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
     if accelerator.is_main_process:
         torch.save(init, d / "init.pt")
         torch.save(saver.steps, d / "steps.pt")
-    from accum_kit.engines.fsdp2 import predicted_memory
+    from accum_kit.profiler.held_memory import predicted_memory
 
     info = {
         "rank": rank, "num_processes": accelerator.num_processes,

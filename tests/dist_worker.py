@@ -286,7 +286,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         info["compile_settings"] = accum_kit.engines.compiling.compile_settings(accelerator)
         watch.close()
     if profiler is not None:
-        from accum_kit.engines.fsdp2 import predicted_memory
+        from accum_kit.profiler.held_memory import predicted_memory
 
         info["profiler_calls"] = [{"kind": c.kind, "micro_batch": c.micro_batch - rec.offset, "unit": c.unit,
                                    "bytes": c.bytes, "seconds": c.seconds, "group": c.group}

@@ -126,7 +126,7 @@ def _per_k(point, lo, hi, ideal=1.5, raw=(1.0, 0.98, 1.02)):
 
 
 def test_bars_judge_by_the_interval_not_the_point():
-    from accum_kit.bench.bench_report import evaluate_bars
+    from accum_kit.bench.report_ddp import evaluate_bars
 
     bars = {b["name"]: b for b in evaluate_bars([], [_per_k(1.45, 1.40, 1.50)])}
     assert bars["speedup"]["verdict"] == "PASS" and bars["speedup"]["passed"] is True
@@ -144,7 +144,7 @@ def test_bars_judge_by_the_interval_not_the_point():
 
 
 def test_memory_bar_uses_the_per_repeat_ratio_of_the_two_runs():
-    from accum_kit.bench.bench_report import evaluate_bars
+    from accum_kit.bench.report_ddp import evaluate_bars
 
     runs = []
     for rep, (lo, hi) in enumerate([(100.0, 101.0), (102.0, 102.5), (99.0, 100.5)]):
@@ -195,7 +195,7 @@ def _tune_runs(factor: dict, reps=4):
 
 
 def test_tune_summary_and_recommendation():
-    from accum_kit.bench.bench_report import recommend, summarize_tune
+    from accum_kit.bench.report_tune import recommend, summarize_tune
 
     settings = {"base": {}, "bucket_cap_mb=5": {"bucket_cap_mb": 5}, "find_unused_parameters": {"find_unused_parameters": True}}
     rows = summarize_tune("comm_heavy", _tune_runs({"base": 1.0, "bucket_cap_mb=5": 0.9, "find_unused_parameters": 1.1}), settings)

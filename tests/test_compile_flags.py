@@ -67,7 +67,7 @@ def test_bench_figures_per_k_from_paired_runs():
     """Break-even and the paired ratio from hand-made runs (no compile): 2 repeats, compiled 0.8 s vs eager 1.0 s."""
     import math
 
-    from accum_kit.bench.bench_report import summarize_k
+    from accum_kit.bench.report_compiled import summarize_k
 
     runs = [{"K": 8, "repeat": rep, "mode": mode, "measured": [s], "losses": [1.0, 2.0 + (mode == "compiled") * 1e-7]}
             for rep, (e, c) in enumerate([(1.0, 0.8), (1.1, 0.77)]) for mode, s in (("eager", e), ("compiled", c))]

@@ -452,7 +452,7 @@ def test_what_contradicts_the_run_is_refused_before_anything_is_built(ds_env, tm
 
 @needs_deepspeed
 def test_config_values_that_agree_or_say_auto_are_filled_from_the_flags(ds_env, tmp_path):
-    from accum_kit.engines.deepspeed import deepspeed_plugin_for
+    from accum_kit.engines.deepspeed_config import deepspeed_plugin_for
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 4,
@@ -473,13 +473,14 @@ def test_what_a_built_deepspeed_run_cannot_do_is_refused():
     import torch
 
     from accum_kit import UsageError
-    from accum_kit.engines.deepspeed import check_batch_sizes, check_constant_k, count_items
+    from accum_kit.engines.deepspeed_config import check_batch_sizes, refuse_changing_k
+    from accum_kit.engines.lookahead import count_items
 
     fake = SimpleNamespace(num_processes=2, deepspeed_plugin=SimpleNamespace(deepspeed_config={
         "gradient_accumulation_steps": 3, "gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 4,
         "train_batch_size": "auto"}))
     cases = [
-        (lambda: check_constant_k(fake, {0: 1, 10: 2}), "--accumulation_schedule"),
+        (lambda: refuse_changing_k({0: 1, 10: 2}), "--accumulation_schedule"),
         (lambda: check_batch_sizes(fake, [torch.utils.data.DataLoader(list(range(8)), batch_size=2)]),
          "--per_device_train_batch_size"),
         (lambda: count_items(lambda model, batch: (0, 0), {}), "loss_fn"),
@@ -488,7 +489,7 @@ def test_what_a_built_deepspeed_run_cannot_do_is_refused():
         with pytest.raises(UsageError) as err:
             call()
         assert err.value.flag == flag, str(err.value)
-    check_constant_k(fake, {0: 3})  # one K: fine
+    refuse_changing_k({0: 3})  # one K: fine
 
 
 @needs_deepspeed

@@ -114,7 +114,7 @@ Peak memory per run: on CPU the process's resident set high-water mark
 ``reset_peak_memory_stats`` (:mod:`accum_kit.bench.peak_memory`).
 
 Bars, printed PASS / FAIL / UNRESOLVED / SKIP (checked on what this one run
-measured, never in unit tests; :func:`accum_kit.bench.bench_report.evaluate_bars`),
+measured, never in unit tests; :func:`accum_kit.bench.report_ddp.evaluate_bars`),
 judged by the 95 % intervals, not the point estimates: PASS when the whole
 interval meets the bar, FAIL when none of it does, UNRESOLVED otherwise. On
 the communication-heavy preset at K=8, ``no_sync`` must be at least 1.25x
@@ -151,7 +151,7 @@ Modules, one way: :mod:`.bench_config` (flags) -> :mod:`.sweep` (the one sweep, 
 with the run's part (:mod:`.parts`: the engine's, chosen by the launch's engine name; :mod:`.part_ddp` with
 :mod:`.peers`, :mod:`.part_tune`, :mod:`.part_fsdp2`, :mod:`.part_zero`, :mod:`.part_compiled`), using
 :mod:`.runs`, :mod:`.bench_data`, :mod:`.peak_memory`, :mod:`.run_records`, :mod:`.saving_parts` ->
-:mod:`.bench_report` (figures, intervals, verdicts, for every part) -> :mod:`.bench_tables` (text) and
+:mod:`.bench_report` (pairs, intervals, verdicts) and a ``report_<part>`` module per part (figures) -> :mod:`.bench_tables` (text) and
 :mod:`.bench_files` (the one writer: JSON, CSV, PNG); the report side imports nothing from the sweep.
 
 Outputs in ``--output_dir`` (default ``runs/bench``), each written atomically:

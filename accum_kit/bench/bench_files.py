@@ -4,7 +4,7 @@ Every part of the sweep writes through :func:`write_files`: its files (``bench.j
 the DDP modes and the FSDP2 policies, ``bench.png``; ``--tune``: ``tune.json`` and ``tune.csv``;
 ``--torch_compile``: ``compile.json``) are made in a staging directory next to ``--output_dir`` and moved
 in only when every one of them exists, so a failure leaves ``--output_dir`` as it was and new data never
-sits beside an old plot. The CSV columns are the part's (:mod:`.bench_report`); the plots are here.
+sits beside an old plot. The CSV columns are the part's (its ``report_<part>`` module); the plots are here.
 """
 
 from __future__ import annotations

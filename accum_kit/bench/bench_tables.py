@@ -1,4 +1,4 @@
-"""The text ``accum-kit bench`` prints: per part a table per preset, and the verdicts (from :mod:`.bench_report`'s rows).
+"""The text ``accum-kit bench`` prints: per part a table per preset, and the verdicts (from the rows of the parts' report modules).
 
 - the DDP modes: a table per preset, its phase profile, the peers' table, the bars' verdicts;
 - ``--tune``: a table per preset with its recommendation;
@@ -15,7 +15,10 @@ import textwrap
 from tabulate import tabulate
 
 from ..stats import resolved
-from .bench_report import KINDS, POLICY_BASE, TUNE_BASE, _f
+from .bench_report import _f
+from .report_fsdp2 import POLICY_BASE
+from .report_tune import TUNE_BASE
+from .report_zero import KINDS
 
 #: How a ratio whose 95 % interval contains 1 is marked.
 NOT_RESOLVED = "not resolved"
@@ -93,7 +96,7 @@ def format_profile(profile: dict) -> str:
 def format_bars(bars: list[dict]) -> str:
     """One line per bar: PASS, FAIL, UNRESOLVED or SKIP (not measured), its description and the measured values.
 
-    Verdicts come from the 95 % intervals (:func:`accum_kit.bench.bench_report.evaluate_bars`).
+    Verdicts come from the 95 % intervals (:func:`accum_kit.bench.report_ddp.evaluate_bars`).
     """
     lines = []
     for b in bars:

@@ -15,7 +15,7 @@ serves as the unmeasured warm-up of the compiled arm, one eager window as the
 eager arm's warm-up; then the sweep's blocks: for each repeat, for each K, one run per arm in an
 order that alternates from one (repeat, K) to the next, each ``--warmup_steps``
 unmeasured plus ``--steps`` measured optimizer steps. Per K
-(:func:`accum_kit.bench.bench_report.summarize_k`): the median step of
+(:func:`accum_kit.bench.report_compiled.summarize_k`): the median step of
 each arm, the paired ratio compiled / eager with its 95 % interval
 (:func:`accum_kit.stats.ratio_interval` over the repeats), the seconds saved
 per step (eager median minus compiled median) and the break-even step count,
@@ -40,7 +40,7 @@ from ..core.run_plan import run_plan_of
 from ..engines.compiling import CompileWatch, check_backend_available, resolve_flags
 from ..job.models import PRESETS, build_model, count_parameters
 from .bench_data import TokenRows, synthetic_rows
-from .bench_report import COMPILE_MODES, summarize_k
+from .report_compiled import COMPILE_MODES, summarize_k
 from .bench_tables import format_compiled_table
 from .parts import BenchPart
 from .runs import load_average, reset_training_state

@@ -12,7 +12,7 @@ prepared model and differ only in the policy the run plan puts in force
 runs a fresh copy of the model wrapped in plain DDP with the same constructor settings, the manual modes a
 plain copy (gradients averaged by hand), ``trainer`` a new Trainer on its own copy per run, and
 ``accelerate_guide`` the prepared model. Each run becomes one record (:func:`accum_kit.bench.run_records.run_record`
-plus memory, losses and wall time); :func:`accum_kit.bench.bench_report.summarize_preset` turns them into the
+plus memory, losses and wall time); :func:`accum_kit.bench.report_ddp.summarize_preset` turns them into the
 rows, the per-K figures and the bars.
 """
 
@@ -35,7 +35,7 @@ from ..reference.raw_ddp import train_raw_ddp
 from .bench_config import MODES
 from .bench_data import TokenRows, raw_batch_indices, synthetic_rows
 from .bench_files import plot_modes_png
-from .bench_report import DDP_CSV_FIELDS, evaluate_bars, summarize_preset
+from .report_ddp import DDP_CSV_FIELDS, evaluate_bars, summarize_preset
 from .bench_tables import format_bars, format_peer_table, format_preset_table, format_profile
 from .parts import BenchPart
 from .peak_memory import PeakMemory

@@ -24,7 +24,7 @@ unrecorded run comes first (a fresh model's first steps pay page faults). A
 :class:`accum_kit.profiler.held_memory.HeldMemory` the bytes held between micro-batches per policy, and the
 process's peak memory is taken per window.
 
-The figures are :func:`accum_kit.bench.bench_report.summarize_fsdp_preset`'s; data and timing conventions
+The figures are :func:`accum_kit.bench.report_fsdp2.summarize_fsdp_preset`'s; data and timing conventions
 are the DDP part's (:mod:`accum_kit.bench`): synthetic tokens, step times from process 0, memory the
 maximum over processes.
 """
@@ -52,7 +52,7 @@ from ..profiler.held_memory import HeldMemory
 from .bench_config import MODES
 from .bench_data import TokenRows, synthetic_rows
 from .bench_files import plot_policies_png
-from .bench_report import FSDP_CSV_FIELDS, evaluate_targets, summarize_fsdp_preset
+from .report_fsdp2 import FSDP_CSV_FIELDS, evaluate_targets, summarize_fsdp_preset
 from .bench_tables import format_fsdp_table
 from .parts import WindowedPart
 from .peak_memory import PeakMemory

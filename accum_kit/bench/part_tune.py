@@ -10,7 +10,7 @@ one wrapper per module, so the settings cannot share one), its own AdamW and a
 toolkit's loop (:func:`accum_kit.train_loop`, ``no_sync``) at one K on the same data from the same weights,
 in the sweep's rotated schedule: after one unrecorded run per setting, every repeat runs each setting once,
 in an order rotated by one from repeat to repeat. The runs are recorded like the DDP modes' (the setting's
-label stands in the ``mode`` field), so :func:`accum_kit.bench.bench_report.summarize_tune` pairs them the
+label stands in the ``mode`` field), so :func:`accum_kit.bench.report_tune.summarize_tune` pairs them the
 same way; ``tune.json`` and ``tune.csv`` are written instead of the bench's files.
 """
 
@@ -31,7 +31,7 @@ from ..job.models import PRESETS, build_model, count_parameters
 from ..profiler import CommProfiler
 from .bench_config import BenchConfig
 from .bench_data import TokenRows, synthetic_rows
-from .bench_report import TUNE_BASE, TUNE_CSV_FIELDS, recommend, summarize_tune
+from .report_tune import TUNE_BASE, TUNE_CSV_FIELDS, recommend, summarize_tune
 from .bench_tables import format_tune_table
 from .parts import BenchPart
 from .peak_memory import PeakMemory

@@ -28,7 +28,7 @@ one from one (repeat, K) to the next. A cycle's windows run seconds apart,
 so the ratio of two stages' windows in one cycle is paired: the machine's
 load, which drifts over minutes, is nearly the same for both; the 95 %
 intervals are over those per-cycle pairs
-(:func:`accum_kit.bench.bench_report.summarize_zero_preset`). Before the
+(:func:`accum_kit.bench.report_zero.summarize_zero_preset`). Before the
 repeats of a K, one unmeasured window per engine pays a fresh engine's
 first-step costs (page faults, bucket allocation).
 
@@ -57,13 +57,13 @@ from ..compat import deepspeed_parameter_bytes, prepare_deepspeed_engine, use_de
 from ..core.callbacks import LoopCallback
 from ..core.loop import train_loop
 from ..core.run_plan import run_plan_of
-from ..engines.deepspeed import check_deepspeed_installed, deepspeed_plugin_for
+from ..engines.deepspeed_config import check_deepspeed_installed, deepspeed_plugin_for
 from ..job.models import build_model, count_parameters
 from ..profiler import CommProfiler
 from ..profiler.held_memory import GRADIENT_KINDS, held_bytes
 from .bench_config import MODES
 from .bench_data import TokenRows, synthetic_rows
-from .bench_report import ZERO_CSV_FIELDS, evaluate_zero_targets, summarize_zero_preset
+from .report_zero import ZERO_CSV_FIELDS, evaluate_zero_targets, summarize_zero_preset
 from .bench_tables import format_zero_table
 from .parts import WindowedPart
 from .peak_memory import PeakMemory

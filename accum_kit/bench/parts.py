@@ -11,7 +11,7 @@ files. A *part* says the rest (:class:`BenchPart`):
   ``--torch_compile`` eager and compiled (:mod:`.part_compiled`, a mode of the sweep under any DDP launch);
 - the **flags** that mean nothing under its engine (refused by :class:`~accum_kit.bench.bench_config.BenchConfig`)
   and its default schedule;
-- what it **reports**: its rows, columns and ideal (:mod:`.bench_report`), its tables (:mod:`.bench_tables`),
+- what it **reports**: its rows, columns and ideal (its ``report_<part>`` module), its tables (:mod:`.bench_tables`),
   its verdicts, its files (:mod:`.bench_files`).
 
 The engine's part is chosen by the launch's engine name (:func:`accum_kit.engines.requested_engine_name`)

@@ -107,7 +107,7 @@ def check_supported(accelerator, mode: str) -> None:
     ``tokens`` rescales the synchronised gradients once per window (``K W c / N``)
     under DDP and FSDP2; under DeepSpeed, whose engine scales and owns the
     gradients, it counts the window first and scales each loss instead
-    (:class:`accum_kit.engines.deepspeed.LookaheadNormalizer`). Kept as the train job's
+    (:class:`accum_kit.engines.lookahead.LookaheadNormalizer`). Kept as the train job's
     early check so that a future engine without an exact path fails before any work.
 
     Raises:
@@ -229,7 +229,7 @@ class WindowNormalizer:
         self._stats = None
 
     def batches(self, iterable, loss_fn=None):
-        """The batches to run, as they come (DeepSpeed's :class:`accum_kit.engines.deepspeed.LookaheadNormalizer` reads ahead)."""
+        """The batches to run, as they come (DeepSpeed's :class:`accum_kit.engines.lookahead.LookaheadNormalizer` reads ahead)."""
         return iterable
 
     @property

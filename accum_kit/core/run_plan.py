@@ -32,7 +32,6 @@ class RunPlan:
 
     Attributes:
         engine: as given.
-        asked_policy: the policy the flags asked for.
         requested_policy: the run's policy as the engine states it and summaries record it.
         first_accumulation_steps: K of the first window.
         schedule: the checked schedule, or None.
@@ -42,7 +41,6 @@ class RunPlan:
     def __init__(self, engine, policy, accumulation_steps: int, schedule: dict | None = None):
         checks.at_least("--gradient_accumulation_steps", accumulation_steps)
         self.engine = engine
-        self.asked_policy = policy
         self.requested_policy = engine.run_policy(policy)
         self._policy = self.requested_policy  # the no-sync flavour in force (the A/B switch may add sync_each_batch)
         self.first_accumulation_steps = int(accumulation_steps)

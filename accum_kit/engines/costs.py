@@ -97,142 +97,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..errors import UsageError
-from ..job.models import PRESETS
+from .bandwidth import collective_seconds
+from .model_units import ADAMW_STATE_BYTES, ShardedModel
 from .policies import POLICIES, policies_for
-
-#: Bytes per gigabyte in bandwidths (GB/s) and memory figures (GB): 1e9, as NVIDIA and nccl-tests count.
-GB = 1e9
-
-#: nccl-tests' bus-bandwidth factor of each collective kind over a group of n processes: ``busbw = algbw x
-#: factor(n)`` with ``algbw = S / t`` (S the whole buffer: the all-reduce's buffer, the all-gather's output,
-#: the reduce-scatter's input). It is what each process sends (and receives) of S on a ring, so ``busbw`` can be
-#: set against a link's peak. https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md
-BUSBW_FACTORS = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-}
-
-
-def busbw_factor(kind: str, group_size: int) -> float:
-    """``busbw / algbw`` of one collective ``kind`` over ``group_size`` processes (:data:`BUSBW_FACTORS`).
-
-    ``2 (n - 1) / n`` for an all-reduce, ``(n - 1) / n`` for an all-gather, a reduce-scatter and an
-    all-to-all, 1 for a broadcast and a reduce (nccl-tests, doc/PERFORMANCE.md). One process: 0 for the
-    first four (nothing crosses a link).
-
-    Raises:
-        ValueError: an unknown kind, or a group of fewer than 1 process.
-    """
-    if kind not in BUSBW_FACTORS:
-        raise ValueError(f"unknown collective kind {kind!r}; one of {sorted(BUSBW_FACTORS)}")
-    if group_size < 1:
-        raise ValueError(f"a collective needs a group of 1 or more processes (got {group_size})")
-    return BUSBW_FACTORS[kind](group_size)
-
-
-def bus_bandwidth(algbw: float, kind: str, group_size: int) -> float:
-    """Bus bandwidth from algorithm bandwidth (both in the same unit, e.g. GB/s): ``algbw x busbw_factor``.
-
-    Raises:
-        ValueError: as :func:`busbw_factor`.
-    """
-    return algbw * busbw_factor(kind, group_size)
-
-
-def algorithm_bandwidth(busbw: float, kind: str, group_size: int) -> float:
-    """Algorithm bandwidth (bytes of S per second) from bus bandwidth: ``busbw / busbw_factor``.
-
-    Raises:
-        ValueError: as :func:`busbw_factor`, or a group of one process for a kind that sends nothing then.
-    """
-    factor = busbw_factor(kind, group_size)
-    if factor == 0:
-        raise ValueError(f"a {kind} over {group_size} process sends nothing: no algorithm bandwidth")
-    return busbw / factor
-
-
-#: Bytes per element of the dtypes a run can use.
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-#: AdamW keeps two fp32 moments per parameter (torch.optim.AdamW, ``exp_avg`` and ``exp_avg_sq``).
-ADAMW_STATE_BYTES = 8
-
-
-@dataclass(frozen=True)
-class ShardedModel:
-    """How FSDP2 splits a model into units: the parameters (elements, unsharded) of each unit.
-
-    Attributes:
-        resharded: one entry per unit that frees its gathered parameters after
-            forward (the transformer layers); their sum is P_f, their count U_f.
-        kept: one entry per unit that keeps them until its backward (the root,
-            Accelerate's output-head unit); sum P_0, count U_0.
-        source: where the split comes from (for the report).
-    """
-
-    resharded: tuple[int, ...]
-    kept: tuple[int, ...] = ()
-    source: str = ""
-
-    @property
-    def parameters(self) -> int:
-        """P = P_f + P_0."""
-        return sum(self.resharded) + sum(self.kept)
-
-    @property
-    def layer_parameters(self) -> int:
-        """P_f."""
-        return sum(self.resharded)
-
-    @property
-    def other_parameters(self) -> int:
-        """P_0."""
-        return sum(self.kept)
-
-    @property
-    def units(self) -> int:
-        """U = U_f + U_0."""
-        return len(self.resharded) + len(self.kept)
-
-    @classmethod
-    def from_units(cls, units: list[dict], source: str = "") -> "ShardedModel":
-        """From the profiler's ``fsdp_units`` (``parameters``, ``reshard_after_forward`` per unit)."""
-        return cls(tuple(u["parameters"] for u in units if u["reshard_after_forward"]),
-                   tuple(u["parameters"] for u in units if not u["reshard_after_forward"]), source)
-
-
-def gpt2_units_for(n_layer: int, n_embd: int, vocab_size: int, n_positions: int, source: str = "") -> ShardedModel:
-    """The FSDP2 units of a ``transformers`` GPT-2 (tied embedding and head) under ``TRANSFORMER_BASED_WRAP``.
-
-    A GPT-2 block of width d has ``12 d^2 + 13 d`` parameters (attention
-    ``c_attn`` 3d^2 + 3d and ``c_proj`` d^2 + d, MLP ``c_fc`` 4d^2 + 4d and
-    ``c_proj`` 4d^2 + d, two LayerNorms 4d): one resharded unit each. Kept
-    after forward: the output-head unit (the tied embedding/head
-    ``vocab_size x d`` and the final LayerNorm 2d) and the root (the position
-    embedding ``n_positions x d``).
-    """
-    d = n_embd
-    block = 12 * d * d + 13 * d
-    return ShardedModel(tuple([block] * n_layer), (vocab_size * d + 2 * d, n_positions * d),
-                        source or f"GPT-2: {n_layer} blocks x {block} + head {vocab_size} x {d} + {2 * d} "
-                                  f"+ positions {n_positions} x {d}")
-
-
-def gpt2_units(preset: str, vocab_size: int, n_positions: int) -> ShardedModel:
-    """:func:`gpt2_units_for` of a preset of :data:`accum_kit.job.models.PRESETS`.
-
-    Raises:
-        UsageError: unknown preset (names ``--model_preset``).
-    """
-    if preset not in PRESETS:
-        raise UsageError("--model_preset", f"unknown preset {preset!r}", f"use one of {sorted(PRESETS)}")
-    cfg = PRESETS[preset]
-    units = gpt2_units_for(cfg["n_layer"], cfg["n_embd"], vocab_size, n_positions)
-    return ShardedModel(units.resharded, units.kept, f"preset {preset} ({units.source})")
-
 
 @dataclass(frozen=True)
 class PolicyCosts:
@@ -456,28 +323,6 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
     )
 
 
-def collective_seconds(n_bytes: float, group_size: int, busbw_GBps: float, kind: str = "reduce_scatter") -> float:
-    """Seconds of one ring collective of S = ``n_bytes`` over ``group_size`` processes at ``busbw_GBps``.
-
-    ``S x busbw_factor(kind, n) / busbw`` (:func:`busbw_factor`): nccl-tests define
-    ``busbw = algbw x factor`` with ``algbw = S / t``, so ``t = S x factor / busbw``;
-    ``S (n - 1) / n / busbw`` for an all-gather or a reduce-scatter (the default kind),
-    ``2 S (n - 1) / n / busbw`` for an all-reduce. GB/s are 1e9 bytes/s. One process: 0.
-
-    Raises:
-        ValueError: as :func:`busbw_factor`.
-    """
-    return n_bytes * busbw_factor(kind, group_size) / (busbw_GBps * GB)
-
-
-def all_reduce_seconds(n_bytes: float, group_size: int, busbw_GBps: float) -> float:
-    """Seconds of a ring all-reduce of S = ``n_bytes`` over ``group_size`` processes: ``2 S (n - 1) / n / busbw``.
-
-    :func:`collective_seconds` of kind ``all_reduce``. One process: 0.
-    """
-    return collective_seconds(n_bytes, group_size, busbw_GBps, "all_reduce")
-
-
 def comm_seconds(costs: PolicyCosts, *, shard_GBps: float | None = None, all_gather_GBps: float | None = None,
                  replicate_GBps: float | None = None) -> dict:
     """Seconds per window of each group's collectives of ``costs`` (on the wire; how much of it is exposed is
@@ -593,12 +438,7 @@ def group_links(costs: PolicyCosts, machines: int) -> dict:
     return {"shard": shard, "all_reduce": "inter" if machines > 1 else "intra"}
 
 
-def dtype_bytes(mixed_precision: str) -> tuple[int, int, int]:
-    """(b_p, b_c, b_r) for ``--mixed_precision`` ``no`` / ``bf16`` / ``fp16`` under accum-kit's FSDP2 plugin.
-
-    accum-kit gives low precision ``MixedPrecisionPolicy(param_dtype=<low>,
-    reduce_dtype=float32)`` (:func:`accum_kit.engines.fsdp2.fsdp_plugin_for`):
-    fp32 master parameters, gathered in the low precision, gradients reduced
-    and accumulated in fp32.
-    """
-    return (4, 4, 4) if mixed_precision in (None, "no") else (4, 2, 4)
+# Names this module held before bandwidth and units got modules of their own; kept for their importers.
+from .bandwidth import (GB, BUSBW_FACTORS, algorithm_bandwidth, all_reduce_seconds, bus_bandwidth,  # noqa: E402,F401
+                        busbw_factor)
+from .model_units import DTYPE_BYTES, dtype_bytes, gpt2_units, gpt2_units_for  # noqa: E402,F401

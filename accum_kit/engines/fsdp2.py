@@ -11,12 +11,7 @@ import contextlib
 
 from ..errors import UsageError
 from .base import Engine
-from .policies import AccumulationPolicy, fsdp_launched
-
-
-def fsdp_requested(fsdp_plugin=None) -> bool:
-    """True when the run asked for FSDP: a plugin was passed, or ``accelerate launch`` set ``ACCELERATE_USE_FSDP=true``."""
-    return fsdp_plugin is not None or fsdp_launched()
+from .policies import AccumulationPolicy
 
 
 def fsdp_plugin_for(policy: AccumulationPolicy, fsdp_plugin=None, mixed_precision: str | None = None):
@@ -41,9 +36,13 @@ def fsdp_plugin_for(policy: AccumulationPolicy, fsdp_plugin=None, mixed_precisio
         UsageError: FSDP1 (``fsdp_version: 1``), or a policy whose reshard setting contradicts
             the config's ``fsdp_reshard_after_forward``.
     """
-    import torch
+    return with_mixed_precision(checked_plugin(policy, fsdp_plugin), mixed_precision)
+
+
+def checked_plugin(policy: AccumulationPolicy, fsdp_plugin=None):
+    """The caller's (or the launcher's) plugin, refused if it is not FSDP2 or contradicts ``policy``'s reshard
+    setting, and given the reshard setting the policy needs (see :func:`fsdp_plugin_for`)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     plugin = fsdp_plugin if fsdp_plugin is not None else FullyShardedDataParallelPlugin()
     if plugin.fsdp_version != 2:
@@ -58,6 +57,14 @@ def fsdp_plugin_for(policy: AccumulationPolicy, fsdp_plugin=None, mixed_precisio
                          "config sets fsdp_reshard_after_forward: false (parameters kept through the window "
                          "already)", "use --accumulation_policy no_sync_no_reshard, or set "
                          "fsdp_reshard_after_forward: true")
+    return plugin
+
+
+def with_mixed_precision(plugin, mixed_precision: str | None):
+    """``plugin`` with the mixed-precision policy low precision needs, unless it has one (see :func:`fsdp_plugin_for`)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision or "no")
     if low is not None and plugin.mixed_precision_policy is None:
         plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32,
@@ -116,25 +123,22 @@ class FSDP2Engine(Engine):
                              "cpu_hsdp.yaml (or gpu_hsdp.yaml) with dp_replicate_size > 1, or use no_sync")
 
     def check_request(self, policy, *, ddp_kwargs, compile_requested, world_size, on_cpu) -> None:
+        """The policy, the plugin (:func:`checked_plugin`, kept), DDP settings, and one process on CPU, in that order."""
         self.check_policy(policy)
+        self.plugin = checked_plugin(policy, self.plugin)
         if ddp_kwargs:
             from .ddp import flag_of
 
             raise UsageError(flag_of(next(iter(ddp_kwargs))), "is a DDP setting and has no effect under FSDP2",
                              "drop it, or launch with a DDP config (accelerate_configs/cpu_ddp.yaml)")
-        self._alone_on_cpu = world_size < 2 and on_cpu  # refused once the plugin is checked (accelerator_kwargs)
-
-    def accelerator_kwargs(self, kwargs, *, accumulation_steps, policy, max_grad_norm, mixed_precision):
-        """The checked plugin (:func:`fsdp_plugin_for`) into ``kwargs``; then FSDP on CPU with one process is refused.
-
-        Raises:
-            UsageError: see :func:`fsdp_plugin_for`; ``--num_processes`` for one CPU process.
-        """
-        kwargs["fsdp_plugin"] = self.plugin = fsdp_plugin_for(policy, self.plugin, mixed_precision)
-        if getattr(self, "_alone_on_cpu", False):
+        if world_size < 2 and on_cpu:
             raise UsageError("--num_processes", "FSDP on CPU needs at least 2 processes (one process has nothing "
                              "to shard with, and Accelerate would run it unsharded)",
                              "launch 2 or more processes, or use accelerate_configs/cpu_single.yaml")
+
+    def accelerator_kwargs(self, kwargs, *, accumulation_steps, policy, max_grad_norm, mixed_precision):
+        """The plugin checked by :meth:`check_request`, with the mixed-precision policy, into ``kwargs``."""
+        kwargs["fsdp_plugin"] = self.plugin = with_mixed_precision(self.plugin, mixed_precision)
         return kwargs
 
     def parallelism_config(self, on_cpu: bool):
@@ -247,20 +251,6 @@ class FSDP2Engine(Engine):
         return CollectivePart(profiler, self.mesh(profiler.accelerator))
 
 
-def policy_name(accelerator) -> str:
-    """The accumulation policy in force now (``sync_each_batch`` while the A/B switch has it on)."""
-    from ..core.run_plan import run_plan_of
-
-    return run_plan_of(accelerator).policy.name
-
-
-def fsdp_summary(accelerator) -> dict | None:
-    """What ``train_summary.json`` records of the sharding (see :meth:`FSDP2Engine.summary_blocks`); None unsharded."""
-    from ..core.run_plan import run_plan_of
-
-    return run_plan_of(accelerator).engine.summary_blocks(accelerator)["fsdp"]
-
-
 def sharded_model(model):
     """The :class:`accum_kit.engines.costs.ShardedModel` of a prepared FSDP2 model (None if it is not one).
 
@@ -269,7 +259,7 @@ def sharded_model(model):
     for the split (the total P is right at any time).
     """
     from ..compat import fsdp_reshards_after_forward, fsdp_unit_parameters, fsdp_units
-    from .costs import ShardedModel
+    from .model_units import ShardedModel
 
     units = fsdp_units(model)
     if not units:
@@ -294,11 +284,3 @@ def element_bytes(accelerator, model) -> tuple[int, int, int]:
     b_c = mp.param_dtype.itemsize if mp.param_dtype is not None else b_p
     b_r = mp.reduce_dtype.itemsize if mp.reduce_dtype is not None else b_c
     return b_p, b_c, b_r
-
-
-def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
-    """The run's predicted memory per policy: :func:`accum_kit.profiler.held_memory.predicted_memory` (kept here
-    for importers of its older home)."""
-    from ..profiler.held_memory import predicted_memory as predicted
-
-    return predicted(accelerator, model, accumulation_steps)

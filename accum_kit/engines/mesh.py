@@ -176,7 +176,7 @@ class EmulatedInterNodeLink:
     def delay(self, nbytes: int, replicas: int) -> float:
         """Seconds a ring all-reduce of ``nbytes`` over ``replicas`` processes takes at the emulated busbw
         (:func:`accum_kit.engines.costs.all_reduce_seconds`)."""
-        from .costs import all_reduce_seconds
+        from .bandwidth import all_reduce_seconds
 
         return all_reduce_seconds(nbytes, replicas, self.GBps)
 

@@ -64,7 +64,6 @@ trade off higher memory for reduced communication".
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from ..errors import UsageError
@@ -116,11 +115,6 @@ def policies_for(hybrid: bool) -> list[str]:
     """The policy names that apply to a sharded run: all five under HSDP (``hybrid``), else the four without
     ``reduce_scatter_each_batch``."""
     return [name for name, p in POLICIES.items() if hybrid or not p.hsdp_only]
-
-
-def fsdp_launched() -> bool:
-    """True when ``accelerate launch`` ran with an FSDP config (it sets ``ACCELERATE_USE_FSDP=true``)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def resolve_policy(accumulation_policy: str | None, sync_each_batch: bool = False) -> AccumulationPolicy:

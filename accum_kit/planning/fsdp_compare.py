@@ -14,7 +14,8 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from .. import checks
-from ..engines.costs import ShardedModel, policy_costs
+from ..engines.costs import policy_costs
+from ..engines.model_units import ShardedModel
 from ..errors import UsageError
 from ..stats import median
 from .step_time import BusBandwidths, step_time

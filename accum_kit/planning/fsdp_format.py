@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..engines.costs import GB
+from ..engines.bandwidth import GB
 from .topology import format_engines
 
 if TYPE_CHECKING:

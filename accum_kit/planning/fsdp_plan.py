@@ -53,7 +53,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .. import checks
-from ..engines.costs import GB, ShardedModel, dtype_bytes, gpt2_units, policy_costs
+from ..engines.bandwidth import GB
+from ..engines.costs import policy_costs
+from ..engines.model_units import ShardedModel, dtype_bytes, gpt2_units
 from ..engines.policies import policies_for
 from ..errors import UsageError
 from .fsdp_format import arithmetic_lines

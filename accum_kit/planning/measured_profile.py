@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 
 from .. import checks
-from ..engines.costs import GB, bus_bandwidth
+from ..engines.bandwidth import GB, bus_bandwidth
 from ..errors import UsageError
 from .step_time import window_seconds
 

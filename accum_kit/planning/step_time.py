@@ -44,7 +44,7 @@ sharding) is left in ``c``.
 Who calls it: the what-if planner (:mod:`accum_kit.planning.whatif`), ``plan --fsdp``
 (:mod:`accum_kit.planning.fsdp_plan`) and its engine comparison
 (:mod:`accum_kit.planning.topology`), the FSDP2 bench comparison
-(:mod:`accum_kit.planning.fsdp_compare`), the bench's ideals (DDP's and FSDP2's, :mod:`accum_kit.bench.bench_report`)
+(:mod:`accum_kit.planning.fsdp_compare`), the bench's ideals (DDP's and FSDP2's, :mod:`accum_kit.bench.report_ddp`, :mod:`accum_kit.bench.report_fsdp2`)
 and the profiler's ideal step (:mod:`accum_kit.profiler.sharded`).
 """
 

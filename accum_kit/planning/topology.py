@@ -29,7 +29,8 @@ whose communication is predicted in full (not a floor).
 
 from __future__ import annotations
 
-from ..engines.costs import GB, PolicyCosts, engine_layouts, group_links, policy_costs
+from ..engines.bandwidth import GB
+from ..engines.costs import PolicyCosts, engine_layouts, group_links, policy_costs
 from .interconnects import INTERCONNECTS
 from .step_time import BusBandwidths, step_time
 

@@ -44,8 +44,9 @@ import math
 from dataclasses import asdict, dataclass
 
 from .. import checks
-from ..engines.costs import all_reduce_seconds as ring_allreduce_seconds  # the cost table's all-reduce, under its old name here
-from ..engines.costs import GB, ddp_costs  # noqa: F401 (GB: re-exported)
+from ..engines.bandwidth import GB  # noqa: F401 (re-exported)
+from ..engines.bandwidth import all_reduce_seconds as ring_allreduce_seconds  # the one all-reduce formula, its old name here
+from ..engines.costs import ddp_costs
 from ..errors import UsageError
 from .interconnects import INTERCONNECTS
 from .measured_profile import (  # noqa: F401 (PROFILE_FIX, profile_number, settings_from_profile: re-exported)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import time
 
-from ..engines.costs import bus_bandwidth
+from ..engines.bandwidth import bus_bandwidth
 from .records import KEEP_RECORDS, CollectiveCall, recent
 
 #: backend method -> (kind, position and keyword of the tensor whose size is S)

@@ -17,7 +17,7 @@ Definitions (per process, then min / median / max over processes):
 
 from __future__ import annotations
 
-from ..engines.costs import bus_bandwidth
+from ..engines.bandwidth import bus_bandwidth
 from ..stats import spread
 from .figures import Figures, busy_seconds, from_records
 from .records import ProfileRecords

@@ -88,7 +88,7 @@ Definitions (seconds, bytes; "per step" divides by the optimizer steps recorded)
 
 from __future__ import annotations
 
-from ..engines.costs import bus_bandwidth
+from ..engines.bandwidth import bus_bandwidth
 from ..planning.step_time import window_seconds
 from .figures import Figures, from_records
 from .records import ProfileRecords

@@ -146,7 +146,7 @@ class IndexRecorder(LoopCallback):
     @property
     def count_items(self):
         """The wrapped loss function's item counter on a batch's ``batch`` part (DeepSpeed counts each window
-        ahead, :class:`accum_kit.engines.deepspeed.LookaheadNormalizer`); None when the loss function has none."""
+        ahead, :class:`accum_kit.engines.lookahead.LookaheadNormalizer`); None when the loss function has none."""
         counter = getattr(self.loss_fn, "count_items", None)
         return None if counter is None else (lambda batch: counter(batch["batch"]))
 

@@ -23,7 +23,6 @@ unpadded: no Accelerate, no accum_kit.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import math
 import os
@@ -230,17 +229,6 @@ def max_excess(got: dict, want: dict, atol: float, rtol: float) -> tuple[float, 
         worst = max(worst, float(d.max()))
         used = max(used, float((d / (atol + rtol * w.double().abs())).max()))
     return worst, used
-
-
-def first_module(*names):
-    """The first of ``names`` that imports (accum_kit's modules are being laid out by role; old names stay aliases)."""
-    errors = []
-    for name in names:
-        try:
-            return importlib.import_module(name)
-        except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-    raise ImportError("; ".join(errors))
 
 
 # ---------------------------------------------------------------- figures: printed and written to $OUT

@@ -250,7 +250,7 @@ def fp16_part(out: Path, divisor: bool) -> dict:
     scaler = acc.scaler
     info = {"scaler": type(scaler).__name__ if scaler is not None else None,
             "init_scale": float(scaler.get_scale()) if scaler is not None else None}
-    loss_mod = common.first_module("accum_kit.core.loss", "accum_kit.loss")
+    import accum_kit.core.loss as loss_mod
     saved = loss_mod.power_of_two
     if not divisor:  # c = 1: the summed losses back-propagated as they are (the arithmetic before the divisor)
         loss_mod.power_of_two = lambda x: 1.0
@@ -438,7 +438,7 @@ def compile_floor(run) -> dict:
 
 def compiled_part(out: Path) -> dict:
     fresh_state()
-    compiling = common.first_module("accum_kit.engines.compiling", "accum_kit.compiling")
+    import accum_kit.engines.compiling as compiling
     acc = accum_kit.build_accelerator(common.K, mixed_precision="no", torch_compile=True,
                                       torch_compile_backend="inductor", torch_compile_dynamic=False)
     watch = compiling.CompileWatch(warmup_steps=1)
@@ -512,8 +512,7 @@ class MemoryProbe(accum_kit.LoopCallback):
 
 def fsdp_policy_part(out: Path, policy: str) -> dict:
     fresh_state()
-    held_memory = common.first_module("accum_kit.profiler.held_memory", "accum_kit.memory")
-    fsdp2 = common.first_module("accum_kit.engines.fsdp2", "accum_kit.sharding")
+    import accum_kit.profiler.held_memory as held_memory
     sync()
     base = torch.cuda.memory_allocated()
     acc = accum_kit.build_accelerator(common.MEMORY_K, accumulation_policy=policy)  # precision: the config's (bf16)
@@ -527,10 +526,10 @@ def fsdp_policy_part(out: Path, policy: str) -> dict:
     run = train(acc, common.MEMORY_MODEL, common.MEMORY_EXAMPLES, common.MEMORY_K, common.MEMORY_B, 1e-3,
                 optimizer="adamw", max_steps=2, extra=extra, read=lambda: {})
     pmodel = run["pmodel"]
-    predicted = fsdp2.predicted_memory(acc, pmodel, common.MEMORY_K)
+    predicted = held_memory.predicted_memory(acc, pmodel, common.MEMORY_K)
     info = {
         "policy": policy, "is_fsdp2": bool(getattr(acc, "is_fsdp2", False)), "num_processes": acc.num_processes,
-        "mixed_precision": acc.mixed_precision, "policy_in_force": fsdp2.policy_name(acc),
+        "mixed_precision": acc.mixed_precision, "policy_in_force": acc.run_plan.policy.name,
         "parameters": sum(p.numel() for p in pmodel.parameters()),
         "base_bytes": base, "start_bytes": probe.start, "held_bytes": probe.held, "peak_bytes": probe.peak,
         "max_memory_allocated": getattr(probe, "max_memory_allocated", None),

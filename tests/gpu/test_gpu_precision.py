@@ -45,7 +45,7 @@ def check_bf16(tokens: dict, tokens_params: dict, mean_params: dict) -> dict:
 
 def check_verify_report(rep: dict) -> dict:
     """verify's own report, and its oracle's gradient norm recomputed here in float64 (plain PyTorch)."""
-    models = common.first_module("accum_kit.job.models", "accum_kit.models")
+    import accum_kit.job.models as models
     import torch.nn.functional as F
 
     rows = rep["rows"]
