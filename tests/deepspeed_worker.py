@@ -246,12 +246,18 @@ def run_train_jobs(spec, out_dir: Path) -> None:
                             ("ddp", ["--output_dir", ddp, "--max_train_steps", 1, "--checkpointing_steps", 1], ddp_env)):
         results[name], err = _train_job([*job["argv"], *argv], env)
         (out_dir / f"train_{name}_rank{rank}.stderr").write_text(err)
-    if rank == 0:  # a checkpoint saved by 4 processes (its loop state says so) and one with a truncated ZeRO file
+    if rank == 0:  # a checkpoint saved by 4 processes (its loop state says so), one with a truncated ZeRO file,
+        # one saved under ZeRO-1 (ZeRO-1 and 2 write the same files: only the loop state tells), and one in the
+        # layout of earlier versions (the scheduler registered as a custom object: custom_checkpoint_0.pkl, which
+        # holds what scheduler.bin holds, torch.save of its state_dict)
         step = ref / job["bad_from"]
-        for name in ("world4", "corrupt"):
+        for name in ("world4", "corrupt", "zero1", "old_layout"):
             shutil.copytree(step, bad / name / job["bad_from"])
         state = json.loads((bad / "world4" / job["bad_from"] / "loop_state.json").read_text())
         (bad / "world4" / job["bad_from"] / "loop_state.json").write_text(json.dumps({**state, "world_size": 4}))
+        (bad / "zero1" / job["bad_from"] / "loop_state.json").write_text(json.dumps({**state, "engine": "deepspeed_zero1"}))
+        old = bad / "old_layout" / job["bad_from"]
+        (old / "scheduler.bin").rename(old / "custom_checkpoint_0.pkl")
         victim = next((bad / "corrupt" / job["bad_from"]).glob("*/zero_pp_rank_1_*optim_states.pt"))
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     dist.barrier()

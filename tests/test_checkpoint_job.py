@@ -213,6 +213,18 @@ def test_a_tampered_checkpoint_file_is_refused_by_name_before_anything_runs_or_i
     assert _tree(work / "tampered") == jobs["tampered_before"]
 
 
+def test_a_planted_pickle_in_each_kind_of_file_of_a_ddp_checkpoint_is_refused(jobs, work, tmp_path):
+    """Beside the launched case above (optimizer.bin): every pickled file of the DDP checkpoint (optimizer,
+    scheduler, RNG and data-RNG states) replaced in turn by a pickle that runs a command (tests/planted.py); the
+    pre-check of a resume refuses each by name and nothing runs."""
+    import planted
+
+    assert jobs["uninterrupted"].returncode == 0, jobs["uninterrupted"].describe()
+    table = planted.refused_each_kind(work / "ref" / "epoch_0", tmp_path)
+    assert {"optimizer.bin", "scheduler.bin", "random_states_<n>.pkl", "data_rng_<n>.pt"} <= set(table), sorted(table)
+    planted.assert_each_refused(table)
+
+
 # --------------------------------------------------------------------------- bad input, in-process, 1 process
 
 

@@ -281,6 +281,41 @@ def _no_recompile_after_warmup(comp):
     assert comp["recompiles_after_warmup"] == 0, json.dumps(comp["recompile_reasons"], indent=1)
 
 
+def test_a_recompile_after_warmup_is_counted_with_its_reason_and_phase():
+    """The positive control of the two tests below: without it, a watch that never left warm-up would pass them.
+    In this process, a function compiled with ``backend="eager", dynamic=False`` and driven through
+    CompileWatch's loop hooks: step 1 (warm-up) compiles it for shape (4, 8); step 2 runs that shape again (no
+    compile) and then shape (6, 8), which dynamo must recompile (its guards are on the static sizes). Expected
+    from dynamo's own counter (a second unique graph), not from the watch."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+
+    from accum_kit.engines.compiling import CompileWatch
+
+    torch._dynamo.reset()
+    watch = CompileWatch(warmup_steps=1)
+    try:
+        fn = torch.compile(lambda x: (x * 2).sum(), backend="eager", dynamic=False)
+        graphs0 = counters["stats"]["unique_graphs"]
+        watch.on_micro_batch_begin(SimpleNamespace(step=0))
+        fn(torch.ones(4, 8))
+        watch.on_step_end(SimpleNamespace(step=1))  # the end of warm-up
+        watch.on_micro_batch_begin(SimpleNamespace(step=1))
+        fn(torch.ones(4, 8))
+        assert watch.summary()["recompiles"] == 0 and counters["stats"]["unique_graphs"] - graphs0 == 1
+        fn(torch.ones(6, 8))  # another static shape: dynamo recompiles
+        assert counters["stats"]["unique_graphs"] - graphs0 == 2, "dynamo did not recompile: no control"
+        s = watch.summary()
+    finally:
+        watch.close()
+        torch._dynamo.reset()
+    assert s["compiles"] == 2 and s["recompiles"] == 1 and s["recompiles_after_warmup"] == 1, s
+    (reason,) = s["recompile_reasons"]
+    assert reason["phase"] == "optimizer step 2", reason
+    assert "size mismatch" in reason["reason"] and "expected 4, actual 6" in reason["reason"], reason
+
+
 def test_no_recompile_after_warmup_across_windows_eval_and_a_k_change(runs):
     summary = runs["job"]
     ks, sizes = _schedule(JOB_SAMPLES // (JOB_B * W), JOB_CKPT)  # 15 micro-batches per process and epoch

@@ -650,6 +650,8 @@ BAD_RESUMES = {
     "deepspeed_checkpoint_under_ddp": {"argv": ["--resume_from_checkpoint", f"{{ref}}/step_{JOB_EVERY}"], "env": _DDP},
     "other_world_size": {"argv": ["--resume_from_checkpoint", f"{{bad}}/world4/step_{JOB_EVERY}"]},
     "corrupt": {"argv": ["--resume_from_checkpoint", f"{{bad}}/corrupt/step_{JOB_EVERY}"]},
+    "zero1_checkpoint": {"argv": ["--resume_from_checkpoint", f"{{bad}}/zero1/step_{JOB_EVERY}"]},
+    "old_scheduler_layout": {"argv": ["--resume_from_checkpoint", f"{{bad}}/old_layout/step_{JOB_EVERY}"]},
 }
 BAD_EXPECTED = {
     "missing": ("--resume_from_checkpoint", "does not exist"),
@@ -658,6 +660,8 @@ BAD_EXPECTED = {
     "deepspeed_checkpoint_under_ddp": ("--config_file", "saved by DeepSpeed ZeRO-2"),
     "other_world_size": ("--num_processes", "accelerate launch --num_processes 4"),
     "corrupt": ("--resume_from_checkpoint", "cannot be loaded"),
+    "zero1_checkpoint": ("--zero_stage", "saved under DeepSpeed ZeRO-1 but this run is ZeRO-2"),
+    "old_scheduler_layout": ("--resume_from_checkpoint", "has no scheduler.bin"),
 }
 
 
@@ -706,7 +710,9 @@ def test_bad_resume_inputs_under_deepspeed_exit_2_naming_the_flag_and_write_noth
     """In the worker's two DeepSpeed processes: each bad ``--resume_from_checkpoint`` ends ``accum-kit train``
     with exit 2 and one ``error: <flag>: ... Fix: ...`` line per process, no traceback, no output folder, and
     the checkpoints it read unchanged. A checkpoint of another world size is a copy of a ZeRO-2 one whose
-    loop state says 4 processes; the corrupt one has half of rank 1's optimizer partition."""
+    loop state says 4 processes; the corrupt one has half of rank 1's optimizer partition; the ZeRO-1 one says
+    ``deepspeed_zero1`` (the stages write the same files); the old layout keeps the scheduler in
+    ``custom_checkpoint_0.pkl`` instead of ``scheduler.bin``."""
     results = json.loads((launched[0] / "out" / "train_jobs.json").read_text())
     assert results["reference"] == 0 and results["ddp"] == 0, results
     got = results[case]
@@ -715,6 +721,19 @@ def test_bad_resume_inputs_under_deepspeed_exit_2_naming_the_flag_and_write_noth
     assert len(got["errors"]) == 1 and got["errors"][0].startswith(f"error: {flag}: "), got
     assert ". Fix: " in got["errors"][0] and text in got["errors"][0], got["errors"]
     assert got["unchanged"] and not got["output_dir_exists"] and not got["traceback"], got
+
+
+@needs_deepspeed
+def test_a_planted_pickle_in_each_kind_of_file_of_a_zero_checkpoint_is_refused(launched, tmp_path):
+    """The ZeRO-2 train job's checkpoint: DeepSpeed's model and optimizer-partition files, the scheduler, RNG
+    and data-RNG files, each replaced in turn by a pickle that runs a command (tests/planted.py); the pre-check
+    of a resume refuses each by name and nothing runs."""
+    import planted
+
+    table = planted.refused_each_kind(launched[0] / "out" / "train_ref" / f"step_{JOB_EVERY}", tmp_path)
+    assert {"mp_rank_<n>_model_states.pt", "zero_pp_rank_<n>_mp_rank_<n>_optim_states.pt", "scheduler.bin",
+            "random_states_<n>.pkl", "data_rng_<n>.pt"} <= set(table), sorted(table)
+    planted.assert_each_refused(table)
 
 
 def test_the_engine_check_leaves_ddp_and_fsdp_checkpoints_alone(tmp_path):
@@ -732,3 +751,27 @@ def test_the_engine_check_leaves_ddp_and_fsdp_checkpoints_alone(tmp_path):
     with pytest.raises(UsageError) as err:
         check_engine(tmp_path, {}, "multi_cpu")
     assert err.value.flag == "--config_file" and "saved by DeepSpeed" in err.value.problem
+    with pytest.raises(UsageError) as err:  # ZeRO-1 and 2 write the same files: the loop state tells them apart
+        check_engine(tmp_path, {"engine": "deepspeed_zero1"}, "deepspeed_zero2")
+    assert err.value.flag == "--zero_stage" and "accelerate launch --zero_stage 1" in err.value.fix
+
+
+def test_a_checkpoint_without_the_files_load_state_reads_is_refused_by_name(tmp_path):
+    """``check_state_files`` on folders: the scheduler in ``custom_checkpoint_0.pkl`` (earlier versions' DeepSpeed
+    layout) instead of ``scheduler.bin``, a second scheduler's file missing, custom objects that do not pair."""
+    from accum_kit import UsageError
+    from accum_kit.core.checkpoint_files import check_state_files
+
+    (tmp_path / "custom_checkpoint_0.pkl").write_bytes(b"")
+    with pytest.raises(UsageError) as err:
+        check_state_files(tmp_path, schedulers=1)
+    assert err.value.flag == "--resume_from_checkpoint" and f"{tmp_path} has no scheduler.bin" in err.value.problem
+    assert "custom_checkpoint_0.pkl instead" in err.value.problem and "start afresh" in err.value.fix
+    check_state_files(tmp_path, schedulers=0, custom_objects=1)  # a script that registered one object: fine
+    (tmp_path / "scheduler.bin").write_bytes(b"")
+    with pytest.raises(UsageError) as err:
+        check_state_files(tmp_path, schedulers=2, custom_objects=1)
+    assert "has no scheduler_1.bin" in err.value.problem
+    with pytest.raises(UsageError) as err:
+        check_state_files(tmp_path, schedulers=1)
+    assert "holds 1 custom_checkpoint_<i>.pkl file(s) but this run registers 0" in err.value.problem

@@ -149,6 +149,12 @@ def test_stalled_worker_makes_the_others_fail_within_the_timeout(faults):
     assert res.returncode not in (0, -9), res.describe()
     assert fact.get("ended_after", float("inf")) < TIMEOUT_S + 60, fact
     assert "rank      : 0 (local_rank: 0)" in res.stderr  # the launcher's report: rank 0 failed first
+    # one message from the workers: rank 0's line, no traceback of its own; the one traceback left is accelerate
+    # launch's, re-raising torchrun's ChildFailedError in the launcher process (no accum-kit code runs there)
+    assert len(re.findall(r"^error: ", res.stderr, re.M)) == 1, res.describe()
+    tracebacks = res.stderr.split("Traceback (most recent call last):")[1:]
+    assert len(tracebacks) == 1 and "ChildFailedError" in tracebacks[0], res.describe()
+    assert "accelerate" in tracebacks[0] and "fault_worker.py\", line" not in tracebacks[0], res.describe()
     assert not (root / "stall" / "rank0.json").exists()  # the job did not carry on as if nothing happened
 
 
@@ -250,3 +256,27 @@ def test_describe_collective_failure_reads_gloo_messages():
     reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer.")
     assert "lost its connection" in describe_collective_failure(reset)
     assert describe_collective_failure(ValueError("something else")) is None
+
+
+def test_the_hook_prints_one_line_in_place_of_a_collective_failures_traceback(monkeypatch, capsys):
+    """A collective failure reaching ``sys.excepthook``: the one ``error:`` line and not the traceback (the hook
+    in place is not called); ``ACCUM_KIT_TRACEBACK=1`` adds the traceback; any other exception is left alone."""
+    from accum_kit.core.faults import TRACEBACK_ENV, install_collective_failure_hook
+
+    seen = []
+    monkeypatch.setattr("sys.excepthook", lambda *exc_info: seen.append(exc_info[1]))
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    install_collective_failure_hook()
+    import sys
+
+    timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation")
+    sys.excepthook(RuntimeError, timeout, None)
+    err = capsys.readouterr().err
+    assert err.startswith("error: rank 0: ") and err.count("\n") == 1 and seen == [], (err, seen)
+    monkeypatch.setenv(TRACEBACK_ENV, "1")
+    sys.excepthook(RuntimeError, timeout, None)
+    assert capsys.readouterr().err.startswith("error: rank 0: ") and seen == [timeout]
+    other = ValueError("something else")
+    sys.excepthook(ValueError, other, None)
+    assert capsys.readouterr().err == "" and seen == [timeout, other]

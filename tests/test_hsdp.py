@@ -67,6 +67,7 @@ def runs(tmp_path_factory):
     out = jh.run_dist_worker(HSDP_CONFIG, spec, root, "hsdp", W, TIMEOUT_S)
     out["custom_loop"] = {name: [json.loads((root / "out" / f"custom_loop_{name}.rank{r}.json").read_text())
                                  for r in range(W)] for name in ("hsdp", "ddp")}
+    out["checkpoints"] = root / "out" / "resume_2ep" / "ckpts"  # saved by the uninterrupted run, every step
     return out
 
 
@@ -213,6 +214,18 @@ def test_resume_from_a_checkpoint_saved_under_hsdp_is_bitwise(runs, step):
     run = runs["resume_2ep"]
     ex.assert_resumed_equals_uninterrupted(run, step)
     ex._check_run_against_oracle(run, W)
+
+
+def test_a_planted_pickle_in_each_kind_of_file_of_an_hsdp_checkpoint_is_refused(runs, tmp_path):
+    """The HSDP checkpoint's files (both DCP ``.metadata``, a byte item and a tensor item of the ``.distcp``
+    files, RNG and data-RNG files), each replaced in turn by a pickle that runs a command (tests/planted.py):
+    the pre-check of a resume refuses each by name and nothing runs."""
+    import planted
+
+    table = planted.refused_each_kind(runs["checkpoints"] / "step_1", tmp_path)
+    assert {"pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata", "pytorch_model_fsdp_0/*.distcp tensor item",
+            "optimizer_0/*.distcp bytes item"} <= set(table), sorted(table)
+    planted.assert_each_refused(table)
 
 
 # --------------------------------------------------------------------------- refusals (in-process)

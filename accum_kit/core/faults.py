@@ -16,8 +16,15 @@ Neither names the collective nor the rank that raised it. :func:`describe_collec
 reads that from the exception's traceback (the ``torch.distributed`` function
 it was raised in, or autograd's backward for DDP's bucket all-reduce, and the
 first caller outside torch and Accelerate). :func:`install_collective_failure_hook`
-prints it as one ``error:`` line before the usual traceback of an uncaught
-exception; :func:`accum_kit.build_accelerator` installs it in multi-process runs.
+prints it as one ``error:`` line in place of the uncaught exception's traceback
+(which said nothing more: the transport's words and torch's frames; set
+``ACCUM_KIT_TRACEBACK=1`` to have it printed after the line);
+:func:`accum_kit.build_accelerator` installs it in multi-process runs.
+
+What the job cannot change: ``accelerate launch`` itself re-raises torchrun's
+``ChildFailedError`` (accelerate 1.15, ``multi_gpu_launcher``), so the launcher
+process ends with its own traceback before torchrun's failure report; it runs
+no accum-kit code.
 """
 
 from __future__ import annotations
@@ -85,11 +92,16 @@ def describe_collective_failure(exc: BaseException) -> str | None:
     return f"rank {rank}: {op}{where} {what}; torchrun's failure report names the rank that failed first"
 
 
-def install_collective_failure_hook() -> None:
-    """Print :func:`describe_collective_failure`'s line before the traceback of an uncaught collective failure.
+#: Set to 1 to have the traceback of a collective failure printed after its one line.
+TRACEBACK_ENV = "ACCUM_KIT_TRACEBACK"
 
-    Chains to the hook in place (torch.distributed's own prefixes every
-    traceback line with ``[rankN]:``). Installing twice is a no-op.
+
+def install_collective_failure_hook() -> None:
+    """Print :func:`describe_collective_failure`'s line instead of the traceback of an uncaught collective failure.
+
+    Any other exception, or any with ``ACCUM_KIT_TRACEBACK=1`` in the environment, goes on to the hook in place
+    (torch.distributed's own, which prefixes every traceback line with ``[rankN]:``). The process still exits
+    with code 1, as after any uncaught exception. Installing twice is a no-op.
     """
     previous = sys.excepthook
     if getattr(previous, "_accum_kit_collective_hook", False):
@@ -102,7 +114,8 @@ def install_collective_failure_hook() -> None:
             line = None
         if line:
             print(f"error: {line}", file=sys.stderr, flush=True)
-        previous(exc_type, exc, tb)
+        if not line or os.environ.get(TRACEBACK_ENV) == "1":
+            previous(exc_type, exc, tb)
 
     hook._accum_kit_collective_hook = True
     sys.excepthook = hook

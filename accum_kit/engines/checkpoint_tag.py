@@ -36,7 +36,8 @@ def check_engine(path, saved: dict, engine: str) -> None:
     optimizer partition per process, per stage), which neither Accelerate's
     DDP/FSDP loader nor another stage's engine reads: without this check the
     resume fails deep inside ``load_state`` after the model and data were built.
-    ZeRO-1 and 2 write the same files but are refused too (not checked).
+    ZeRO-1 and 2 write the same files but are refused too (the loop state's
+    ``engine`` tells them apart).
 
     Raises:
         UsageError: ``--zero_stage`` (another stage) or ``--config_file`` (another engine), with the
