@@ -256,6 +256,8 @@ def test_describe_collective_failure_reads_gloo_messages():
     reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer.")
     assert "lost its connection" in describe_collective_failure(reset)
     assert describe_collective_failure(ValueError("something else")) is None
+    # a lost connection that is not the process group's (a download, a socket of the user's): not a collective's
+    assert describe_collective_failure(ConnectionRefusedError(111, "Connection refused")) is None
 
 
 def test_the_hook_prints_one_line_in_place_of_a_collective_failures_traceback(monkeypatch, capsys):

@@ -65,10 +65,10 @@ def _check_one(path: Path) -> str | None:
             with warnings.catch_warnings(), torch.serialization.safe_globals(deepspeed_checkpoint_globals()):
                 warnings.simplefilter("ignore")  # a foreign pickle's protocol warning: the error below says it all
                 load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError:
-        if path.name == METADATA:
-            return ("not torch.distributed.checkpoint's metadata: its unpickler allows only the metadata's "
-                    "classes, refused this one, and nothing in it was run")
+    except pickle.UnpicklingError as exc:
+        if path.name == METADATA:  # exc names the global it refused
+            return (f"not torch.distributed.checkpoint's metadata: {str(exc)[:200]}; an unpickler that allows only "
+                    "the metadata's classes refused it, and nothing in it was run")
         return "not a torch state: torch's weights-only unpickler refused it, and nothing in it was run"
     except Exception as exc:  # noqa: BLE001 - any failure to read it is the user's corrupt file
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -77,12 +77,19 @@ def _check_one(path: Path) -> str | None:
 
 
 def check_checkpoint_files(folder) -> None:
-    """Open every file of checkpoint ``folder`` as the resume will; fail on the first that cannot be read.
+    """Open every file of checkpoint ``folder`` as data (never running anything in it); fail on the first that
+    cannot be read.
+
+    Pickled files through torch's weights-only unpickler; a ``torch.distributed.checkpoint`` ``.metadata``
+    through :class:`accum_kit.compat.dcp_files.MetadataUnpickler`, then every item it places in the folder's
+    ``.distcp`` files (:func:`accum_kit.compat.dcp_files.check_items`); safetensors' header; JSON.
 
     Raises:
         UsageError: naming ``--resume_from_checkpoint``, the file and why it
-            cannot be loaded (a pickle that is not a torch state, a truncated
-            or corrupt file), and the fix: another checkpoint or a restored copy.
+            cannot be loaded (a pickle that is not a torch state or not DCP's
+            metadata, a ``.distcp`` item that cannot be read or a ``.distcp``
+            without its ``.metadata``, a truncated or corrupt file), and the
+            fix: another checkpoint or a restored copy.
     """
     root = Path(folder)
     for path in sorted(p for p in root.rglob("*") if p.is_file()):

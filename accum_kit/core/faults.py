@@ -63,6 +63,13 @@ def _short(path: str) -> str:
     return os.sep.join(parts[-2:]) if len(parts) > 1 else path
 
 
+def _from_the_transport(exc: BaseException, text: str) -> bool:
+    """Whether a lost connection is the process group's (gloo's source path in the message, NCCL's name, or
+    torch.distributed's own error classes), not, say, a download's ``Connection refused``."""
+    return ("gloo" in text or "nccl" in text.lower()
+            or type(exc).__name__ in ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError"))
+
+
 def describe_collective_failure(exc: BaseException) -> str | None:
     """One line saying which collective failed on this rank and why, or None if ``exc`` is no such failure.
 
@@ -82,7 +89,7 @@ def describe_collective_failure(exc: BaseException) -> str | None:
     if match:
         what = (f"timed out after {int(match.group(1)) / 1000:g} s, the process group's timeout (--ddp_timeout): "
                 "another process did not join it (stalled, stopped or dead)")
-    elif any(p in text for p in _PEER_GONE):
+    elif any(p in text for p in _PEER_GONE) and _from_the_transport(exc, text):
         what = "lost its connection to another process (that process died or closed its group)"
     else:
         return None
