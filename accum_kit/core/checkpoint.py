@@ -62,6 +62,7 @@ from ..errors import UsageError
 from .loop_history import HistoryWriter, read_history
 from ..outputs import atomic_write_json, fsync_dir, fsync_tree
 from .accumulation_schedule import accumulation_steps_at
+from .auto_batch import in_resplit_units, resplit_factor
 
 logger = get_logger("accum_kit.core.checkpoint")
 
@@ -152,10 +153,14 @@ def resolve_checkpoint(value: str, output_dir: str | os.PathLike) -> Path:
 
 
 def check_resumable(path, *, gradient_accumulation_steps: int, world_size: int, per_device_batch_size: int | None,
-                    batches_per_epoch: int | None = None, accumulation_schedule=None, engine: str | None = None) -> dict:
+                    batches_per_epoch: int | None = None, accumulation_schedule=None, engine: str | None = None,
+                    resplit: bool = False, examples_per_epoch: int | None = None) -> dict:
     """The checkpoint's loop state, after checking that this run would read the same examples.
 
     With ``accumulation_schedule`` (``{step: K}``) the K compared is the schedule's K at the saved step.
+    With ``resplit`` (``--auto_find_batch_size``) a checkpoint whose micro-batch is p times this run's and whose K
+    is this run's / p is accepted too (the same windows, :mod:`accum_kit.core.auto_batch`): the returned state then
+    has ``"resplit": p`` (else 1), and batches per epoch are compared through ``examples_per_epoch`` instead.
 
     Raises:
         UsageError: another engine or ZeRO stage (``engine``, :func:`check_engine`);
@@ -173,6 +178,11 @@ def check_resumable(path, *, gradient_accumulation_steps: int, world_size: int, 
     if accumulation_schedule is not None:
         k_flag, gradient_accumulation_steps = "--accumulation_schedule", accumulation_steps_at(
             accumulation_schedule, saved["optimizer_steps"])
+    saved["resplit"] = p = resplit_factor(path, saved, gradient_accumulation_steps, per_device_batch_size,
+                                          examples_per_epoch) if resplit else 1
+    if p > 1:  # compare in the checkpoint's units; its batches per epoch count other micro-batches
+        gradient_accumulation_steps, per_device_batch_size, batches_per_epoch = (
+            gradient_accumulation_steps // p, per_device_batch_size * p, None)
     checks = [
         (k_flag, "gradient_accumulation_steps", gradient_accumulation_steps),
         ("--per_device_train_batch_size", "per_device_batch_size", per_device_batch_size),
@@ -225,7 +235,8 @@ def loop_state(accelerator, cursor: DataCursor, result, micro_batches: int) -> d
             "batches_done_in_epoch": position, "micro_batches": micro_batches,
             "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
             "world_size": accelerator.num_processes, "per_device_batch_size": batch, "engine": engine_name(accelerator),
-            "batches_per_epoch": cursor.batches_per_epoch, "accumulation_schedule": result.accumulation_schedule}
+            "batches_per_epoch": cursor.batches_per_epoch, "accumulation_schedule": result.accumulation_schedule,
+            "examples_per_epoch": cursor.examples_per_epoch}
 
 
 def save_checkpoint(accelerator, output_dir, name: str, state: dict, data_rng: dict,
@@ -298,12 +309,15 @@ def _write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def load_checkpoint(accelerator, path, cursor: DataCursor, accumulation_schedule=None) -> dict:
+def load_checkpoint(accelerator, path, cursor: DataCursor, accumulation_schedule=None, resplit: bool = False) -> dict:
     """``load_state`` from a checkpoint and point ``cursor`` at its data position; return its loop state.
 
     Call on every process, after ``accelerator.prepare`` of the same objects in
     the same order as in the saved run. Checks compatibility first
     (:func:`check_resumable`; under ``accumulation_schedule`` against its K at the saved step).
+    With ``resplit`` (``--auto_find_batch_size``) a checkpoint of p times this run's micro-batch and K / p is
+    resumed too: its micro-batch counts (data position, micro-batches done, the per-step K history) are
+    multiplied by p, so they count this run's micro-batches, which cover the same examples.
     """
     t0 = time.perf_counter()
     dl = cursor.dataloader
@@ -312,7 +326,8 @@ def load_checkpoint(accelerator, path, cursor: DataCursor, accumulation_schedule
                             world_size=accelerator.num_processes,
                             per_device_batch_size=total // accelerator.num_processes if total else None,
                             batches_per_epoch=cursor.batches_per_epoch, accumulation_schedule=accumulation_schedule,
-                            engine=engine_name(accelerator))
+                            engine=engine_name(accelerator), resplit=resplit,
+                            examples_per_epoch=cursor.examples_per_epoch)
     if "history" in saved:  # format 2: the per-step lists in chunks
         history = read_history(path)
         if len(history["train_loss"]) != saved["history"]["steps"]:
@@ -320,6 +335,7 @@ def load_checkpoint(accelerator, path, cursor: DataCursor, accumulation_schedule
                              f"but the checkpoint has {saved['history']['steps']}: it is incomplete",
                              "resume from another checkpoint")
         saved.update(history)
+    in_resplit_units(saved)  # micro-batch counts x p (--auto_find_batch_size), else unchanged
     accelerator.load_state(str(path))
     rng_now = torch.get_rng_state()
     epoch_rng = torch.load(Path(path) / f"data_rng_{accelerator.process_index}.pt", weights_only=True)
@@ -351,15 +367,17 @@ class Checkpointer(LoopCallback):
             process got one (one 1-element all-reduce per optimizer step), all
             save ``step_<N>``, and :class:`Preempted` is raised. Pass ``()`` to
             leave signals alone.
+        resplit: resume a checkpoint of a larger micro-batch re-split (:func:`load_checkpoint`).
     """
 
     def __init__(self, accelerator, output_dir, checkpointing_steps: int | str | None = None,
-                 total_limit: int | None = None, signals=(signal.SIGTERM, signal.SIGUSR1)):
+                 total_limit: int | None = None, signals=(signal.SIGTERM, signal.SIGUSR1), resplit: bool = False):
         if checkpointing_steps not in (None, "epoch") and not (isinstance(checkpointing_steps, int) and checkpointing_steps >= 1):
             raise UsageError("--checkpointing_steps", f"must be a positive integer or 'epoch' (got {checkpointing_steps!r})",
                              "pass e.g. 100 or epoch")
         self.accelerator, self.output_dir = accelerator, Path(output_dir)
         self.every, self.total_limit, self.signals = checkpointing_steps, total_limit, tuple(signals)
+        self.resplit = resplit  # a resume may re-split the micro-batch (--auto_find_batch_size; load_checkpoint)
         self.saved: list[Path] = []
         self.timings: list[dict] = []  # per save on the main process, see save_checkpoint
         self._cursor = self._result = None

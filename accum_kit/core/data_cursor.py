@@ -51,6 +51,8 @@ class DataCursor:
     def __init__(self, dataloader):
         self.dataloader = dataloader
         self.batches_per_epoch = len(dataloader)
+        dataset = getattr(dataloader, "dataset", None)  # examples: what a re-split resume compares (auto_batch)
+        self.examples_per_epoch = len(dataset) if hasattr(dataset, "__len__") else None
         self.epoch, self.position = 0, 0  # position: micro-batches of ``epoch`` done on this process
         self.epoch_rng: dict | None = None
         self._resume: tuple | None = None

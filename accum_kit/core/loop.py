@@ -272,7 +272,8 @@ class _Run:
         state, cursor = LoopState(), DataCursor(train_dataloader)
         result = LoopResult(accumulation_schedule=schedule_pairs(windows.schedule))
         if resume_from is not None:  # load_state, then the data position
-            saved = load_checkpoint(accelerator, resume_from, cursor, accumulation_schedule=windows.schedule)
+            saved = load_checkpoint(accelerator, resume_from, cursor, accumulation_schedule=windows.schedule,
+                                    resplit=getattr(checkpointer, "resplit", False))
             result.restore(saved)
             state.step, state.micro_step = saved["optimizer_steps"], saved["micro_batches"]
         if checkpointer is not None:

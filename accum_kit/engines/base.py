@@ -226,8 +226,10 @@ class Engine:
         """What a checkpoint records as its writer: Accelerate's distributed type in lower case (``multi_cpu``...)."""
         return str(accelerator.distributed_type).split(".")[-1].lower()
 
-    def check_job(self, *, profile_ab_steps: int = 0) -> None:
-        """Refuse, before any data or model work, a train-job setting this engine cannot honour (none by default)."""
+    def check_job(self, *, profile_ab_steps: int = 0, auto_find_batch_size: bool = False) -> None:
+        """Refuse, before any data or model work, a train-job setting this engine cannot honour (none by default;
+        ``--auto_find_batch_size`` restarts the workers with another micro-batch, which needs nothing of DDP or FSDP2).
+        """
 
     def prepared_engine(self, model):
         """The engine object ``prepare`` returned for ``model`` when it is not a plain module wrapper (DeepSpeed)."""

@@ -236,9 +236,20 @@ class ZeroEngine(Engine):
     def checkpoint_tag(self, accelerator) -> str:
         return f"deepspeed_zero{self.stage}"
 
-    def check_job(self, *, profile_ab_steps: int = 0) -> None:
-        """Refuse ``--profile_ab_steps`` (the stage fixes when gradients are reduced) and a ZeRO-3 run whose config
-        cannot save the trained model (:mod:`accum_kit.engines.deepspeed_config`)."""
+    def check_job(self, *, profile_ab_steps: int = 0, auto_find_batch_size: bool = False) -> None:
+        """Refuse ``--profile_ab_steps`` (the stage fixes when gradients are reduced), ``--auto_find_batch_size`` and
+        a ZeRO-3 run whose config cannot save the trained model (:mod:`accum_kit.engines.deepspeed_config`).
+
+        Raises:
+            UsageError: ``--auto_find_batch_size``: DeepSpeed's config fixes ``train_micro_batch_size_per_gpu`` and
+                ``gradient_accumulation_steps`` (and ``train_batch_size``, their product), and its checkpoints
+                record them; resuming one with another split is not something this toolkit has verified.
+        """
+        if auto_find_batch_size:
+            raise UsageError("--auto_find_batch_size", "DeepSpeed's engine fixes the micro-batch and K in its config "
+                             "and its checkpoints, and resuming them re-split is not verified here",
+                             "find the micro-batch under DDP or FSDP2 (the same model and memory), or set "
+                             "--per_device_train_batch_size and --gradient_accumulation_steps by hand")
         refuse_ab_profiling(profile_ab_steps)
         check_model_saving(self.plugin)
 

@@ -55,6 +55,7 @@ class TrainConfig:
     per_device_train_batch_size: int = field(default=4, metadata={"help": "Micro-batch size per process, examples."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Evaluation batch size per process, examples."})
     gradient_accumulation_steps: int | None = field(default=None, metadata={"help": "Micro-batches per optimizer step (K); None: $ACCELERATE_GRADIENT_ACCUMULATION_STEPS, else 4."})
+    auto_find_batch_size: bool = field(default=False, metadata={"help": "On an allocation failure in training, shrink the micro-batch by its smallest prime factor p and multiply K (every K of --accumulation_schedule) by p, so the effective batch stays the same; resumes from the newest checkpoint. Several processes need accelerate launch --max_restarts N (docs/memory.md)."})
     accumulation_schedule: str | None = field(default=None, metadata={"help": "Batch-size warm-up: STEP:K pairs, e.g. 0:1,100:2,300:4 (K micro-batches per window from that many optimizer steps on; must start at 0). Conflicts with --gradient_accumulation_steps unless that equals the K at step 0."})
     lr_scaling: str = field(default="none", metadata={"help": f"With --accumulation_schedule: scale the learning rate with the effective batch relative to the K at step 0, one of {LR_RULES} (linear: Goyal et al. 2017; sqrt: Krizhevsky 2014)."})
     learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate (AdamW)."})

@@ -17,6 +17,7 @@ import torch
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
+from ..core import auto_batch
 from ..core.callbacks import LoopCallback
 from ..core.checkpoint import (PREEMPTED_EXIT_CODE, Checkpointer, Preempted, check_resumable, check_writable, engine_name,
                               latest_checkpoint, resolve_checkpoint)
@@ -155,7 +156,8 @@ def _accelerator(cfg: TrainConfig):
                                     max_grad_norm=cfg.max_grad_norm, **tracking)
     quiet_other_processes(accelerator)
     check_supported(accelerator, cfg.loss_normalization)  # before any data or model work
-    accelerator.run_plan.engine.check_job(profile_ab_steps=cfg.profile_ab_steps)
+    accelerator.run_plan.engine.check_job(profile_ab_steps=cfg.profile_ab_steps,
+                                          auto_find_batch_size=cfg.auto_find_batch_size)
     return accelerator
 
 
@@ -278,15 +280,15 @@ def _prepare(cfg: TrainConfig, accelerator) -> _Prepared:
                      n_params)
 
 
-def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared):
-    """The job's loop callbacks: logging, held memory (with its prediction), the profiler's switches, tracking,
-    the compile watch. Returns ``(callbacks, profiler, switches, held, watch)`` (None where not asked for)."""
+def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared, auto=None):
+    """The job's loop callbacks: logging, held memory (with its prediction), the profiler's switches, tracking, the
+    compile watch, ``auto``'s phase watch. Returns ``(callbacks, profiler, switches, held, watch)`` (None: off)."""
     plan, k = accelerator.run_plan, accelerator.run_plan.first_accumulation_steps
     profiler, switches = _profiling(cfg, accelerator, run.model, run.steps)
     # what the windows hold between micro-batches, with the prediction beside it (train_summary.json["memory"])
     k_max = max(plan.schedule.values()) if plan.schedule else k  # a schedule's largest window holds the most
     held = HeldMemory(accelerator, run.model, lambda: predicted_memory(accelerator, run.model, k_max))
-    callbacks = [LogEvery(accelerator, run.lr_scheduler, cfg.logging_steps), held, *switches]
+    callbacks = [LogEvery(accelerator, run.lr_scheduler, cfg.logging_steps), held, *switches, *auto_batch.watch(auto)]
     if cfg.with_tracking:  # hyperparameters as the tracker's config; figures per step via TrackerLogger
         accelerator.init_trackers("accum_kit", config={
             "gradient_accumulation_steps": k, "world_size": accelerator.num_processes,
@@ -325,23 +327,26 @@ def run(cfg: TrainConfig) -> dict:
     check_writable(cfg.output_dir)
     if cfg.trace_dir:
         check_output_dir(cfg.trace_dir, flag="--trace_dir")
+    auto = auto_batch.for_job(cfg)  # --auto_find_batch_size: this attempt's (B, K) into cfg, before the Accelerator
     accelerator = _accelerator(cfg)
     plan, k = accelerator.run_plan, accelerator.run_plan.first_accumulation_steps
     resume = _resume_path(cfg)
     if resume is not None:  # before any work: the data position must mean the same examples
         check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
                         per_device_batch_size=cfg.per_device_train_batch_size, accumulation_schedule=plan.schedule,
-                        engine=engine_name(accelerator))
+                        engine=engine_name(accelerator), resplit=auto is not None)
     set_seed(cfg.seed)
     run = _prepare(cfg, accelerator)
-    callbacks, profiler, switches, held, watch = _callbacks(cfg, accelerator, run)
+    callbacks, profiler, switches, held, watch = _callbacks(cfg, accelerator, run, auto)
     before = _evaluate(accelerator, run, "before", 0)
-    checkpointer = Checkpointer(accelerator, cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit)
+    checkpointer = Checkpointer(accelerator, cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit,
+                                resplit=auto is not None)
     try:
-        result = train_loop(accelerator, run.model, run.optimizer, run.train_dl, lr_scheduler=run.lr_scheduler,
-                            max_train_steps=run.steps, max_grad_norm=cfg.max_grad_norm,
-                            loss_normalization=cfg.loss_normalization, callbacks=callbacks, profiler=profiler,
-                            checkpointer=checkpointer, resume_from=resume, lr_scaling=cfg.lr_scaling)
+        with auto_batch.on_failure(auto, accelerator.process_index, checkpointer):  # ends this process, no collective
+            result = train_loop(accelerator, run.model, run.optimizer, run.train_dl, lr_scheduler=run.lr_scheduler,
+                                max_train_steps=run.steps, max_grad_norm=cfg.max_grad_norm,
+                                loss_normalization=cfg.loss_normalization, callbacks=callbacks, profiler=profiler,
+                                checkpointer=checkpointer, resume_from=resume, lr_scaling=cfg.lr_scaling)
     except Preempted:
         accelerator.end_training()
         raise
@@ -353,6 +358,7 @@ def run(cfg: TrainConfig) -> dict:
                        evals=(before[0], after[0], before[1], after[1]), data=run.data, n_params=run.n_params)
     if comm is not None:
         summary["comm"] = comm
+    summary["auto_find_batch_size"] = auto.summary() if auto is not None else None
     summary["compile"] = {**compile_settings(accelerator), **watch.summary()} if watch is not None else None
     if watch is not None:  # the last evaluation counted too
         watch.close()
@@ -373,7 +379,7 @@ def _resume_path(cfg: TrainConfig):
     if cfg.resume_from_checkpoint is not None:
         return resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
     found = latest_checkpoint(cfg.output_dir)
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    restarts = auto_batch.restart_count()  # torchrun's, or a one-process --auto_find_batch_size re-exec's
     if restarts > 0 and found is not None:
         logger.warning("elastic restart %d: resuming from %s", restarts, found)
         return found
@@ -427,6 +433,8 @@ def run_command(cfg: TrainConfig) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     try:
         run(cfg)
+    except auto_batch.BatchTooLarge:  # the state file holds the next micro-batch: restart (torchrun) or re-exec
+        auto_batch.exit_for_retry()
     except Preempted as stop:
         logging.getLogger("accum_kit.job.train").warning(
             "preempted by %s: checkpoint %s (optimizer step %d) is complete; exiting with code %d. Continue with "
