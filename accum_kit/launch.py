@@ -177,6 +177,8 @@ def build_accelerator(
     torch_compile_dynamic: bool | None = None,
     max_grad_norm: float | None = None,
     accumulation_schedule: dict | None = None,
+    gradient_checkpointing: bool = False,
+    gradient_checkpointing_kwargs: dict | str | None = None,
     **accelerator_kwargs,
 ) -> Accelerator:
     """Build an Accelerator for gradient accumulation that is safe on CPU-only machines, with DDP or FSDP2.
@@ -222,6 +224,12 @@ def build_accelerator(
         accumulation_schedule: batch-size warm-up ``{optimizer step: K}`` (an entry for
             step 0), checked once here and kept on the run plan; :func:`accum_kit.train_loop`
             follows it when it is given no schedule of its own.
+        gradient_checkpointing: activation checkpointing, one checkpoint per transformer block, applied to
+            the model inside ``accelerator.prepare`` (transformers' ``TrainingArguments`` name; docs/memory.md).
+            Under FSDP2 it is Accelerate's ``fsdp_plugin.activation_checkpointing``, which a config's
+            ``fsdp_activation_checkpointing: true`` also sets (the plan records either).
+        gradient_checkpointing_kwargs: ``torch.utils.checkpoint.checkpoint`` arguments, a dict or its JSON
+            string (default ``{"use_reentrant": False}``); kept on the plan as a dict.
         **accelerator_kwargs: passed to ``accelerate.Accelerator`` (e.g.
             ``mixed_precision``, ``log_with``, ``kwargs_handlers``, ``fsdp_plugin``,
             ``deepspeed_plugin``).
@@ -255,7 +263,10 @@ def build_accelerator(
             compile backend or mode, a backend whose compiler is missing, DDP
             buckets below 1 MB with compilation; under DeepSpeed: the package
             missing (naming the extra), a config contradicting K or ``max_grad_norm``,
-            a policy other than ``no_sync``, DDP settings, FSDP, compilation, or one process on CPU.
+            a policy other than ``no_sync``, DDP settings, FSDP, compilation, or one process on CPU;
+            ``gradient_checkpointing_kwargs`` not a JSON object of checkpoint arguments, given without
+            ``gradient_checkpointing``, or one the engine cannot apply
+            (:meth:`accum_kit.engines.base.Engine.resolve_activation_checkpointing`).
         ProcessCountError: launched and visible process counts differ.
         TypeError: a ``ddp_kwargs`` key that ``DistributedDataParallelKwargs`` does not have.
     """
@@ -274,7 +285,10 @@ def build_accelerator(
         cpu = world > 1 and not _has_gpu()
     engine.check_request(policy, ddp_kwargs=ddp_kwargs, world_size=world, on_cpu=cpu or not _has_gpu(),
                          compile_requested=bool(torch_compile or torch_compile_backend or torch_compile_mode))
-    plan = RunPlan(engine, policy, steps, accumulation_schedule)
+    checkpointing, checkpoint_kwargs = engine.resolve_activation_checkpointing(gradient_checkpointing,
+                                                                              gradient_checkpointing_kwargs)
+    plan = RunPlan(engine, policy, steps, accumulation_schedule, gradient_checkpointing=checkpointing,
+                   gradient_checkpointing_kwargs=checkpoint_kwargs)
     accelerator_kwargs = engine.accelerator_kwargs(
         accelerator_kwargs, accumulation_steps=plan.first_accumulation_steps, policy=plan.requested_policy,
         max_grad_norm=max_grad_norm,

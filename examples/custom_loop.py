@@ -39,6 +39,11 @@ def parse_args(argv=None):
                    help="what a window skips and keeps (accum_kit.engines.policies: no_sync, sync_each_batch; "
                         "under FSDP2 also no_sync_no_reshard_after_backward, no_sync_no_reshard; under HSDP also "
                         "reduce_scatter_each_batch); default no_sync (under DeepSpeed the ZeRO stage decides)")
+    p.add_argument("--gradient_checkpointing", action="store_true",
+                   help="recompute each transformer block's forward in backward (less activation memory; applied "
+                        "in accelerator.prepare under every engine, docs/memory.md)")
+    p.add_argument("--gradient_checkpointing_kwargs", default=None,
+                   help='torch.utils.checkpoint arguments as JSON, e.g. \'{"use_reentrant": false}\' (the default)')
     p.add_argument("--block_size", type=int, default=128, help="tokens per example")
     p.add_argument("--max_train_steps", type=int, default=30, help="optimizer steps")
     p.add_argument("--learning_rate", type=float, default=3e-3)
@@ -50,7 +55,9 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     # the engine (DDP, FSDP2, HSDP, DeepSpeed ZeRO) comes from the accelerate config; nothing below depends on it
-    accelerator = build_accelerator(args.gradient_accumulation_steps, accumulation_policy=args.accumulation_policy)
+    accelerator = build_accelerator(args.gradient_accumulation_steps, accumulation_policy=args.accumulation_policy,
+                                    gradient_checkpointing=args.gradient_checkpointing,
+                                    gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
     tokenizer = build_tokenizer()  # bytes: no files needed
     with accelerator.main_process_first():
         raw, _ = load_raw_datasets(train_file=args.train_file)
@@ -74,7 +81,8 @@ def main(argv=None) -> dict:
                       f"{result.tokens_per_second:.0f} tokens/s on {accelerator.num_processes} processes")
     return {"world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
             "eval_loss_before": before, "eval_loss_after": after, "train_loss": result.train_loss,
-            "final_learning_rate": scheduler.get_last_lr()[0]}
+            "final_learning_rate": scheduler.get_last_lr()[0],
+            "gradient_checkpointing": accelerator.run_plan.gradient_checkpointing}
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ def example_specs(corpus: Path) -> list[dict]:
     corpus_flags = ["--train_file", str(corpus)]
     return [
         {"name": "custom_loop", "path": str(ex / "custom_loop.py"), "argv": [*corpus_flags, "--max_train_steps", "8"]},
+        {"name": "custom_loop_gc", "path": str(ex / "custom_loop.py"),
+         "argv": [*corpus_flags, "--max_train_steps", "8", "--gradient_checkpointing"]},
         {"name": "mean_vs_tokens", "path": str(ex / "by_feature" / "mean_vs_tokens.py"), "argv": corpus_flags},
         {"name": "verify_exactness", "path": str(ex / "by_feature" / "verify_exactness.py"),
          "argv": [*corpus_flags, "--max_train_steps", "8"]},

@@ -92,6 +92,12 @@ class Counter:
     def on_backward_end(self, state):
         self.current = None
 
+    def count_block_forward(self, module, args, output):
+        """Forward hook on each block's attention: once per forward, once more when backward recomputes it."""
+        if self.current is not None:
+            m = self.micro[self.current]
+            m["block_forwards"] = m.get("block_forwards", 0) + 1
+
 
 def full_parameters(model) -> dict:
     """The model's state_dict as plain tensors; ZeRO-3's partitioned parameters gathered first (collective)."""
@@ -116,14 +122,18 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
     from accelerate.state import AcceleratorState
     from accelerate.utils import DeepSpeedPlugin
 
+    started = time.perf_counter()
     # a new DeepSpeed plugin needs a fresh state (Accelerate refuses a second one); the process group stays
     AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = accum_kit.build_accelerator(sc["K"], deepspeed_plugin=DeepSpeedPlugin(zero_stage=sc["zero_stage"]),
-                                              max_grad_norm=sc.get("max_grad_norm"))
+                                              max_grad_norm=sc.get("max_grad_norm"),
+                                              gradient_checkpointing=sc.get("gradient_checkpointing", False))
     rank = accelerator.process_index
     torch.manual_seed(spec["seed"])
     model = GPT2LMHeadModel(GPT2Config(**spec["model_config"]))
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for block in model.transformer.h:
+        block.attn.register_forward_hook(counter.count_block_forward)
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
     loader = DataLoader(spec["examples"], batch_size=sc["B"], shuffle=False, collate_fn=pad_collate(spec["pad_id"]))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -150,7 +160,9 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
     info = {
         "rank": rank, "num_processes": accelerator.num_processes,
         "distributed_type": str(accelerator.distributed_type), "model_class": type(model).__name__,
-        "zero_stage": accelerator.deepspeed_plugin.zero_stage,
+        "zero_stage": accelerator.deepspeed_plugin.zero_stage, "n_layer": model.module.config.n_layer,
+        "gradient_checkpointing": accelerator.run_plan.gradient_checkpointing,
+        "gradient_checkpointing_kwargs": accelerator.run_plan.gradient_checkpointing_kwargs,
         "engine_gradient_accumulation_steps": model.gradient_accumulation_steps(),
         "engine_gradient_clipping": model.gradient_clipping(),
         "train_loss": result.train_loss, "step_tokens": result.step_tokens,
@@ -164,6 +176,7 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
                                      "seconds": c.seconds} for c in profiler.collective_calls],
                     profiler_summary=profiler.local_summary(), memory=held.local(),
                     predicted_memory=predicted_memory(accelerator, model, sc["K"]))
+    info["scenario_seconds"] = time.perf_counter() - started  # build to end of training (what a scenario adds)
     (d / f"rank{rank}.json").write_text(json.dumps(info, indent=1, default=str))
     accelerator.wait_for_everyone()
     accelerator.free_memory()

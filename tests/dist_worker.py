@@ -15,7 +15,8 @@ SPEC.json (written by the test)::
                     "max_grad_norm": float|null, "mixed_precision": "no"|"bf16",
                     "schedule": [[step, K], ...]|null, "policy": str|null,
                     "resume_from": [step, ...], "torch_compile_backend": str|null,
-                    "torch_compile_dynamic": bool|null, "bucket_cap_mb": float}, ...],
+                    "torch_compile_dynamic": bool|null, "bucket_cap_mb": float,
+                    "gradient_checkpointing": bool, "gradient_checkpointing_kwargs": {...}|null}, ...],
      "pad_to": int|null, "cli_runs": [{"name": str, "command": str, "argv": [...], "collect": str|null}, ...]}
 
 (``epochs``, ``max_train_steps``, ``max_grad_norm`` and ``schedule`` are passed to train_loop as
@@ -27,7 +28,9 @@ missing keys mean 1, None, None, None. With a schedule, ``K`` is the Accelerator
 at least 1: see :func:`accum_kit.engines.compiling.check_ddp_buckets`), with ``torch_compile_dynamic`` as
 ``torch.compile``'s ``dynamic`` (missing: True), and ``rank<r>.json`` then holds the
 :class:`accum_kit.engines.compiling.CompileWatch` summary as ``compile``. ``pad_to`` pads every
-micro-batch to at least that many tokens, so that all have one shape.)
+micro-batch to at least that many tokens, so that all have one shape. ``gradient_checkpointing`` and its
+kwargs go to ``build_accelerator``; per micro-batch ``block_forwards`` counts the forwards of the blocks' attention
+(forward hooks, not with compilation): n_layer per micro-batch, twice that when backward recomputes them.)
 
 Launched with accelerate_configs/cpu_fsdp.yaml the model is sharded with FSDP2:
 the worker then counts, per micro-batch, the calls and bytes of ``torch.distributed``'s
@@ -149,6 +152,10 @@ class Recorder:
         dist.all_reduce = all_reduce
         return lambda: [setattr(dist, name, fn) for name, fn in originals.items()]
 
+    def count_block_forward(self, module, args, output):
+        if self.current is not None:
+            self.micro[self.current]["block_forwards"] += 1
+
     # --- comm hook -------------------------------------------------------
     def hook(self, process_group, bucket):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -169,7 +176,7 @@ class Recorder:
             {"micro": state.micro_step, "epoch": state.epoch, "boundary": bool(state.boundary),
              "sync": bool(state.sync), "allreduce_calls": 0, "reduce_scatter_calls": 0, "all_gather_calls": 0,
              "reduce_scatter_bytes": 0, "all_gather_bytes": 0, "replicate_all_reduce_calls": 0,
-             "replicate_all_reduce_bytes": 0}
+             "replicate_all_reduce_bytes": 0, "block_forwards": 0}
         )
 
     def on_backward_end(self, state):
@@ -187,6 +194,9 @@ class Recorder:
 
 
 def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = None) -> None:
+    import time
+
+    started = time.perf_counter()
     precision = sc.get("mixed_precision", "no")
     state = AcceleratorState._shared_state
     if state and (state.get("_mixed_precision") != precision or os.environ.get("ACCELERATE_USE_FSDP") == "true"):
@@ -205,6 +215,8 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         torch_compile_backend=sc.get("torch_compile_backend"),
         # variable lengths: symbolic at once, unless the spec pads every micro-batch to one shape
         torch_compile_dynamic=sc.get("torch_compile_dynamic", True) if sc.get("torch_compile_backend") else None,
+        gradient_checkpointing=sc.get("gradient_checkpointing", False),
+        gradient_checkpointing_kwargs=sc.get("gradient_checkpointing_kwargs"),
     )
     rank, world = accelerator.process_index, accelerator.num_processes
     torch.manual_seed(spec["seed"])
@@ -218,6 +230,9 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     rec = Recorder(raw_model, save_steps=accelerator.is_main_process)
+    if not sc.get("torch_compile_backend"):  # each block's attention runs once per forward, once more per recompute
+        for block in raw_model.transformer.h:  # (not the MLP: a recompute stops after the last tensor it saves)
+            block.attn.register_forward_hook(rec.count_block_forward)
     ddp = getattr(model, "_orig_mod", model)  # torch.compile(DDP(model)) wraps the DDP model
     hooked = isinstance(ddp, DistributedDataParallel)
     if hooked:
@@ -267,6 +282,9 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         # modules compiled in place (torch's nn.Module.compile, what regional compilation calls per block)
         "modules_compiled_in_place": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
         "accumulation_policy": accelerator.accumulation_policy.name,
+        "n_layer": config.n_layer,
+        "gradient_checkpointing": accelerator.run_plan.gradient_checkpointing,
+        "gradient_checkpointing_kwargs": accelerator.run_plan.gradient_checkpointing_kwargs,
         "resumed_from_step": result.resumed_from_step,
         "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
         "mixed_precision": accelerator.mixed_precision,
@@ -301,6 +319,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         info["profiler_summary_from_records"] = profiler.local_summary(from_records=True)
         info["memory"] = held.local()
         info["predicted_memory"] = predicted_memory(accelerator, model, sc["K"])
+    info["scenario_seconds"] = time.perf_counter() - started  # build to end of training (what a scenario adds)
     (d / f"rank{rank}.json").write_text(json.dumps(info, indent=1))
     accelerator.wait_for_everyone()
     accelerator.free_memory()

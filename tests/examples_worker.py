@@ -8,7 +8,8 @@ its config and flags, e.g. ``ACCELERATE_DEEPSPEED_ZERO_STAGE`` for ``--zero_stag
 Each example script defines ``main(argv) -> dict``; it is loaded from its file
 and called with ``argv``, and what it returns is saved as
 ``OUT_DIR/<name>.rank<R>.json`` (or ``<name>.rank<R>.error`` with the
-traceback). Accelerate's singletons are reset between examples; the gloo
+traceback), and each example's seconds to ``OUT_DIR/example_seconds.rank<R>.json``.
+Accelerate's singletons are reset between examples; the gloo
 process group stays up, so the import and start-up cost is paid once.
 """
 
@@ -19,6 +20,7 @@ import json
 import os
 import runpy
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -42,9 +44,10 @@ def main(spec_path: str, out_dir: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(out_dir)
     rank = int(os.environ.get("RANK", "0"))
-    failed = False
+    failed, seconds = False, {}
     for ex in spec["examples"]:
         jh.reset_accelerate_state()
+        started = time.perf_counter()
         try:
             with environment(ex.get("env")):
                 module = runpy.run_path(ex["path"], run_name="accum_kit_example")
@@ -53,6 +56,8 @@ def main(spec_path: str, out_dir: str) -> int:
         except BaseException:  # noqa: BLE001 - recorded for the test, then the next example runs
             failed = True
             (out / f"{ex['name']}.rank{rank}.error").write_text(traceback.format_exc())
+        seconds[ex["name"]] = time.perf_counter() - started
+    (out / f"example_seconds.rank{rank}.json").write_text(json.dumps(seconds))  # what each example adds to a launch
     return 1 if failed else 0
 
 

@@ -80,7 +80,12 @@ DDP_SCENARIOS = [_sc("comp_k3", True), _sc("eager_k3", False),
                  _sc("comp_k3_sync_each", True, sync_each_batch=True), _sc("eager_k3_sync_each", False, sync_each_batch=True)]
 FSDP_SCENARIOS = [{**_sc("comp_k3_fsdp", True), "policy": "no_sync"}, {**_sc("eager_k3_fsdp", False), "policy": "no_sync"},
                   {**_sc("comp_k3_fsdp_no_reshard", True), "policy": "no_sync_no_reshard"}]
-COMPILED = ["comp_k3", "comp_k3_sync_each", "comp_k3_fsdp", "comp_k3_fsdp_no_reshard"]
+# activation checkpointing compiled: the whole model with transformers' checkpoints (DDP), Accelerate's checkpoint
+# wrapper compiled per block (FSDP2); twins of comp_k3 and comp_k3_fsdp
+CHECKPOINTED = {"comp_k3_gc": "comp_k3", "comp_k3_fsdp_gc": "comp_k3_fsdp"}
+DDP_SCENARIOS.append({**_sc("comp_k3_gc", True), "gradient_checkpointing": True})
+FSDP_SCENARIOS.append({**_sc("comp_k3_fsdp_gc", True), "policy": "no_sync", "gradient_checkpointing": True})
+COMPILED = ["comp_k3", "comp_k3_sync_each", "comp_k3_fsdp", "comp_k3_fsdp_no_reshard", *CHECKPOINTED]
 
 # The train job: variable lengths (--packing false), K 2 then 3 (schedule), 60 examples: 15 micro-batches per
 # process and epoch; evaluation before and after. The first run stops after 4 steps and saves step_4; the second
@@ -314,6 +319,19 @@ def test_a_recompile_after_warmup_is_counted_with_its_reason_and_phase():
     (reason,) = s["recompile_reasons"]
     assert reason["phase"] == "optimizer step 2", reason
     assert "size mismatch" in reason["reason"] and "expected 4, actual 6" in reason["reason"], reason
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTED))
+def test_compiled_checkpointed_run_trains_as_its_compiled_twin(runs, name):
+    """Checkpointing inside the compiled model: the plan recorded it and the losses are the compiled twin's (the
+    update within the compiled tolerance of the big batch: the test above). No Python hook runs in a compiled
+    recompute, so recompute is not counted here (it is under every eager engine)."""
+    run, twin = runs[name], runs[CHECKPOINTED[name]]
+    for info, plain in zip(run["ranks"], twin["ranks"]):
+        assert info["gradient_checkpointing"] and not plain["gradient_checkpointing"]
+        gap = max(abs(a - b) / abs(b) for a, b in zip(info["train_loss"], plain["train_loss"]))
+        assert len(info["train_loss"]) == len(plain["train_loss"]) and gap <= ex.LOSS_RTOL, gap
+    print(f"\n{name}: largest loss gap to {CHECKPOINTED[name]} {gap:.1e}")
 
 
 def test_no_recompile_after_warmup_across_windows_eval_and_a_k_change(runs):

@@ -144,6 +144,14 @@ def make_examples(n=N_EXAMPLES, seed=1234):
 
 EXAMPLES = make_examples()
 
+#: Activation checkpointing (docs/memory.md): each scenario is the twin of the one it names with every block's forward
+#: run again in backward; non-reentrant (the default) and reentrant under no_sync, and under sync_each_batch.
+CHECKPOINTED = {"tok_k3_gc": "tok_k3", "tok_k3_gc_reentrant": "tok_k3", "tok_k3_sync_each_gc": "tok_k3_sync_each"}
+SCENARIOS[2] += [{**_sc("tok_k3_gc", 3), "gradient_checkpointing": True},
+                 {**_sc("tok_k3_gc_reentrant", 3), "gradient_checkpointing": True,
+                  "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+                 {**_sc("tok_k3_sync_each_gc", 3, sync_each_batch=True), "gradient_checkpointing": True}]
+
 # bf16 autocast (Accelerator(mixed_precision="bf16"), CPU): a full window and the epoch's partial one; see (5).
 SCENARIOS[1].append(_sc("bf16_k4", 4, mixed_precision="bf16"))  # windows of 4, 4, 2 micro-batches
 SCENARIOS[2].append(_sc("bf16_k3", 3, mixed_precision="bf16"))  # windows of 3, 2 micro-batches per process
@@ -774,3 +782,42 @@ def test_schedule_matches_big_batch_each_step(runs, world, name):
     print(f"\nW={world} {name}: largest |param - oracle| per phase (from step, K): "
           + ", ".join(f"{key}: {d:.2e}" for key, d in sorted(phases.items())))
     assert len(losses) == len(planned)
+
+
+# --------------------------------------------------------------------------- (6) activation checkpointing
+
+
+def assert_checkpointed_like_its_twin(run, twin, world, counted=True) -> tuple[float, float]:
+    """A run with ``gradient_checkpointing`` against the oracle and its twin without: the plan recorded it on every
+    rank; every block ran its forward twice per micro-batch (the worker's forward hooks on the blocks' attention;
+    ``counted=False`` under compilation, where no Python hook runs in a compiled recompute), the twin once; the
+    parameters after every step within ATOL of the single-process big batch (not only the elementwise
+    ATOL + RTOL |x|); the losses those of the twin. Returns (largest |param - oracle|, largest relative loss gap,
+    "seconds of the run / of its twin" on rank 0, as the worker timed them)."""
+    n_layer = run["ranks"][0].get("n_layer", MODEL_CONFIG["n_layer"])
+    for info, plain in zip(run["ranks"], twin["ranks"]):
+        assert info["gradient_checkpointing"] and not plain["gradient_checkpointing"], info["gradient_checkpointing"]
+        if counted:
+            forwards = [m["block_forwards"] for m in info["micro"]]
+            assert set(forwards) == {2 * n_layer}, forwards
+            assert {m["block_forwards"] for m in plain["micro"]} == {n_layer}
+    _check_run_against_oracle(run, world)
+    sc = run["scenario"]
+    params, _ = oracle_run(run["init"], run_windows(world, sc), _RULE[sc["mode"]], sc["K"], world)
+    worst = max(max_excess(got, want)[0] for got, want in zip(run["steps"], params))
+    assert worst <= ATOL, f"{sc['name']}: largest |param - oracle| {worst:.2e}"
+    gap = max(abs(a - b) / abs(b) for info, plain in zip(run["ranks"], twin["ranks"])
+              for a, b in zip(info["train_loss"], plain["train_loss"]))
+    assert len(run["ranks"][0]["train_loss"]) == len(twin["ranks"][0]["train_loss"]) and gap <= LOSS_RTOL, gap
+    seconds = [r["ranks"][0].get("scenario_seconds", math.nan) for r in (run, twin)]
+    return worst, gap, "{:.1f} s / {:.1f} s".format(*seconds)
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTED))
+def test_checkpointed_ddp_run_is_the_big_batch_and_its_twin(runs, name):
+    """Under DDP (no_sync and sync_each_batch), reentrant included: recomputing the blocks changes no update."""
+    worst, gap, seconds = assert_checkpointed_like_its_twin(runs[2][name], runs[2][CHECKPOINTED[name]], 2)
+    kwargs = runs[2][name]["ranks"][0]["gradient_checkpointing_kwargs"]
+    assert kwargs == {"use_reentrant": name.endswith("reentrant")}, kwargs
+    print(f"\n{name} (DDP, {kwargs}): largest |param - oracle| {worst:.2e}, largest loss gap to "
+          f"{CHECKPOINTED[name]} {gap:.1e}; {seconds}")

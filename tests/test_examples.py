@@ -18,6 +18,15 @@ def test_custom_loop_trains_on_two_processes(example_results):
     assert r0["eval_loss_after"] < r0["eval_loss_before"] - 0.1, r0
 
 
+def test_custom_loop_with_gradient_checkpointing_trains_as_without(example_results):
+    """examples/custom_loop.py --gradient_checkpointing (applied in accelerator.prepare, the loop unchanged): the
+    plan records it and the losses and eval losses are those of the run without, up to rounding."""
+    for got, want in zip(ok(example_results["custom_loop_gc"]), ok(example_results["custom_loop"])):
+        assert got["gradient_checkpointing"] and not want["gradient_checkpointing"]
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-6)
+        assert got["eval_loss_after"] == pytest.approx(want["eval_loss_after"], rel=1e-6)
+
+
 def test_mean_vs_tokens_logs_the_exact_token_mean_and_shows_the_bias(example_results):
     r0, r1 = ok(example_results["mean_vs_tokens"])
     assert r0["world_size"] == 2 and r0["train_loss"] == r1["train_loss"]

@@ -46,6 +46,8 @@ SCENARIOS = [
     # the uninterrupted run saves a sharded checkpoint after every step; fresh runs resume from two of them
     {**_sc("resume_2ep", epochs=2, policy="no_sync_no_reshard_after_backward"), "resume_from": [1, 3]},
 ]
+# activation checkpointing (Accelerate's FSDP2 wrapper around each block unit): every policy's twin of tok_k3_<policy>
+SCENARIOS += [{**_sc(f"tok_k3_{p}_gc", policy=p), "gradient_checkpointing": True} for p in POLICIES]
 BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
 # `accum-kit bench` under FSDP2, last in the same launch: every policy at two K, two passes
 BENCH_KS, BENCH_BLOCK, BENCH_VOCAB = (2, 3), 32, 384
@@ -61,12 +63,14 @@ def runs(tmp_path_factory, fsdp_pool):
     custom = next(e for e in example_specs(corpus) if e["name"] == "custom_loop")
     customs = [{**custom, "name": f"custom_loop_{p}", "argv": [*custom["argv"], "--accumulation_policy", p]}
                for p in POLICIES]  # the user's script, unchanged, under every policy (a flag of the script)
+    # and with the accelerate config's fsdp_activation_checkpointing: true (what accelerate launch exports)
+    customs.append({**custom, "name": "custom_loop_config_gc", "env": {"FSDP_ACTIVATION_CHECKPOINTING": "true"}})
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
             "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "example_scripts": customs, "bench_argv": BENCH_ARGV}
     out = jh.run_dist_worker(FSDP_CONFIG, spec, root, "fsdp", W, TIMEOUT_S, pool=fsdp_pool)  # conftest.py's shared launch
     out["bench"] = root / "out" / "bench"
     out["custom_loop"] = {p: [json.loads((root / "out" / f"custom_loop_{p}.rank{r}.json").read_text()) for r in range(W)]
-                          for p in POLICIES}
+                          for p in (*POLICIES, "config_gc")}
     return out
 
 
@@ -389,6 +393,57 @@ def test_a_script_built_on_build_accelerator_trains_sharded_as_under_ddp(runs, e
         assert len(got["train_loss"]) == len(want["train_loss"]) and gap <= 1e-5
         assert got["eval_loss_after"] == pytest.approx(want["eval_loss_after"], rel=1e-5)
         assert got["final_learning_rate"] == pytest.approx(want["final_learning_rate"], abs=1e-12)
+
+
+# --------------------------------------------------------------------------- activation checkpointing
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_checkpointed_run_is_the_big_batch_and_its_twin_under_every_policy(runs, policy):
+    """Accelerate's checkpoint wrapper around each block unit: the update within 1e-6 of the big batch and the
+    losses of the run without it, with the settings Accelerate's wrapper uses on the plan."""
+    run = runs[f"tok_k3_{policy}_gc"]
+    worst, gap, seconds = ex.assert_checkpointed_like_its_twin(run, runs[f"tok_k3_{policy}"], W)
+    assert run["ranks"][0]["gradient_checkpointing_kwargs"] == {"use_reentrant": False, "preserve_rng_state": False}
+    print(f"\n{policy} with checkpointing: largest |param - oracle| {worst:.2e}, loss gap {gap:.1e}, {seconds}")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_checkpointing_adds_no_all_gather_in_any_window(runs, policy):
+    """The recompute inside each block unit's backward gathers nothing more (FSDP2 skips the forward's gather
+    there: the backward gathered the unit already): per window, the independent count of all-gathers (calls and
+    bytes) and accum_kit's profiler's are those of the run without checkpointing and of the cost table with
+    ``activation_checkpointing=True``, whose compute term is the blocks' share of a forward."""
+    from accum_kit.engines.costs import policy_costs
+
+    info, plain = runs[f"tok_k3_{policy}_gc"]["ranks"][0], runs[f"tok_k3_{policy}"]["ranks"][0]
+    per_window = []
+    for w, w0 in zip(jh.windows_of(info["micro"]), jh.windows_of(plain["micro"]), strict=True):
+        c = policy_costs(policy, _layout(), world_size=W, accumulation_steps=len(w), activation_checkpointing=True)
+        counted = (sum(m["all_gather_calls"] for m in w), sum(m["all_gather_bytes"] for m in w))
+        assert counted == (sum(m["all_gather_calls"] for m in w0), sum(m["all_gather_bytes"] for m in w0))
+        assert counted == (c.all_gather_calls, c.all_gather_bytes), (policy, len(w))
+        assert sum(m["reduce_scatter_calls"] for m in w) == c.reduce_scatter_calls
+        mine = [x for x in info["profiler_calls"] if x["kind"] == "all_gather"
+                and info["micro"].index(w[0]) <= x["micro_batch"] <= info["micro"].index(w[-1])]
+        assert len(mine) == counted[0]
+        per_window.append(counted[0])
+    layout = _layout()
+    assert c.recompute_forward_fraction == layout.layer_parameters / layout.parameters > 0
+    assert policy_costs(policy, layout, world_size=W, accumulation_steps=3).recompute_forward_fraction == 0
+    print(f"\n{policy}: all-gathers per window {per_window} with checkpointing, the same without; "
+          f"recompute {c.recompute_forward_fraction:.2f} of a forward")
+
+
+def test_a_config_with_fsdp_activation_checkpointing_is_the_same_run(runs, example_results):
+    """``fsdp_activation_checkpointing: true`` in the accelerate config, no flag: the plan records it and
+    examples/custom_loop.py trains to the losses of its DDP run."""
+    got, want = runs["custom_loop"]["config_gc"], ok(example_results["custom_loop"])
+    for g, w in zip(got, want):
+        assert g["gradient_checkpointing"] and not w["gradient_checkpointing"]
+        gap = max(abs(a - b) / abs(b) for a, b in zip(g["train_loss"], w["train_loss"]))
+        assert len(g["train_loss"]) == len(w["train_loss"]) and gap <= 1e-5, gap
+    print(f"\ncustom_loop, config's fsdp_activation_checkpointing: largest loss gap to DDP {gap:.1e}")
 
 
 # --------------------------------------------------------------------------- sharded checkpoints

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import checks
+from ..engines.activation_checkpointing import (gradient_checkpointing_field, gradient_checkpointing_kwargs_field,
+                                                parse_checkpointing_kwargs, resolve_checkpointing)
 from ..engines.compiling import resolve_flags
 from ..engines.ddp import check_ddp_flags, ddp_field
 from ..engines.ddp import ddp_kwargs as _ddp_kwargs
@@ -118,12 +120,16 @@ class BenchConfig:
         "help": "torch.compile backend for --torch_compile (implies it), e.g. inductor (default), aot_eager."})
     torch_compile_mode: str | None = field(default=None, metadata={
         "help": "inductor mode for --torch_compile (implies it), e.g. default, max-autotune-no-cudagraphs."})
+    gradient_checkpointing: bool = gradient_checkpointing_field()
+    gradient_checkpointing_kwargs: str | None = gradient_checkpointing_kwargs_field()
     output_dir: str = field(default="runs/bench", metadata={"help": "Where bench.json, bench.csv and bench.png go."})
 
     def __post_init__(self):
         from .parts import engine_part
 
         part = engine_part()  # the launch's engine says what its flags mean there
+        if resolve_checkpointing(self.gradient_checkpointing, self.gradient_checkpointing_kwargs)[0]:
+            self.gradient_checkpointing_kwargs = parse_checkpointing_kwargs(self.gradient_checkpointing_kwargs)
         policies_given = self.accumulation_policies is not None
         if not policies_given:
             self.accumulation_policies = part.default_policies()
@@ -205,6 +211,11 @@ class BenchConfig:
         if self.tune:
             raise UsageError("--torch_compile", "compares compiled with eager under DDP and cannot run with --tune",
                              "drop one of them")
+
+    def checkpointing(self) -> dict:
+        """``build_accelerator``'s activation-checkpointing arguments from ``--gradient_checkpointing*``."""
+        return {"gradient_checkpointing": self.gradient_checkpointing,
+                "gradient_checkpointing_kwargs": self.gradient_checkpointing_kwargs}
 
     def ddp_kwargs(self) -> dict:
         """The DDP constructor arguments (DDP's names) that differ from DDP's defaults (the same for every mode)."""

@@ -93,6 +93,8 @@ class DDPSession:
         self.plan = run_plan_of(accelerator)
         world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
         model = build_model(preset, cfg.vocab_size, cfg.block_size, seed=cfg.seed)
+        if run_plan_of(accelerator).gradient_checkpointing:  # every arm's copy checkpoints, not only the prepared one
+            model = run_plan_of(accelerator).engine.apply_activation_checkpointing(accelerator, model)
         modes = set(cfg.modes)
 
         def copy_for(wanted: bool):  # a fresh copy of the same weights, for a mode that wraps its own

@@ -102,6 +102,8 @@ class TuneSession:
         world, device = accelerator.num_processes, accelerator.device
         (self.K,) = cfg.accumulation_steps
         model = build_model(preset, cfg.vocab_size, cfg.block_size, seed=cfg.seed)
+        if run_plan_of(accelerator).gradient_checkpointing:  # every arm's copy checkpoints, not only the prepared one
+            model = run_plan_of(accelerator).engine.apply_activation_checkpointing(accelerator, model)
         self.initial = [p.detach().clone().to(device) for p in model.parameters()]
         self.settings = tune_settings(cfg)
         hook = comm_hook(cfg.comm_hook)

@@ -127,7 +127,7 @@ class ZeroBench(WindowedPart):
     def build_accelerator(self, cfg):
         from ..launch import build_accelerator
 
-        return build_accelerator(max(cfg.accumulation_steps))
+        return build_accelerator(max(cfg.accumulation_steps), **cfg.checkpointing())
 
     def arms(self, cfg) -> list:
         return list(cfg.zero_stages)

@@ -165,7 +165,7 @@ class BenchPart:
         """The run's Accelerator (:func:`accum_kit.build_accelerator`) with the bench's DDP settings."""
         from ..launch import build_accelerator
 
-        return build_accelerator(None, ddp_kwargs=cfg.ddp_kwargs())
+        return build_accelerator(None, ddp_kwargs=cfg.ddp_kwargs(), **cfg.checkpointing())
 
     def arms(self, cfg) -> list:
         """The arms compared, in their first order."""

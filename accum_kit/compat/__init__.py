@@ -317,6 +317,17 @@ def wrap_prepared_scheduler(accelerator, scheduler):
     return wrapped
 
 
+def restored_state_objects(accelerator) -> tuple[int, int]:
+    """``(schedulers, custom objects)`` whose files Accelerate's ``load_state`` will read (accelerate 1.15):
+    the prepared schedulers (``accelerator._schedulers``) but DeepSpeed's own ``DeepSpeedSchedulerWrapper``
+    (saved inside DeepSpeed's checkpoint), and the objects registered with ``register_for_checkpointing``
+    (``accelerator._custom_objects``)."""
+    from accelerate.utils import DeepSpeedSchedulerWrapper
+
+    schedulers = [s for s in accelerator._schedulers if not isinstance(s, DeepSpeedSchedulerWrapper)]
+    return len(schedulers), len(accelerator._custom_objects)
+
+
 # The engine-specific internals live in their own modules; every name stays importable from accum_kit.compat.
 from .deepspeed_internals import (  # noqa: E402
     deepspeed_checkpoint_globals, deepspeed_comm_backend, deepspeed_held_gradients, deepspeed_parameter_bytes,
@@ -329,3 +340,13 @@ from .fsdp_internals import (  # noqa: E402
     fsdp_unit_reduces_gradients, fsdp_unsharded_parameters, keep_fsdp_parameters_after_forward, restore_fsdp_reshard_after_forward,
     unwrap_fsdp_post_backward, wrap_fsdp_post_backward,
 )
+
+
+def ddp_constructor_kwargs(accelerator) -> dict:
+    """The DDP constructor arguments ``prepare`` passes (``DistributedDataParallelKwargs`` by DDP's names; {} if none).
+
+    Reads ``accelerator.ddp_handler``, where the Accelerator keeps the ``DistributedDataParallelKwargs`` of its
+    ``kwargs_handlers`` and whose ``to_kwargs()`` it hands to DDP in ``prepare_model`` (accelerate 1.15).
+    """
+    handler = getattr(accelerator, "ddp_handler", None)
+    return handler.to_kwargs() if handler is not None else {}

@@ -29,6 +29,10 @@ class RunPlan:
             the engine may restate it (DeepSpeed: the ZeRO stage, ``zero2``...).
         accumulation_steps: K, micro-batches per window per process, at the start of the run.
         schedule: ``{optimizer step: K}`` (batch-size warm-up), or None for a constant K.
+        gradient_checkpointing: activation checkpointing on (one checkpoint per transformer block, applied in
+            ``accelerator.prepare``; :mod:`accum_kit.engines.activation_checkpointing`).
+        gradient_checkpointing_kwargs: the ``torch.utils.checkpoint.checkpoint`` arguments in force
+            (``{}`` when off; ``{"use_reentrant": False, ...}`` when on), as the engine resolved them.
 
     Attributes:
         engine: as given.
@@ -36,22 +40,27 @@ class RunPlan:
         first_accumulation_steps: K of the first window.
         schedule: the checked schedule, or None.
         accelerator: the bound Accelerator (None before :meth:`bind`).
+        gradient_checkpointing, gradient_checkpointing_kwargs: as given (``bool``, ``dict``).
     """
 
-    def __init__(self, engine, policy, accumulation_steps: int, schedule: dict | None = None):
+    def __init__(self, engine, policy, accumulation_steps: int, schedule: dict | None = None, *,
+                 gradient_checkpointing: bool = False, gradient_checkpointing_kwargs: dict | None = None):
         checks.at_least("--gradient_accumulation_steps", accumulation_steps)
         self.engine = engine
         self.requested_policy = engine.run_policy(policy)
         self._policy = self.requested_policy  # the no-sync flavour in force (the A/B switch may add sync_each_batch)
         self.first_accumulation_steps = int(accumulation_steps)
         self.accelerator = None
+        self.gradient_checkpointing = bool(gradient_checkpointing)
+        self.gradient_checkpointing_kwargs = dict(gradient_checkpointing_kwargs or {})
         self.schedule = self.checked_schedule(schedule)
         if self.schedule is not None:
             self.first_accumulation_steps = self.schedule[0]
 
     def __repr__(self) -> str:
         return (f"RunPlan(engine={self.engine.label}, K={self.first_accumulation_steps}, "
-                f"policy={self.requested_policy.name}, schedule={self.schedule})")
+                f"policy={self.requested_policy.name}, schedule={self.schedule}, "
+                f"gradient_checkpointing={self.gradient_checkpointing})")
 
     # ---- binding --------------------------------------------------------------------------
     def bind(self, accelerator) -> "RunPlan":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from accelerate import Accelerator
 
 
@@ -20,6 +21,8 @@ class AccumulationAccelerator(Accelerator):
       Accelerate returns (DeepSpeed: a scheduler prepared without the model is
       wrapped as everywhere else, so it steps once per process per optimizer
       step and ``save_state`` saves it);
+    - ``prepare`` with ``run_plan.gradient_checkpointing``: the engine checkpoints each model's
+      transformer blocks first (:meth:`accum_kit.engines.base.Engine.apply_activation_checkpointing`);
     - ``no_sync(model)`` (which ``accumulate(model)`` enters on every
       non-boundary micro-batch): the engine adds the policy's switches (FSDP2:
       keep parameters gathered after backward; HSDP: skip only the all-reduce
@@ -39,6 +42,9 @@ class AccumulationAccelerator(Accelerator):
     def prepare(self, *args, **kwargs):
         """``Accelerator.prepare``, with the engine's checks before and its completion after (see the class docstring)."""
         engine = self.run_plan.engine
+        if self.run_plan.gradient_checkpointing:  # on the bare model, before any wrapper (DDP, FSDP2, compile)
+            args = tuple(engine.apply_activation_checkpointing(self, a) if isinstance(a, torch.nn.Module) else a
+                         for a in args)
         engine.before_prepare(self, args)
         out = super().prepare(*args, **kwargs)
         single = len(args) == 1

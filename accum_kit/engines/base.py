@@ -119,6 +119,17 @@ class Engine:
         """Whether ``torch.compile`` applies per transformer block (FSDP2) rather than to the whole model."""
         return False
 
+    def resolve_activation_checkpointing(self, enabled: bool, kwargs) -> tuple[bool, dict]:
+        """``(on, torch.utils.checkpoint arguments in force)`` for ``--gradient_checkpointing`` and its kwargs
+        (:func:`accum_kit.engines.activation_checkpointing.resolve_checkpointing`; non-reentrant by default).
+
+        Raises:
+            UsageError: bad or orphaned ``--gradient_checkpointing_kwargs``.
+        """
+        from .activation_checkpointing import resolve_checkpointing
+
+        return resolve_checkpointing(enabled, kwargs)
+
     # ---- binding -----------------------------------------------------------------------------
     def bind(self, accelerator, on_cpu: bool) -> "Engine":
         """Attach to the built Accelerator; switch Accelerate's state to this engine where it would not (CPU)."""
@@ -128,6 +139,17 @@ class Engine:
     # ---- prepare ----------------------------------------------------------------------------
     def before_prepare(self, accelerator, objects: tuple) -> None:
         """Check the objects handed to ``accelerator.prepare`` against the engine's config (no-op by default)."""
+
+    def apply_activation_checkpointing(self, accelerator, model):
+        """``model`` with one checkpoint per transformer block, before ``prepare`` wraps it (the run plan's
+        ``gradient_checkpointing_kwargs``; :func:`accum_kit.engines.activation_checkpointing.apply_to_model`).
+
+        Raises:
+            UsageError (``--gradient_checkpointing``): no transformer block found in ``model``.
+        """
+        from .activation_checkpointing import apply_to_model
+
+        return apply_to_model(model, accelerator.run_plan.gradient_checkpointing_kwargs)
 
     def after_prepare(self, accelerator, objects: tuple, prepared: list) -> list:
         """What ``prepare`` returns, made to keep Accelerate's contract under this engine (identity by default)."""
@@ -171,6 +193,16 @@ class Engine:
         """
 
     # ---- what it holds, sends and reports ---------------------------------------------------
+    def communication_buffer_bytes(self, model) -> int:
+        """Bytes of the engine's own gradient buffers that persist through the run (resident from the first sync).
+
+        DDP: its reducer's buckets, a flat copy of every gradient (``P b_p``), unless ``gradient_as_bucket_view``
+        makes the gradients views of them; 0 for a model without DDP's reducer (one process, FSDP2, DeepSpeed).
+        """
+        if getattr(model, "reducer", None) is None or getattr(model, "gradient_as_bucket_view", False):
+            return 0
+        return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
     def held_tensors(self, model):
         """Yield ``(kind, tensor)`` for the gradients (and gathered parameters) ``model`` holds now."""
         for p in model.parameters():

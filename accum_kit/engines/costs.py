@@ -85,6 +85,9 @@ ZeRO-2 and 3).
 Seconds come from bus bandwidth (:func:`busbw_factor`, nccl-tests'
 definitions, one function for every collective kind and group size).
 
+Activation checkpointing changes no count above (the recompute runs inside a unit's backward, gathered
+already; docs/memory.md); it adds compute, ``recompute_forward_fraction``.
+
 Measured against these (tests/test_fsdp.py and docs/fsdp_costs.md): the
 calls exactly, on a 2-layer GPT-2 (U_f = 2, U_0 = 2); the gradient bytes held
 to the byte when every parameter's first dimension divides by W (FSDP2 pads
@@ -133,6 +136,8 @@ class PolicyCosts:
     syncs: int = 1
     held_gradient_adds: int = 0
     comm_is_floor: bool = False
+    recompute_forward_fraction: float = 0.0  # share of one forward run again in backward (activation checkpointing)
+    activation_bytes: float = 0.0  # a micro-batch's at their peak, 0 unless set (engines/activation_memory.py)
 
     @property
     def shard_size(self) -> int:
@@ -151,8 +156,8 @@ class PolicyCosts:
 
     @property
     def total_bytes(self) -> float:
-        """Shards + optimizer state + gradients + gathered parameters (activations not included)."""
-        return self.parameter_shard_bytes + self.optimizer_state_bytes + self.accumulation_bytes
+        """Shards + optimizer state + gradients + gathered parameters + activations (0 unless set)."""
+        return self.parameter_shard_bytes + self.optimizer_state_bytes + self.accumulation_bytes + self.activation_bytes
 
     def to_dict(self) -> dict:
         return {**asdict(self), "accumulation_bytes": self.accumulation_bytes, "total_bytes": self.total_bytes}
@@ -223,7 +228,8 @@ def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_ste
 
 def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulation_steps: int, param_bytes: int = 4,
                  compute_bytes: int | None = None, reduce_bytes: int | None = None,
-                 optimizer_bytes: int = ADAMW_STATE_BYTES, replicate_size: int = 1) -> PolicyCosts:
+                 optimizer_bytes: int = ADAMW_STATE_BYTES, replicate_size: int = 1,
+                 activation_checkpointing: bool = False) -> PolicyCosts:
     """The costs of ``policy`` per window (communication) and per process (memory), see the module docstring.
 
     Args:
@@ -239,6 +245,7 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
             accum-kit's bf16 policy reduces in fp32: 4).
         optimizer_bytes: b_o, optimizer state bytes per parameter (AdamW: 8).
         replicate_size: R, HSDP's replicas (1: plain FSDP2); the shard group is S = W / R.
+        activation_checkpointing: blocks recompute in backward: ``recompute_forward_fraction`` = P_f / P.
 
     Raises:
         UsageError: unknown policy, W or K below 1, R not dividing W, or an HSDP-only policy with R = 1.
@@ -320,6 +327,7 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
                   "gathered_parameters": gathered_f},
         replicate_size=R, all_reduce_calls=ar_calls, all_reduce_bytes=ar_bytes,
         syncs=syncs, held_gradient_adds=K - 1 if holds_whole else 0,
+        recompute_forward_fraction=model.recompute_forward_fraction if activation_checkpointing else 0.0,
     )
 
 

@@ -128,6 +128,27 @@ class DDPEngine(Engine):
         acc = self.accelerator
         return "one process" if acc is not None and acc.num_processes == 1 else "DDP"
 
+    def apply_activation_checkpointing(self, accelerator, model):
+        """As the base engine, after refusing the one combination that fails under DDP: reentrant checkpointing
+        with ``find_unused_parameters=True``. DDP then finds no use of the checkpointed blocks' parameters in the
+        forward (it ran without grad), marks them ready at once, and their gradients in the recompute mark them
+        again: "Expected to mark a variable ready only once" (measured, torch 2.13, gloo, under no_sync and
+        sync_each_batch). Without it, reentrant runs are exact (tests/test_exactness.py).
+
+        Raises:
+            UsageError (``--gradient_checkpointing_kwargs``): ``use_reentrant: true`` with
+                ``--ddp_find_unused_parameters``.
+        """
+        from ..compat import ddp_constructor_kwargs
+        from ..errors import UsageError
+
+        reentrant = accelerator.run_plan.gradient_checkpointing_kwargs.get("use_reentrant")
+        if reentrant and accelerator.num_processes > 1 and ddp_constructor_kwargs(accelerator).get("find_unused_parameters"):
+            raise UsageError("--gradient_checkpointing_kwargs", "use_reentrant: true fails under DDP with "
+                             "find_unused_parameters=True (\"Expected to mark a variable ready only once\")",
+                             "drop use_reentrant (non-reentrant is the default) or --ddp_find_unused_parameters")
+        return super().apply_activation_checkpointing(accelerator, model)
+
     def loop_callbacks(self, accelerator, model) -> list:
         """Callbacks the loop adds for this engine: the static-graph first sync when the model needs it."""
         first = static_graph_first_sync(accelerator, model)

@@ -72,6 +72,11 @@ def with_mixed_precision(plugin, mixed_precision: str | None):
     return plugin
 
 
+#: the ``torch.utils.checkpoint`` arguments of Accelerate's FSDP2 activation checkpointing (accelerate 1.15's
+#: ``fsdp2_apply_ac``: ``checkpoint_wrapper(layer, preserve_rng_state=False)``, torch's non-reentrant default)
+ACCELERATE_CHECKPOINT_KWARGS = {"use_reentrant": False, "preserve_rng_state": False}
+
+
 class FSDP2Engine(Engine):
     """FSDP2 (``fully_shard``), on a 1-D mesh or HSDP's 2-D mesh (replicas x shard group).
 
@@ -151,6 +156,46 @@ class FSDP2Engine(Engine):
 
     def compile_per_block(self) -> bool:
         return True
+
+    def resolve_activation_checkpointing(self, enabled: bool, kwargs) -> tuple[bool, dict]:
+        """On when asked for or when the launch's plugin has it (``fsdp_activation_checkpointing: true``), then
+        set on the plugin: Accelerate wraps each block that becomes an FSDP unit in torch's checkpoint wrapper
+        before ``fully_shard`` (``fsdp2_apply_ac``, accelerate 1.15), non-reentrant with
+        ``preserve_rng_state=False`` (:data:`ACCELERATE_CHECKPOINT_KWARGS`, what the plan records).
+
+        Raises:
+            UsageError (``--gradient_checkpointing_kwargs``): any other argument, ``use_reentrant: true``
+                among them (Accelerate's wrapper takes none).
+        """
+        on, kwargs = super().resolve_activation_checkpointing(enabled, kwargs)
+        if not (on or getattr(self.plugin, "activation_checkpointing", False)):
+            return False, {}
+        other = {k: v for k, v in kwargs.items() if ACCELERATE_CHECKPOINT_KWARGS.get(k, not v) != v}
+        if other:
+            raise UsageError("--gradient_checkpointing_kwargs", f"{other} cannot apply under FSDP2: Accelerate's "
+                             f"activation checkpointing wraps each FSDP unit with {ACCELERATE_CHECKPOINT_KWARGS} "
+                             "and takes no other argument", "drop --gradient_checkpointing_kwargs under FSDP2 (the "
+                             "run is non-reentrant; docs/memory.md), or launch with a DDP config")
+        self.plugin.activation_checkpointing = True
+        return True, dict(ACCELERATE_CHECKPOINT_KWARGS)
+
+    def apply_activation_checkpointing(self, accelerator, model):
+        """``model`` with its key/value cache off (:func:`accum_kit.engines.activation_checkpointing.turn_cache_off`):
+        Accelerate's ``prepare`` applies the checkpoint wrapper (the plugin's switch). Warns when ``model`` has
+        dropout: without the RNG state the recompute draws other masks (docs/memory.md)."""
+        from .activation_checkpointing import active_dropout, turn_cache_off
+
+        turn_cache_off(model)
+
+        dropout = active_dropout(model)
+        if dropout:
+            import warnings
+
+            warnings.warn(f"--gradient_checkpointing under FSDP2 recomputes without the RNG state (Accelerate's "
+                          f"preserve_rng_state=False): the {len(dropout)} dropout layers with p > 0 ({dropout[0]}, "
+                          "...) draw other masks in backward, so the gradient is not the forward's. Set the dropout "
+                          "to 0 for an exact gradient (docs/memory.md).", stacklevel=3)
+        return model
 
     def bind(self, accelerator, on_cpu: bool) -> "FSDP2Engine":
         from ..compat import enable_fsdp_on_cpu, enable_hsdp_on_cpu

@@ -54,6 +54,18 @@ class ShardedModel:
         """U = U_f + U_0."""
         return len(self.resharded) + len(self.kept)
 
+    @property
+    def recompute_forward_fraction(self) -> float:
+        """P_f / P: the share of one forward that activation checkpointing runs again in backward (the blocks).
+
+        Forward FLOPs taken as 2 per parameter and token (Kaplan et al. 2020, "Scaling Laws for Neural Language
+        Models", C_forward = 2N), so a block's share is its share of the parameters; attention's
+        sequence-length terms and the difference between an embedding lookup and a matmul are left out. The
+        step-time model prices it as ``c (1 + fraction x forward share)``
+        (:func:`accum_kit.planning.step_time.recompute_factor`).
+        """
+        return self.layer_parameters / self.parameters if self.parameters else 0.0
+
     @classmethod
     def from_units(cls, units: list[dict], source: str = "") -> "ShardedModel":
         """From the profiler's ``fsdp_units`` (``parameters``, ``reshard_after_forward`` per unit)."""

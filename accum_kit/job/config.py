@@ -13,6 +13,8 @@ from .clm_flags import resolve_run_clm_flags
 from ..engines.compiling import MODES, resolve_flags
 from .data import check_data_flags
 from ..engines.ddp import check_ddp_flags, ddp_field
+from ..engines.activation_checkpointing import (gradient_checkpointing_field, gradient_checkpointing_kwargs_field,
+                                                parse_checkpointing_kwargs, resolve_checkpointing)
 from ..errors import UsageError
 from ..core.loss import NORMALIZATIONS
 from .models import PRESETS
@@ -83,6 +85,8 @@ class TrainConfig:
     torch_compile: bool = field(default=False, metadata={"help": "Compile the model with torch.compile through Accelerate's dynamo plugin: the whole model under DDP, each block under FSDP2 (docs/compile.md)."})
     torch_compile_backend: str | None = field(default=None, metadata={"help": "torch.compile backend (implies --torch_compile), e.g. inductor (the default), aot_eager, eager."})
     torch_compile_mode: str | None = field(default=None, metadata={"help": f"inductor mode (implies --torch_compile), one of {list(MODES)}."})
+    gradient_checkpointing: bool = gradient_checkpointing_field()
+    gradient_checkpointing_kwargs: str | None = gradient_checkpointing_kwargs_field()
     ddp_timeout: int = field(default=1800, metadata={"help": "Seconds a collective may wait for the other processes before the job fails (torch.distributed timeout)."})
     # DDP constructor settings (Trainer's flag names), passed as Accelerate's DistributedDataParallelKwargs
     ddp_bucket_cap_mb: float | None = ddp_field("ddp_bucket_cap_mb")
@@ -125,6 +129,8 @@ class TrainConfig:
             if getattr(self, flag) is not None:
                 checks.at_least(f"--{flag}", getattr(self, flag))
         check_ddp_flags(self)
+        if resolve_checkpointing(self.gradient_checkpointing, self.gradient_checkpointing_kwargs)[0]:
+            self.gradient_checkpointing_kwargs = parse_checkpointing_kwargs(self.gradient_checkpointing_kwargs)
         if resolve_flags(self.torch_compile, self.torch_compile_backend, self.torch_compile_mode) is not None:
             self.torch_compile = True
 

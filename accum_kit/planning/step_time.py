@@ -164,15 +164,32 @@ class MeasuredCommunication:
         return {"syncs": synced, "measured": self.seconds_per_window, "total": synced + self.seconds_per_window}
 
 
+#: forward / (forward + backward) of a micro-batch's compute: backward costs two forwards (Kaplan et al. 2020,
+#: "Scaling Laws for Neural Language Models": C = 6N per token, 2N of it forward)
+FORWARD_SHARE = 1 / 3
+
+
+def recompute_factor(costs: PolicyCosts, forward_share: float = FORWARD_SHARE) -> float:
+    """``1 + recompute_forward_fraction x forward_share``: what activation checkpointing multiplies ``c`` by.
+
+    ``recompute_forward_fraction`` is the cost table's (:func:`accum_kit.engines.costs.policy_costs` with
+    ``activation_checkpointing=True``: the blocks' share of one forward; 0 without checkpointing, factor 1).
+    ``c`` must then be measured without checkpointing.
+    """
+    return 1 + costs.recompute_forward_fraction * forward_share
+
+
 def step_time(costs: PolicyCosts, compute_seconds: float, pricing: BusBandwidths | MeasuredCommunication, *,
               overlap: float = 0.0, other_seconds: float = 0.0, accumulation_seconds: float = 0.0) -> StepTime:
     """One step of the policy, engine and mesh that ``costs`` prices (:func:`accum_kit.engines.costs.policy_costs`).
 
-    K and the adds come from ``costs``; T from ``pricing``; the rest as :func:`window_seconds`.
+    K and the adds come from ``costs``; T from ``pricing``; ``c`` times :func:`recompute_factor` (1 unless the
+    costs are activation checkpointing's); the rest as :func:`window_seconds`.
 
     Raises:
         ValueError: as :func:`window_seconds` and :meth:`BusBandwidths.seconds`.
     """
+    compute_seconds = compute_seconds * recompute_factor(costs)
     return window_seconds(costs.accumulation_steps, compute_seconds,
                           communication_seconds=pricing.seconds(costs)["total"], overlap=overlap,
                           other_seconds=other_seconds, accumulation_seconds=accumulation_seconds,

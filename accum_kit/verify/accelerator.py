@@ -16,7 +16,8 @@ from .compare import DEFAULT_ATOL, DEFAULT_RTOL, mixed_precision_rtol
 
 def resolve_accelerator(accelerator, gradient_accumulation_steps: int | None, mixed_precision: str | None,
                         accumulation_policy: str | None, torch_compile: bool = False,
-                        torch_compile_backend: str | None = None, torch_compile_mode: str | None = None):
+                        torch_compile_backend: str | None = None, torch_compile_mode: str | None = None,
+                        gradient_checkpointing: bool = False, gradient_checkpointing_kwargs=None):
     """``(accelerator, K)``: build the Accelerator from the arguments, or check them against the given one.
 
     Built here, it compiles the model in ``prepare`` when a compile argument
@@ -29,7 +30,7 @@ def resolve_accelerator(accelerator, gradient_accumulation_steps: int | None, mi
     Raises:
         UsageError: an argument that differs from the given accelerator's
             (``mixed_precision``, ``accumulation_policy``,
-            ``gradient_accumulation_steps``, ``torch_compile_backend``), or an
+            ``gradient_accumulation_steps``, ``torch_compile_backend``, ``gradient_checkpointing``), or an
             unknown / unavailable compile backend or mode (names the flag).
     """
     if accelerator is None:
@@ -39,8 +40,14 @@ def resolve_accelerator(accelerator, gradient_accumulation_steps: int | None, mi
                                         accumulation_policy=accumulation_policy, torch_compile=torch_compile,
                                         torch_compile_backend=torch_compile_backend,
                                         torch_compile_mode=torch_compile_mode,
-                                        torch_compile_dynamic=True if compiled else None)
+                                        torch_compile_dynamic=True if compiled else None,
+                                        gradient_checkpointing=gradient_checkpointing,
+                                        gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
         return accelerator, K
+    plan = getattr(accelerator, "run_plan", None)
+    if gradient_checkpointing and not getattr(plan, "gradient_checkpointing", False):
+        raise UsageError("gradient_checkpointing", "asked for, but the accelerator's run plan does not checkpoint",
+                         "omit it, or build the accelerator with build_accelerator(..., gradient_checkpointing=True)")
     if mixed_precision is not None and mixed_precision != accelerator.mixed_precision:
         raise UsageError("mixed_precision", f"{mixed_precision} differs from the accelerator's "
                          f"{accelerator.mixed_precision}", "omit it or build the accelerator with it")

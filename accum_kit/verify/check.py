@@ -62,6 +62,8 @@ def verify_accumulation(
     torch_compile: bool = False,
     torch_compile_backend: str | None = None,
     torch_compile_mode: str | None = None,
+    gradient_checkpointing: bool = False,
+    gradient_checkpointing_kwargs: dict | str | None = None,
 ) -> VerifyReport:
     """Compare the toolkit's accumulated gradient with a single-process big batch.
 
@@ -132,6 +134,10 @@ def verify_accumulation(
             oracle stays eager (float64). With ``accelerator`` given, its own
             dynamo plugin decides and these must agree with it. The report's
             ``compile`` holds the settings and this process's compile counts.
+        gradient_checkpointing, gradient_checkpointing_kwargs: activation checkpointing of the rows' model
+            copy, applied in ``prepare`` (:func:`accum_kit.build_accelerator`'s; docs/memory.md); the oracle
+            keeps every activation. With ``accelerator`` given, its run plan's setting decides and these must
+            agree with it.
 
     With a ``dataset`` or ``loss_fn`` the ``trainer`` row is skipped (it runs
     transformers' causal-LM Trainer on verify's token data). When ``model``
@@ -153,7 +159,7 @@ def verify_accumulation(
              mixed_precision, model_preset, model_name_or_path)
     accelerator, K = resolve_accelerator(accelerator, gradient_accumulation_steps, mixed_precision,
                                          accumulation_policy, torch_compile, torch_compile_backend,
-                                         torch_compile_mode)
+                                         torch_compile_mode, gradient_checkpointing, gradient_checkpointing_kwargs)
     settings, base, trainer_skip = _plan(
         accelerator, K, model=model, model_name_or_path=model_name_or_path, model_preset=model_preset, seed=seed,
         dataset=dataset, collate_fn=collate_fn, loss_fn=loss_fn, per_device_train_batch_size=per_device_train_batch_size,

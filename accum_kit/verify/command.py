@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from accelerate import PartialState
 
+from ..engines.activation_checkpointing import (gradient_checkpointing_field, gradient_checkpointing_kwargs_field,
+                                                resolve_checkpointing)
 from ..engines.compiling import MODES, resolve_flags
 from ..errors import UsageError
 from ..outputs import atomic_write_json, check_output_dir
@@ -42,6 +44,8 @@ class VerifyArguments:
     torch_compile: bool = field(default=False, metadata={"help": "Compile the rows' model with torch.compile through Accelerate's dynamo plugin (whole model under DDP, each block under FSDP2; the oracle stays eager; docs/compile.md)."})
     torch_compile_backend: str | None = field(default=None, metadata={"help": "torch.compile backend (implies --torch_compile), e.g. inductor (the default), aot_eager, eager."})
     torch_compile_mode: str | None = field(default=None, metadata={"help": f"inductor mode (implies --torch_compile), one of {list(MODES)}."})
+    gradient_checkpointing: bool = gradient_checkpointing_field()
+    gradient_checkpointing_kwargs: str | None = gradient_checkpointing_kwargs_field()
     json: str | None = field(default=None, metadata={"help": "Also write the report as JSON to this file (main process, atomically)."})
 
     def __post_init__(self):
@@ -53,6 +57,7 @@ class VerifyArguments:
                 raise UsageError("--json", f"{self.json} is a directory", "pass a file path, e.g. verify.json")
             check_output_dir(os.path.dirname(os.path.abspath(self.json)), flag="--json")
         resolve_policy(self.accumulation_policy)  # an unknown name exits 2 before any work
+        resolve_checkpointing(self.gradient_checkpointing, self.gradient_checkpointing_kwargs)  # bad JSON: exit 2
         if resolve_flags(self.torch_compile, self.torch_compile_backend, self.torch_compile_mode) is not None:
             self.torch_compile = True  # a backend or a mode implies it (transformers' rule)
 
@@ -78,6 +83,8 @@ def run_command(args: VerifyArguments) -> int:
         torch_compile=args.torch_compile,
         torch_compile_backend=args.torch_compile_backend,
         torch_compile_mode=args.torch_compile_mode,
+        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
     )
     state = PartialState()
     if state.is_main_process:
