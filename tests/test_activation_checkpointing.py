@@ -307,3 +307,27 @@ def test_verify_with_checkpointing_passes_against_its_eager_oracle(one_process, 
                               "--json", str(out)])
     report = json.loads(out.read_text())
     assert code == 0 and report["passed"], report
+
+
+# --------------------------------------------------------------------------- the train job (2 FSDP2 processes)
+
+
+def test_the_fsdp2_train_job_with_checkpointing_logs_the_reference_jobs_losses(fsdp_reference, fsdp_pool, tmp_path):
+    """``accum-kit train --gradient_checkpointing`` on conftest.py's shared FSDP2 job (tiny preset, K=3, 8 steps,
+    no_sync_no_reshard): train_summary.json records checkpointing with Accelerate's arguments, and every logged
+    loss and the eval loss are those of the reference run without it."""
+    ref = fsdp_reference.result()
+    assert ref.returncode == 0, ref.describe()
+    out = tmp_path / "gc"
+    argv = jh.fsdp_job_argv(fsdp_reference.corpus, out, "--gradient_checkpointing")[3:]
+    res = fsdp_pool.submit("train", argv, datasets_cache=fsdp_reference.datasets_cache).result()
+    assert res.returncode == 0, res.describe()
+    got = json.loads((out / "train_summary.json").read_text())
+    want = json.loads((fsdp_reference.output_dir / "train_summary.json").read_text())
+    assert got["gradient_checkpointing"] is True and want["gradient_checkpointing"] is False
+    assert got["gradient_checkpointing_kwargs"] == {"use_reentrant": False, "preserve_rng_state": False}
+    gap = max(abs(a - b) / abs(b) for a, b in zip(got["train_loss"], want["train_loss"]))
+    assert len(got["train_loss"]) == len(want["train_loss"]) == jh.FSDP_JOB_STEPS and gap <= 1e-5, gap
+    assert got["eval_loss_after"] == pytest.approx(want["eval_loss_after"], rel=1e-5)
+    print(f"\nFSDP2 train job with checkpointing: largest relative loss gap to the reference {gap:.1e}; "
+          f"{res.seconds:.1f} s (the reference: {ref.seconds:.1f} s)")

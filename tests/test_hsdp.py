@@ -47,8 +47,8 @@ SCENARIOS = [
     # the uninterrupted run saves a sharded checkpoint after every step; fresh runs resume from two of them
     {**_sc("resume_2ep", epochs=2, policy=NEW), "resume_from": [1, 3]},
 ]
-# activation checkpointing under HSDP's own policy (the four others are FSDP2's, checked in tests/test_fsdp.py)
-SCENARIOS.append({**_sc(f"tok_k3_{NEW}_gc", policy=NEW), "gradient_checkpointing": True})
+# activation checkpointing (Accelerate's wrapper around each block unit): every policy's twin of tok_k3_<policy>
+SCENARIOS += [{**_sc(f"tok_k3_{p}_gc", policy=p), "gradient_checkpointing": True} for p in POLICIES]
 BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
 
 
@@ -230,16 +230,17 @@ def test_a_planted_pickle_in_each_kind_of_file_of_an_hsdp_checkpoint_is_refused(
     planted.assert_each_refused(table)
 
 
-def test_checkpointed_hsdp_run_is_the_big_batch_and_its_twin(runs):
-    """Accelerate's checkpoint wrapper on the 2 x 2 mesh: the update within 1e-6 of the big batch, the losses and
-    every collective per micro-batch (all-gathers, reduce-scatters, all-reduces across replicas) those of the run
-    without it."""
-    run, twin = runs[f"tok_k3_{NEW}_gc"], runs[f"tok_k3_{NEW}"]
+@pytest.mark.parametrize("policy", POLICIES)
+def test_checkpointed_hsdp_run_is_the_big_batch_and_its_twin(runs, policy):
+    """Accelerate's checkpoint wrapper on the 2 x 2 mesh, every policy: the update within 1e-6 of the big batch,
+    the losses and every collective per micro-batch (all-gathers, reduce-scatters, all-reduces across replicas)
+    those of the run without it."""
+    run, twin = runs[f"tok_k3_{policy}_gc"], runs[f"tok_k3_{policy}"]
     worst, gap, seconds = ex.assert_checkpointed_like_its_twin(run, twin, W)
     keys = ("all_gather_calls", "all_gather_bytes", "reduce_scatter_calls", "replicate_all_reduce_calls")
     for info, plain in zip(run["ranks"], twin["ranks"]):
         assert [[m[k] for k in keys] for m in info["micro"]] == [[m[k] for k in keys] for m in plain["micro"]]
-    print(f"\nHSDP {NEW} with checkpointing: largest |param - oracle| {worst:.2e}, loss gap {gap:.1e}, {seconds}")
+    print(f"\nHSDP {policy} with checkpointing: largest |param - oracle| {worst:.2e}, loss gap {gap:.1e}, {seconds}")
 
 
 # --------------------------------------------------------------------------- refusals (in-process)

@@ -85,9 +85,6 @@ ZeRO-2 and 3).
 Seconds come from bus bandwidth (:func:`busbw_factor`, nccl-tests'
 definitions, one function for every collective kind and group size).
 
-Activation checkpointing changes no count above (the recompute runs inside a unit's backward, gathered
-already; docs/memory.md); it adds compute, ``recompute_forward_fraction``.
-
 Measured against these (tests/test_fsdp.py and docs/fsdp_costs.md): the
 calls exactly, on a 2-layer GPT-2 (U_f = 2, U_0 = 2); the gradient bytes held
 to the byte when every parameter's first dimension divides by W (FSDP2 pads
@@ -245,7 +242,8 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
             accum-kit's bf16 policy reduces in fp32: 4).
         optimizer_bytes: b_o, optimizer state bytes per parameter (AdamW: 8).
         replicate_size: R, HSDP's replicas (1: plain FSDP2); the shard group is S = W / R.
-        activation_checkpointing: blocks recompute in backward: ``recompute_forward_fraction`` = P_f / P.
+        activation_checkpointing: the blocks recompute in backward: no count changes (the recompute runs inside
+            a unit's backward, gathered already; docs/memory.md); ``recompute_forward_fraction`` = P_f / P.
 
     Raises:
         UsageError: unknown policy, W or K below 1, R not dividing W, or an HSDP-only policy with R = 1.
