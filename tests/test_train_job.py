@@ -342,6 +342,11 @@ def test_ddp_job_holds_the_full_gradient_between_micro_batches(ddp_run):
     full = 4 * load_summary(ddp_run[1])["model_parameters"]
     assert mem["gradient_bytes_peak"] == {"min": full, "median": full, "max": full} and mem["by_kind"] == {"grad": full}
     assert mem["measured_over_predicted"] == 1.0
+    # the predicted peak by part: fp32 parameters, gradients, AdamW's two moments, DDP's buckets (a gradient copy)
+    parts = mem["predicted_peak_by_part"]
+    assert (parts["parameters"], parts["gradients"], parts["optimizer_state"], parts["communication_buffers"]) == (
+        full, full, 2 * full, full)
+    assert len(mem["process_peak_bytes_by_rank"]) == len(mem["peak_measured_over_predicted_by_rank"]) == WORLD
 
 
 # --------------------------------------------------------------------------- 1 process, in-process

@@ -193,11 +193,12 @@ class Engine:
         """
 
     # ---- what it holds, sends and reports ---------------------------------------------------
-    def communication_buffer_bytes(self, model) -> int:
-        """Bytes of the engine's own gradient buffers that persist through the run (resident from the first sync).
+    def communication_buffer_bytes(self, accelerator, model, policy: str) -> int:
+        """Bytes of the engine's own communication buffers at a micro-batch's peak (the start of its backward).
 
-        DDP: its reducer's buckets, a flat copy of every gradient (``P b_p``), unless ``gradient_as_bucket_view``
-        makes the gradients views of them; 0 for a model without DDP's reducer (one process, FSDP2, DeepSpeed).
+        DDP: its reducer's buckets, a flat copy of every gradient (``P b_p``, resident from the first sync),
+        unless ``gradient_as_bucket_view`` makes the gradients views of them; 0 for a model without DDP's
+        reducer (one process; DeepSpeed's buckets are not counted).
         """
         if getattr(model, "reducer", None) is None or getattr(model, "gradient_as_bucket_view", False):
             return 0

@@ -14,6 +14,7 @@ from ..core.accumulation_schedule import parse_accumulation_schedule
 from ..core.lr_scaling import LEARNING_RATE_FIX, LR_RULES
 from .fsdp_plan import MIXED_PRECISION
 from .interconnects import INTERCONNECTS
+from .memory_plan import check_memory_flags, format_memory_plan, memory_plan_of
 from .plan_report import (SECTIONS, check_batch_size_given, check_learning_rate_flags, check_schedule_flags,
                           check_section_flags, check_target_flags, format_plan, make_plan)
 from .whatif import DEFAULT_ACCUMULATION_STEPS, DEFAULT_MAX_COMM_SHARE, check_whatif_flags
@@ -104,10 +105,26 @@ class PlanArguments:
     inter_node_busbw_GBps: float | None = field(default=None, metadata={
         "help": "With --fsdp and R > 1: bus bandwidth of the all-reduce across replicas in GB/s (the inter-node "
                 "link). Default: the profile's measured one, else InfiniBand's nominal peak."})
+    memory_per_process: str | None = field(default=None, metadata={
+        "help": "Plan by memory: the memory each process may use (8GB = 8e9 bytes, 8GiB, 512MB, bytes); lists "
+                "the (micro-batch, K, checkpointing, policy) rows for --target_effective_batch with their "
+                "predicted peak and step time, and the fastest that fits (docs/memory.md). Uses --model_preset, "
+                "--block_size, --num_processes, --vocab_size, --mixed_precision, --from_profile, --busbw_GBps."})
+    target_effective_batch: int | None = field(default=None, metadata={
+        "help": "With --memory_per_process: examples per optimizer step over all processes (a multiple of "
+                "--num_processes)."})
+    baseline_memory: str | None = field(default=None, metadata={
+        "help": "With --memory_per_process: what each process holds besides the model and training (Python, "
+                "libraries, data; about 0.6GB on CPU, the train job's resident set before its model); default 0."})
+    compute_TFLOPS: float | None = field(default=None, metadata={
+        "help": "With --memory_per_process and no --from_profile: achieved FLOP rate per process, for the step "
+                "time (default 1; the ranking does not depend on it)."})
     json: bool = field(default=False, metadata={"help": "Print JSON instead of the text table."})
 
     def __post_init__(self):
         """Check ranges and flag combinations; raises UsageError naming the flag."""
+        if check_memory_flags(self):  # plan by memory: its own flags, checked there
+            return
         if self.per_device_train_batch_size is not None:
             checks.at_least("--per_device_train_batch_size", self.per_device_train_batch_size)
         elif self.from_profile is None:
@@ -150,6 +167,10 @@ def run_command(args: PlanArguments) -> int:
             fewer examples than one global micro-batch); :func:`accum_kit.cli.run`
             prints it and exits 2, with nothing on stdout.
     """
+    if args.memory_per_process is not None:
+        plan = memory_plan_of(args)
+        print(json.dumps(plan.to_dict(), indent=2) if args.json else format_memory_plan(plan))
+        return 0
     report = make_plan(
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,

@@ -99,17 +99,26 @@ class HeldMemory(LoopCallback):
             the measurement in :meth:`summary` (see :func:`accum_kit.engines.costs.policy_costs`), or a
             function returning it, called by :meth:`summary` (after training: FSDP2 settles its
             units' reshard settings at the first forward).
+        predicted_peak: optional, called by :meth:`summary`: returns None or ``f(resident bytes before
+            training) -> {part: bytes, "total"}``, the peak predicted by part (:func:`predicted_peak`).
 
     Attributes:
         peaks: ``{policy: {"gradient_bytes", "gathered_parameter_bytes", "by_kind", "measurements"}}``.
     """
 
-    def __init__(self, accelerator, model, predicted: dict | None = None):
+    def __init__(self, accelerator, model, predicted: dict | None = None, predicted_peak=None):
         from ..core.run_plan import run_plan_of
 
         self.accelerator, self.model, self.predicted = accelerator, model, predicted
+        self.predicted_peak = predicted_peak  # () -> (f(resident before training) -> {part: bytes}) | None
         self.plan = run_plan_of(accelerator)  # the engine holds the tensors; the policy in force names the peak
         self.peaks: dict[str, dict] = {}
+        self.resident_before_training = self.gathered_before_training = None
+
+    def on_train_begin(self, state):
+        self.resident_before_training = process_resident_bytes(self.accelerator.device)
+        # parameters left gathered before training (an evaluation under no_sync_no_reshard): resident already
+        self.gathered_before_training = held_bytes(self.model, self.plan.engine).get("gathered_parameter", 0)
 
     def on_backward_end(self, state):
         if state.boundary or getattr(state, "forced_sync", False):  # a static-graph DDP model's priming sync is no policy's
@@ -131,7 +140,9 @@ class HeldMemory(LoopCallback):
         return {"policy": run_policy, "gradient_bytes": mine.get("gradient_bytes"),
                 "gathered_parameter_bytes": mine.get("gathered_parameter_bytes"),
                 "by_kind": mine.get("by_kind"), "by_policy": self.peaks,
-                "process_peak_bytes": peak, "process_peak_method": method}
+                "process_peak_bytes": peak, "process_peak_method": method,
+                "resident_before_training_bytes": self.resident_before_training,
+                "gathered_before_training_bytes": self.gathered_before_training}
 
     def summary(self) -> dict:
         """The ``memory`` block of ``train_summary.json``; collective (every process must call it).
@@ -142,7 +153,8 @@ class HeldMemory(LoopCallback):
         ``process_peak_bytes`` (same form); ``process_peak_method``; ``by_kind`` (main
         process, at its gradient peak); ``by_policy`` (main process, every policy that ran,
         e.g. both sides of an A/B run); with ``predicted``: ``predicted`` (the run policy's
-        figures) and ``measured_over_predicted`` (gradient bytes, median over processes).
+        figures) and ``measured_over_predicted`` (gradient bytes, median over processes); the peak per
+        process and its prediction by part: the keys of :func:`peak_by_rank`.
         """
         local = self.local()
         if self.accelerator.num_processes > 1:
@@ -164,7 +176,44 @@ class HeldMemory(LoopCallback):
             measured = out["gradient_bytes_peak"]
             want = predicted.get("gradient_bytes")
             out["measured_over_predicted"] = measured["median"] / want if (measured and want) else None
+        out.update(peak_by_rank(everyone, self.predicted_peak() if self.predicted_peak is not None else None))
         return out
+
+
+def peak_by_rank(everyone: list[dict], predicted_peak) -> dict:
+    """The summary's peak keys from every process's :meth:`HeldMemory.local` (rank order):
+
+    ``process_peak_bytes_by_rank`` and ``resident_before_training_bytes_by_rank`` (lists, bytes); with
+    ``predicted_peak`` (``f(resident before training) -> {part: bytes, "total"}``,
+    :func:`accum_kit.engines.activation_memory.peak_parts`): ``predicted_peak_by_part`` (the main process's
+    parts), ``predicted_peak_bytes_by_rank`` and ``peak_measured_over_predicted_by_rank`` (each process's
+    measured peak over its own prediction, whose baseline is its own resident set before training less the
+    gathered parameters it held then, which the prediction counts as a part of its own).
+    """
+    peaks = [p["process_peak_bytes"] for p in everyone]
+    before = [p.get("resident_before_training_bytes") for p in everyone]
+    out = {"process_peak_bytes_by_rank": peaks, "resident_before_training_bytes_by_rank": before}
+    if predicted_peak is None:
+        return out
+    # the baseline leaves out what the prediction counts as its own parts: gathered parameters already held
+    parts = [predicted_peak(None if b is None else b - (p.get("gathered_before_training_bytes") or 0))
+             for b, p in zip(before, everyone)]
+    out["predicted_peak_by_part"] = parts[0]
+    out["predicted_peak_bytes_by_rank"] = [p["total"] for p in parts]
+    out["peak_measured_over_predicted_by_rank"] = [m / p["total"] if (m and p["total"]) else None
+                                                   for m, p in zip(peaks, parts)]
+    return out
+
+
+def process_resident_bytes(device) -> int | None:
+    """The process's memory now, bytes: ``VmRSS`` of ``/proc/self/status`` on CPU, ``torch.cuda.memory_allocated``
+    on CUDA (the counterparts of :func:`process_peak_bytes`); None where neither exists."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        return torch.cuda.memory_allocated(device)
+    kb = proc_status_kb("VmRSS")
+    return None if kb is None else kb * 1024
 
 
 def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
@@ -180,3 +229,32 @@ def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
     plan = run_plan_of(accelerator)
     names = list(dict.fromkeys([plan.requested_policy.name, "sync_each_batch"]))
     return plan.engine.predicted_memory(accelerator, model, accumulation_steps, names)
+
+
+def predicted_peak(accelerator, model, accumulation_steps: int, micro_batch: int, seq: int, checkpointing: bool):
+    """``f(resident before training) -> {part: bytes}``: the run policy's peak per process by part
+    (:func:`accum_kit.engines.activation_memory.peak_parts`): the engine's cost-table row
+    (:meth:`accum_kit.engines.base.Engine.window_costs`; K of at least 2, since a window of one still holds
+    its gradients during the backward), its persistent communication buffers
+    (:meth:`accum_kit.engines.base.Engine.communication_buffer_bytes`) and a micro-batch's activations from the
+    model's config
+    (:func:`accum_kit.engines.activation_memory.activation_bytes`, the element size of the compute precision).
+    None when the model has no transformer config it can read.
+    """
+    from ..core.run_plan import run_plan_of
+    from ..engines.activation_memory import TransformerShape, activation_bytes, peak_parts
+    from ..errors import UsageError
+
+    plan = run_plan_of(accelerator)
+    config = getattr(accelerator.unwrap_model(model), "config", None)
+    try:
+        shape = TransformerShape.from_config(config.to_dict() if config is not None else {},
+                                             element_bytes=2 if plan.engine.compute_precision(accelerator) in
+                                             ("bf16", "fp16") else 4)
+    except UsageError:
+        return None
+    acts = activation_bytes(shape, micro_batch, seq, checkpointing=checkpointing)
+    costs = plan.engine.window_costs(accelerator, model, max(2, accumulation_steps), plan.requested_policy.name)
+    row = costs.to_dict()
+    buffers = plan.engine.communication_buffer_bytes(accelerator, model, plan.requested_policy.name)
+    return lambda before: peak_parts(row, acts, before, buffers)

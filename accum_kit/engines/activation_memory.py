@@ -1,0 +1,259 @@
+"""Activation memory of a decoder-only transformer, per micro-batch and per process, as formulas (torch-free).
+
+What autograd keeps from a micro-batch's forward until its backward, in bytes, from the model's
+config: L layers, hidden size h, a heads, MLP width f (4h in GPT-2), vocabulary V, sequence s
+tokens, micro-batch b examples, e bytes per activation element (4 in fp32, 2 under bf16/fp16
+autocast).
+
+Source of the shape of the count: Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models" (arXiv:2205.05198), section 4.1: one layer keeps ``s b h (34 + 5 a s / h)``
+bytes in 16-bit with dropout masks (:func:`korthikanti_layer_bytes`). accum-kit's presets run
+torch's eager GPT-2 (``transformers.GPT2LMHeadModel``) without dropout and with SDPA, which on
+CPU is ``scaled_dot_product_flash_attention_for_cpu`` and keeps no ``a s^2`` attention matrix,
+so the count here is what that code actually saves, tensor by tensor (autograd's
+``_saved_*`` of every node, counted per storage on torch 2.13 / transformers 5.24), per token
+and layer, in elements:
+
+==========================================  =============================================
+what                                         elements per token
+==========================================  =============================================
+two LayerNorms: input, output, mean, rstd    4 h + 4
+attention: the q/k/v projection output       3 h
+  SDPA's query, key/value copies, output     3 h, + a (its logsumexp)
+MLP: c_fc output and GELU output             2 f
+  ``gelu_new`` (tanh GELU in Python ops)     + 3 f (x^3, tanh result, 0.5 x)
+==========================================  =============================================
+
+i.e. ``30 h + a + 4`` for GPT-2 (f = 4h, ``gelu_new``). Eager attention (``attn_implementation=
+"eager"``) adds Korthikanti's ``a s`` terms (the softmax result and the attention weights, ``2 a s``;
+not measured here). Families other than GPT-2 (Llama...) use Korthikanti's count converted to
+elements (``(34 + 5 a s / h) / 2`` per h; its dropout masks included), marked ``measured=False``.
+
+The head and the loss: the final LayerNorm (``2 h + 2``) and ``LOGIT_COPIES`` copies of the b s V
+logits (the logits, the log-softmax result the loss saves, and their two gradients at the start of
+the backward).
+
+With activation checkpointing (``gradient_checkpointing``: each block's forward is run again in
+its backward, torch's non-reentrant ``torch.utils.checkpoint``) a block keeps only its input
+(``h`` per token and layer) and, during its backward, one block's full activations exist again:
+``L h + (one layer's count)`` per token instead of ``L x (one layer's count)``.
+
+Calibration: the formulas count saved tensors; the process peak also holds the backward's
+transient gradients and what the allocator keeps. :data:`CALIBRATION` multiplies the counted
+activation bytes; it was fitted on ONE measured run (``python -m accum_kit.bench.memory_bench``, the
+``small`` preset, DDP ``no_sync``, without checkpointing; docs/memory.md gives the figures) and is
+applied unchanged to every other row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..errors import UsageError
+
+#: Copies of the logits alive at the loss's backward: logits, log-softmax result, and their two gradients.
+LOGIT_COPIES = 4
+#: GELU variants computed as several saved Python ops (tanh approximation in transformers' ``NewGELUActivation``).
+MULTI_OP_GELU = ("gelu_new", "gelu_pytorch_tanh_python")
+#: Measured activation peak / counted activation bytes, fitted on one run (see the module docstring): the `small`
+#: preset, 2 DDP processes, ``no_sync``, micro-batch 4 x 256 tokens, K = 2, 3 steps, no checkpointing: peak
+#: 1617.4 MiB (mean of the two processes) = 1029.9 MiB of every other part + 1.0675 x 550.4 MiB counted.
+CALIBRATION = 1.0675
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """A decoder-only transformer's shape (elements; counts) and its activation element size (bytes).
+
+    Attributes:
+        layers: L; hidden: h; heads: a; ffn: f, the MLP's inner width; vocab: V.
+        activation: the MLP's activation function name (``gelu_new`` saves 3 more f-wide tensors).
+        attention: ``sdpa`` (no a s^2 term; what CPU's flash kernel saves) or ``eager`` (adds ``2 a s``).
+        family: ``gpt2`` (the measured count) or another model type (Korthikanti's count).
+        element_bytes: e, bytes per activation element (4: fp32; 2: bf16 / fp16 autocast).
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    activation: str = "gelu_new"
+    attention: str = "sdpa"
+    family: str = "gpt2"
+    element_bytes: int = 4
+
+    @classmethod
+    def from_config(cls, config: dict, element_bytes: int = 4) -> "TransformerShape":
+        """From a transformers config as a dict (``config.to_dict()``): GPT-2's names (``n_layer``, ``n_embd``,
+        ``n_head``, ``n_inner``, ``activation_function``) or Llama's (``num_hidden_layers``, ``hidden_size``,
+        ``num_attention_heads``, ``intermediate_size``, ``hidden_act``).
+
+        Raises:
+            UsageError: the config has neither set of names (names ``--model_preset``).
+        """
+        def first(*keys):
+            return next((config[k] for k in keys if config.get(k) is not None), None)
+
+        L, h = first("n_layer", "num_hidden_layers"), first("n_embd", "hidden_size")
+        a, V = first("n_head", "num_attention_heads"), first("vocab_size")
+        if None in (L, h, a, V):
+            raise UsageError("--model_preset", "the model config has no layer count, hidden size, head count or "
+                             "vocabulary size", "use a GPT-2 or Llama style config")
+        attention = config.get("_attn_implementation") or config.get("attn_implementation") or "sdpa"
+        return cls(layers=int(L), hidden=int(h), heads=int(a), ffn=int(first("n_inner", "intermediate_size") or 4 * h),
+                   vocab=int(V), activation=str(first("activation_function", "hidden_act") or "gelu_new"),
+                   attention="eager" if attention == "eager" else "sdpa", family=str(config.get("model_type", "gpt2")),
+                   element_bytes=element_bytes)
+
+    @classmethod
+    def from_preset(cls, preset: str, vocab: int, element_bytes: int = 4) -> "TransformerShape":
+        """A GPT-2 preset of the train job (:data:`accum_kit.job.models.PRESETS`).
+
+        Raises:
+            UsageError: unknown preset (names ``--model_preset``).
+        """
+        from ..job.models import PRESETS
+
+        if preset not in PRESETS:
+            raise UsageError("--model_preset", f"unknown preset {preset!r}", f"use one of {sorted(PRESETS)}")
+        p = PRESETS[preset]
+        return cls(layers=p["n_layer"], hidden=p["n_embd"], heads=p["n_head"], ffn=4 * p["n_embd"], vocab=vocab,
+                   element_bytes=element_bytes)
+
+    @property
+    def measured(self) -> bool:
+        """Whether the layer count is the one measured tensor by tensor (GPT-2 with SDPA), not Korthikanti's."""
+        return self.family == "gpt2" and self.attention == "sdpa"
+
+    def layer_elements_per_token(self, seq: int) -> float:
+        """Elements one layer keeps per token for its backward (table of the module docstring)."""
+        h, a, f = self.hidden, self.heads, self.ffn
+        if self.family != "gpt2":
+            return (34 + 5 * a * seq / h) / 2 * h  # Korthikanti's bytes in 16-bit, in elements
+        mlp = (5 if self.activation in MULTI_OP_GELU else 2) * f
+        eager = 2 * a * seq if self.attention == "eager" else 0
+        return 4 * h + 4 + 6 * h + a + mlp + eager
+
+    def head_elements_per_token(self) -> float:
+        """The final LayerNorm's saved tensors (2 h + 2) and :data:`LOGIT_COPIES` copies of the logits (V each)."""
+        return 2 * self.hidden + 2 + LOGIT_COPIES * self.vocab
+
+
+def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int) -> float:
+    """Korthikanti et al. 2022, eq. (1): one layer's activations in 16-bit with dropout, ``s b h (34 + 5 a s / h)``."""
+    return seq * micro_batch * hidden * (34 + 5 * heads * seq / hidden)
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """A micro-batch's activation memory per process at its peak (start of the backward), bytes.
+
+    Attributes:
+        blocks: what the transformer blocks keep (all of it without checkpointing; their inputs with it).
+        recompute: one block's activations recomputed during its backward (checkpointing only; else 0).
+        head: the final LayerNorm and the logits' copies (:data:`LOGIT_COPIES`).
+        counted: blocks + recompute + head, as counted; total: ``counted x calibration``.
+        calibration: :data:`CALIBRATION` (1: the count as is).
+        tokens: b s; checkpointing; measured (False: Korthikanti's layer count); formulas: with the numbers.
+    """
+
+    blocks: float
+    recompute: float
+    head: float
+    counted: float
+    total: float
+    calibration: float
+    tokens: int
+    checkpointing: bool
+    measured: bool
+    formulas: dict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def activation_bytes(shape: TransformerShape, micro_batch: int, seq: int, *, checkpointing: bool = False,
+                     calibration: float = CALIBRATION) -> ActivationBytes:
+    """The activation bytes of one micro-batch of ``micro_batch`` x ``seq`` tokens (module docstring).
+
+    Args:
+        shape: the model (:class:`TransformerShape`).
+        micro_batch: b, examples per micro-batch per process; seq: s, tokens per example.
+        checkpointing: the blocks recompute their forward in backward (``--gradient_checkpointing``).
+        calibration: factor on the counted bytes (default :data:`CALIBRATION`).
+
+    Raises:
+        UsageError: b or s below 1 (names ``--per_device_train_batch_size`` / ``--block_size``).
+    """
+    for flag, v in (("--per_device_train_batch_size", micro_batch), ("--block_size", seq)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UsageError(flag, f"must be a positive integer (got {v!r})", "pass a positive integer")
+    T, e, L, h = micro_batch * seq, shape.element_bytes, shape.layers, shape.hidden
+    layer = shape.layer_elements_per_token(seq)
+    if checkpointing:
+        blocks, recompute = float(T * L * h * e), float(T * layer * e)
+        bf = f"b s L h e = {T} x {L} x {h} x {e} (block inputs)"
+        rf = f"b s x one layer x e = {T} x {layer:g} x {e}"
+    else:
+        blocks, recompute = float(T * L * layer * e), 0.0
+        bf, rf = f"b s L x one layer x e = {T} x {L} x {layer:g} x {e}", "0 (no checkpointing)"
+    head = float(T * shape.head_elements_per_token() * e)
+    counted = blocks + recompute + head
+    return ActivationBytes(
+        blocks=blocks, recompute=recompute, head=head, counted=counted, total=counted * calibration,
+        calibration=calibration, tokens=T, checkpointing=checkpointing, measured=shape.measured,
+        formulas={"blocks": bf, "recompute": rf,
+                  "head": f"b s (2 h + 2 + {LOGIT_COPIES} V) e = {T} x (2 x {h} + 2 + {LOGIT_COPIES} x {shape.vocab})"
+                          f" x {e}",
+                  "one_layer": ("30 h + a + 4 (GPT-2, SDPA, gelu_new)" if shape.measured else
+                                "Korthikanti et al. 2022: (34 + 5 a s / h) h / 2") + f" = {layer:g} elements per token",
+                  "calibration": f"x {calibration:g}"})
+
+
+def peak_parts(costs: dict, activations: ActivationBytes, resident_before_training: float | None = None,
+               communication_buffers: float = 0.0) -> dict:
+    """The predicted peak per process by part, bytes: the cost table's row plus the activations.
+
+    Args:
+        costs: a :class:`accum_kit.engines.costs.PolicyCosts` as a dict (``parameter_shard_bytes``,
+            ``optimizer_state_bytes``, ``gradient_bytes``, ``gathered_parameter_bytes``).
+        activations: :func:`activation_bytes` of the run's micro-batch.
+        resident_before_training: the process's measured resident set (or allocated bytes on CUDA) just
+            before the first micro-batch, which holds the parameters already; None: no baseline part.
+        communication_buffers: the engine's persistent gradient buffers (DDP's buckets,
+            :meth:`accum_kit.engines.base.Engine.communication_buffer_bytes`): allocated before training but
+            resident only from the first sync, so not in ``resident_before_training``.
+
+    Returns:
+        ``{"baseline", "parameters", "gradients", "optimizer_state", "gathered_parameters",
+        "communication_buffers", "activations", "logits", "total"}``; ``baseline`` = ``resident_before_training``
+        - parameters (what the process holds besides its parameters: Python, the libraries, the data; 0 when
+        not given).
+    """
+    params = float(costs.get("parameter_shard_bytes") or 0.0)
+    head_share = activations.head / activations.counted if activations.counted else 0.0
+    parts = {"baseline": max(0.0, resident_before_training - params) if resident_before_training is not None else 0.0,
+             "parameters": params, "gradients": float(costs.get("gradient_bytes") or 0.0),
+             "optimizer_state": float(costs.get("optimizer_state_bytes") or 0.0),
+             "gathered_parameters": float(costs.get("gathered_parameter_bytes") or 0.0),
+             "communication_buffers": float(communication_buffers),
+             "activations": activations.total * (1 - head_share), "logits": activations.total * head_share}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def sharded_buffer_bytes(largest_unit: int, compute_bytes: int, reduce_bytes: int, *, keeps_gathered: bool,
+                         reduces_each_micro_batch: bool) -> float:
+    """FSDP2's communication buffers in flight during a backward, bytes: the largest unit's parameters
+    all-gathered twice (the unit running and the next one, prefetched; 0 when the policy keeps every unit
+    gathered) and, when every micro-batch reduce-scatters, its unsharded gradient copied into the
+    reduce-scatter's input. A model of FSDP2's design, checked by the memory benchmark (docs/memory.md).
+
+    Args:
+        largest_unit: elements of the largest unit; compute_bytes: b_c; reduce_bytes: b_r.
+        keeps_gathered: the policy's ``reshard_after_forward`` is False (``no_sync_no_reshard``).
+        reduces_each_micro_batch: ``sync_each_batch`` (and HSDP's ``reduce_scatter_each_batch``).
+    """
+    gathers = 0 if keeps_gathered else 2 * largest_unit * compute_bytes
+    return float(gathers + (largest_unit * reduce_bytes if reduces_each_micro_batch else 0))
