@@ -65,12 +65,15 @@ def runs(tmp_path_factory, fsdp_pool):
                for p in POLICIES]  # the user's script, unchanged, under every policy (a flag of the script)
     # and with the accelerate config's fsdp_activation_checkpointing: true (what accelerate launch exports)
     customs.append({**custom, "name": "custom_loop_config_gc", "env": {"FSDP_ACTIVATION_CHECKPOINTING": "true"}})
+    # a plain nn.Module, checkpointed by Accelerate's wrapper only where its auto-wrap policy finds the blocks
+    customs.append({"name": "plain_module", "path": str(jh.REPO / "tests" / "fsdp_plain_module.py"), "argv": []})
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
             "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "example_scripts": customs, "bench_argv": BENCH_ARGV}
     out = jh.run_dist_worker(FSDP_CONFIG, spec, root, "fsdp", W, TIMEOUT_S, pool=fsdp_pool)  # conftest.py's shared launch
     out["bench"] = root / "out" / "bench"
     out["custom_loop"] = {p: [json.loads((root / "out" / f"custom_loop_{p}.rank{r}.json").read_text()) for r in range(W)]
                           for p in (*POLICIES, "config_gc")}
+    out["plain_module"] = [json.loads((root / "out" / f"plain_module.rank{r}.json").read_text()) for r in range(W)]
     return out
 
 
@@ -444,6 +447,17 @@ def test_a_config_with_fsdp_activation_checkpointing_is_the_same_run(runs, examp
         gap = max(abs(a - b) / abs(b) for a, b in zip(g["train_loss"], w["train_loss"]))
         assert len(g["train_loss"]) == len(w["train_loss"]) and gap <= 1e-5, gap
     print(f"\ncustom_loop, config's fsdp_activation_checkpointing: largest loss gap to DDP {gap:.1e}")
+
+
+def test_a_plain_module_is_checkpointed_where_accelerate_finds_blocks_and_refused_where_not(runs):
+    """tests/fsdp_plain_module.py: a stack of blocks with no _no_split_modules gets no checkpoint from Accelerate's
+    auto-wrap policy, which is refused naming the flag (rather than a run that silently keeps every activation);
+    with the block class named there, every block is wrapped and the sharded gradient (x W: FSDP2 averages) is
+    plain PyTorch's on the big batch, within the fp32 criterion of tests/test_exactness.py (1e-6 + 1e-5 |g|)."""
+    for r in runs["plain_module"]:
+        assert r["Stack"]["refused"].startswith("--gradient_checkpointing: no transformer blocks found in Stack"), r
+        assert r["NamedStack"]["wrappers"] == 3 and r["NamedStack"]["max_grad_excess"] <= 0, r["NamedStack"]
+    print(f"\nplain module under FSDP2 with checkpointing: largest gradient gap {r['NamedStack']['max_grad_gap']:.1e}")
 
 
 # --------------------------------------------------------------------------- sharded checkpoints

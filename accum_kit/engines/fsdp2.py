@@ -207,6 +207,29 @@ class FSDP2Engine(Engine):
                 enable_hsdp_on_cpu(accelerator, self.parallelism)
         return self
 
+    def after_prepare(self, accelerator, objects, prepared: list) -> list:
+        """Refuse a model in which Accelerate's checkpointing wrapped nothing: its auto-wrap policy matches only the
+        classes of ``_no_split_modules`` or the config's ``fsdp_transformer_layer_cls_to_wrap``, and checkpoints no
+        other module, silently (accelerate 1.15).
+
+        Raises:
+            UsageError (``--gradient_checkpointing``): no checkpoint wrapper in a prepared model.
+        """
+        import torch
+
+        from ..compat.torch_checkpoint import is_checkpoint_wrapper
+
+        if not accelerator.run_plan.gradient_checkpointing:
+            return prepared
+        for given, model in zip(objects, prepared):
+            if isinstance(model, torch.nn.Module) and not any(is_checkpoint_wrapper(m) for m in model.modules()):
+                name = next(c.__name__ for c in type(given).__mro__ if not c.__name__.startswith("FSDP"))  # FSDP<Model>
+                raise UsageError("--gradient_checkpointing", f"no transformer blocks found in {name}: "
+                                 "Accelerate's FSDP2 checkpointing wraps only the classes named in the model's "
+                                 "_no_split_modules or the config's fsdp_transformer_layer_cls_to_wrap", "name the "
+                                 "block class there, or drop --gradient_checkpointing")
+        return prepared
+
     @contextlib.contextmanager
     def no_sync(self, accelerator, model, policy, base_no_sync):
         """``Accelerator.no_sync``, plus the policy's reshard switch.
@@ -264,6 +287,21 @@ class FSDP2Engine(Engine):
         return policy_costs(policy, sharded_model(model), world_size=accelerator.num_processes,
                             accumulation_steps=accumulation_steps, param_bytes=b_p, compute_bytes=b_c,
                             reduce_bytes=b_r, replicate_size=self.mesh(accelerator).replicate)
+
+    def communication_buffer_bytes(self, accelerator, model, policy: str) -> int:
+        """FSDP2's buffers in flight during a backward: :func:`accum_kit.engines.activation_memory.sharded_buffer_bytes`
+        of the largest unit, the policy and the mixed-precision policy's element sizes."""
+        from .activation_memory import sharded_buffer_bytes
+        from .policies import POLICIES
+
+        units = sharded_model(model)
+        if units is None:
+            return 0
+        _, b_c, b_r = element_bytes(accelerator, model)
+        p = POLICIES[policy]
+        return int(sharded_buffer_bytes(max((*units.resharded, *units.kept), default=0), b_c, b_r,
+                                        keeps_gathered=p.reshard_after_forward is False,
+                                        reduces_each_micro_batch=self.reduces_each_micro_batch(accelerator, p)))
 
     def predicted_memory(self, accelerator, model, accumulation_steps, policies) -> dict:
         """:meth:`window_costs` per policy (before the model is sharded: as under DDP)."""
