@@ -21,6 +21,7 @@ from ..core import auto_batch
 from ..core.callbacks import LoopCallback
 from ..core.checkpoint import (PREEMPTED_EXIT_CODE, Checkpointer, Preempted, check_resumable, check_writable, engine_name,
                               latest_checkpoint, resolve_checkpoint)
+from ..core.checkpoint_files import check_state_files
 from ..engines.compiling import CompileWatch, compile_settings
 from .config import TrainConfig
 from .data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
@@ -36,7 +37,7 @@ from ..core.accumulation_schedule import schedule_pairs, scheduled_steps
 from ..outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
 from ..profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
 from ..profiler.held_memory import HeldMemory
-from ..profiler.held_memory import predicted_memory
+from ..profiler.held_memory import predicted_memory, predicted_peak
 from .tracking import TrackerLogger, check_trackers, quiet_other_processes
 
 logger = get_logger("accum_kit.job.train")  # logs on the main process only
@@ -153,7 +154,8 @@ def _accelerator(cfg: TrainConfig):
                                     torch_compile_mode=cfg.torch_compile_mode,
                                     # unpacked examples vary in length: symbolic shapes from the first call
                                     torch_compile_dynamic=None if cfg.packing else True,
-                                    max_grad_norm=cfg.max_grad_norm, **tracking)
+                                    max_grad_norm=cfg.max_grad_norm, gradient_checkpointing=cfg.gradient_checkpointing,
+                                    gradient_checkpointing_kwargs=cfg.gradient_checkpointing_kwargs, **tracking)
     quiet_other_processes(accelerator)
     check_supported(accelerator, cfg.loss_normalization)  # before any data or model work
     accelerator.run_plan.engine.check_job(profile_ab_steps=cfg.profile_ab_steps,
@@ -210,6 +212,8 @@ def _summary(cfg: TrainConfig, accelerator, result, *, k, schedule, checkpointer
         "tracking": cfg.report_to if cfg.with_tracking else None,
         "sync_each_batch": cfg.accumulation_policy == "sync_each_batch",
         "accumulation_policy": accelerator.run_plan.requested_policy.name,  # under DeepSpeed the stage: zero1/2/3
+        "gradient_checkpointing": accelerator.run_plan.gradient_checkpointing,  # the flag, or an FSDP config's
+        "gradient_checkpointing_kwargs": accelerator.run_plan.gradient_checkpointing_kwargs,  # in force ({} if off)
         **accelerator.run_plan.engine.summary_blocks(accelerator),  # "fsdp", "deepspeed": None unless that engine
         "learning_rate": cfg.learning_rate,
         "seed": cfg.seed,
@@ -287,7 +291,9 @@ def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared, auto=None):
     profiler, switches = _profiling(cfg, accelerator, run.model, run.steps)
     # what the windows hold between micro-batches, with the prediction beside it (train_summary.json["memory"])
     k_max = max(plan.schedule.values()) if plan.schedule else k  # a schedule's largest window holds the most
-    held = HeldMemory(accelerator, run.model, lambda: predicted_memory(accelerator, run.model, k_max))
+    held = HeldMemory(accelerator, run.model, lambda: predicted_memory(accelerator, run.model, k_max),
+                      lambda: predicted_peak(accelerator, run.model, k_max, cfg.per_device_train_batch_size,
+                                             cfg.block_size, plan.gradient_checkpointing))
     callbacks = [LogEvery(accelerator, run.lr_scheduler, cfg.logging_steps), held, *switches, *auto_batch.watch(auto)]
     if cfg.with_tracking:  # hyperparameters as the tracker's config; figures per step via TrackerLogger
         accelerator.init_trackers("accum_kit", config={
@@ -335,6 +341,7 @@ def run(cfg: TrainConfig) -> dict:
         check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
                         per_device_batch_size=cfg.per_device_train_batch_size, accumulation_schedule=plan.schedule,
                         engine=engine_name(accelerator), resplit=auto is not None)
+        check_state_files(resume, schedulers=1)  # the job's one scheduler, no registered objects
     set_seed(cfg.seed)
     run = _prepare(cfg, accelerator)
     callbacks, profiler, switches, held, watch = _callbacks(cfg, accelerator, run, auto)
