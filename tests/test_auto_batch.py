@@ -105,6 +105,27 @@ def test_several_processes_without_restarts_are_refused_before_anything_is_writt
     assert not out.exists()
 
 
+def test_a_restart_takes_the_state_file_and_scales_every_k_of_a_schedule(tmp_path, monkeypatch):
+    from accum_kit.core.auto_batch import STATE_FILE, settle
+    from accum_kit.errors import UsageError
+    from accum_kit.job.config import TrainConfig
+
+    pair = lambda b, k: {"per_device_train_batch_size": b, "gradient_accumulation_steps": k}  # noqa: E731
+    (tmp_path / STATE_FILE).write_text(json.dumps({"started_at": pair(12, 1), "current": pair(3, 4), "attempts": [],
+                                                   "gave_up": None}))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    cfg = TrainConfig(output_dir=str(tmp_path), per_device_train_batch_size=12, accumulation_schedule="0:1,5:2,9:3",
+                      auto_find_batch_size=True)
+    auto = settle(cfg, 2, True, None)
+    assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) == (3, 4) == (auto.batch, auto.k)
+    assert cfg.accumulation_schedule == {0: 4, 5: 8, 9: 12}  # 12 x K examples per process and window, as asked
+    (tmp_path / STATE_FILE).write_text(json.dumps({"started_at": pair(12, 1), "current": pair(5, 2), "attempts": [],
+                                                   "gave_up": None}))
+    with pytest.raises(UsageError, match="no re-split"):  # 5 x 2 does not hold 12 x 1
+        settle(TrainConfig(output_dir=str(tmp_path), per_device_train_batch_size=12, gradient_accumulation_steps=1,
+                           auto_find_batch_size=True), 2, True, None)
+
+
 def test_deepspeed_refuses_with_its_reason():
     from accum_kit.engines.deepspeed import ZeroEngine
     from accum_kit.errors import UsageError

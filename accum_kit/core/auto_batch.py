@@ -114,11 +114,17 @@ class PhaseWatch(LoopCallback):
     Attributes: ``phase`` (str), ``micro_batch`` (micro-batches done on this process), ``step`` (optimizer steps
     done), ``began`` (wall-clock seconds, ``time.time()``, when the loop started), ``began_step`` (optimizer steps
     done then: the resumed step), ``step_ended`` (optimizer step -> wall-clock seconds it ended).
+
+    It also stops this process before a micro-batch when another rank of this attempt has failed an allocation
+    (``state_file``'s modification time no longer ``since``, the one seen when the attempt began; no clocks are
+    compared, so a shared file system's clock does not matter): a peer computing under ``no_sync`` would otherwise
+    run on to its next collective, up to a whole window (torchrun's SIGTERM only asks the checkpointer for a save at
+    the window's end). One ``stat`` per micro-batch.
     """
 
-    def __init__(self):
+    def __init__(self, state_file: Path | None = None, since: float | None = None):
         self.phase, self.micro_batch, self.step, self.began, self.step_ended = "start-up", 0, 0, None, {}
-        self.began_step = 0
+        self.began_step, self.state_file, self.since = 0, state_file, since
 
     def on_train_begin(self, state):
         self.began, self.step, self.micro_batch, self.phase = time.time(), state.step, state.micro_step, "data loading"
@@ -126,6 +132,11 @@ class PhaseWatch(LoopCallback):
 
     def on_micro_batch_begin(self, state):
         self.phase, self.micro_batch = "forward", state.micro_step
+        if self.state_file is not None and _mtime(self.state_file) not in (self.since, float("-inf")):
+            print(f"auto_find_batch_size: stopping this process (micro-batch {state.micro_step}): another rank failed "
+                  f"an allocation and wrote {self.state_file}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(RESPLIT_EXIT_CODE)
 
     def on_forward_end(self, state):
         self.phase = "backward"
@@ -139,6 +150,13 @@ class PhaseWatch(LoopCallback):
     def on_step_end(self, state):
         self.step, self.phase = state.step, "after the optimizer step (callbacks, checkpoint)"
         self.step_ended[state.step] = time.time()
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("-inf")
 
 
 @dataclass
@@ -159,7 +177,10 @@ class AutoBatch:
     batch: int
     k: int
     attempts: list = field(default_factory=list)
-    watch: PhaseWatch = field(default_factory=PhaseWatch)
+    watch: PhaseWatch | None = None
+
+    def __post_init__(self):  # a state file written after this moment is this attempt's
+        self.watch = PhaseWatch(Path(self.output_dir) / STATE_FILE, _mtime(Path(self.output_dir) / STATE_FILE))
 
     @property
     def factor(self) -> int:

@@ -3,16 +3,18 @@ micro-batch set by hand.
 
     python benchmarks/auto_batch/bench.py --work /tmp/auto_batch_bench --out benchmarks/auto_batch/results.json
 
-Three 2-process DDP launches (accelerate_configs/cpu_ddp.yaml), each under ``prlimit --as=LIMIT`` (an address-space
-limit inherited by every worker), run one after another: by hand at the micro-batch that fits (``--fits``), then
-``--auto_find_batch_size`` started 8 times larger with K=1 (``accelerate launch --max_restarts 3``), then by hand
-again (drift check). Same effective batch, seed and data in all three. While the automatic run goes, every worker's
-pid is polled (psutil, every 20 ms) to time each peer's exit after a failure.
+Two 2-process DDP launches (accelerate_configs/cpu_ddp.yaml), each under ``prlimit --as=LIMIT`` (an address-space
+limit inherited by every worker): ``--auto_find_batch_size`` started 8 times larger than the micro-batch that fits
+(``--fits``) with K=1 (``accelerate launch --max_restarts 3``), and, started as soon as the automatic run begins the
+attempt at ``--fits``, the same job by hand at ``--fits`` x 8, so that both train at the same time on the same
+cores (a shared machine's load changes by tens of percent within minutes; two runs side by side see the same).
+Same effective batch, seed and data.
 
-Reported: the micro-batch settled on and the retries; per failure its phase, the longest wait of a peer between the
-failure (``failed_at`` in the state file) and its exit, and the time lost (restart + work lost); steady-state step
-times after ``--warmup`` steps, and the ratio automatic / by hand per step (pass = step index) with its 95 %
-t-interval on the log (accum_kit.stats.ratio_interval); whether the losses equal the by-hand run's.
+Reported: the micro-batch settled on and the retries; per failure its phase and the time lost (restart + work lost);
+steady-state step times after ``--warmup`` steps, and the ratio automatic / by hand with its 95 % t-interval on the
+log (accum_kit.stats.ratio_interval), pairing each automatic step with the by-hand step it overlaps most in time
+(``auto_over_by_hand_same_time``, the comparison to read) and, for reference, by step index; whether the losses
+equal the by-hand run's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import re
 import sys
 import time
 from pathlib import Path
@@ -36,44 +38,52 @@ FILES = ("textwrap.py", "shlex.py", "string.py", "argparse.py", "typing.py", "in
          "subprocess.py", "dataclasses.py", "enum.py", "functools.py", "tarfile.py")
 
 
-def launch(work: Path, name: str, limit: int, batch: int, k: int, steps: int, corpus: Path, *extra) -> dict:
+def launch(work: Path, name: str, limit: int, batch: int, k: int, steps: int, corpus: Path, auto: bool = False):
+    """Start one launch; returns (started, output folder)."""
     out = work / name
-    cmd = ["prlimit", f"--as={limit}", *jh.accelerate_launch_cmd(*extra, "-m", "accum_kit", "train",
+    launcher, train = (["--max_restarts", "3"], ["--auto_find_batch_size"]) if auto else ([], [])
+    cmd = ["prlimit", f"--as={limit}", *jh.accelerate_launch_cmd(*launcher, "-m", "accum_kit", "train", *train,
            "--train_file", corpus, "--model_preset", "mini", "--block_size", "256", "--max_train_steps", steps,
            "--per_device_train_batch_size", batch, "--gradient_accumulation_steps", k, "--num_warmup_steps", "0",
            "--max_eval_samples", "8", "--per_device_eval_batch_size", "4", "--logging_steps", "1",
            "--output_dir", out)]
     cmd = [str(c) for c in cmd]
-    started = jh.start(cmd, jh.clean_env(HF_DATASETS_CACHE=str(work / "hf_cache")), work, name)
-    seen = _poll_workers(started[1])
+    return jh.start(cmd, jh.clean_env(HF_DATASETS_CACHE=str(work / f"hf_cache_{name}")), work, name), out
+
+
+def finished(started, out: Path) -> dict:
     res = jh.finish(started, 3600)
     if res.returncode != 0:
-        raise SystemExit(f"{name} failed\n{res.describe()}")
-    return {"summary": json.loads((out / "train_summary.json").read_text()), "workers": seen, "seconds": res.seconds}
+        raise SystemExit(f"{out.name} failed\n{res.describe()}")
+    return {"summary": json.loads((out / "train_summary.json").read_text()), "seconds": res.seconds}
 
 
-def _poll_workers(proc) -> dict:
-    """{pid: {"rank", "first_seen", "last_seen"}} (wall-clock s) of the launcher's workers until it ends."""
-    import psutil
+def step_intervals(log: Path, step_seconds: list) -> dict:
+    """{optimizer step: (start, end)} in seconds of the day, from the job's "step N:" log lines (its clock, 1 s
+    resolution, logged with --logging_steps 1) and the summary's exact step durations."""
+    out = {}
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.search(r"(\d\d):(\d\d):(\d\d) INFO accum_kit.job.train: \[RANK 0\] step (\d+):", line)
+        if m:
+            h, mi, sec, step = map(int, m.groups())
+            end = h * 3600 + mi * 60 + sec + 0.5
+            out[step] = (end - step_seconds[step - 1], end)
+    return out
 
-    seen: dict = {}
-    while proc.poll() is None:
-        now = time.time()
-        try:
-            children = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            break
-        for child in children:
-            try:
-                rank = child.environ().get("RANK")
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            if rank is not None and child.pid not in seen and child.name().startswith("python"):
-                seen[child.pid] = {"rank": int(rank), "first_seen": now, "last_seen": now}
-            if child.pid in seen:
-                seen[child.pid]["last_seen"] = now
-        time.sleep(0.02)
-    return seen
+
+def paired_by_time(auto: dict, hand: dict, warmup: int) -> list:
+    """(auto step seconds / by-hand step seconds) for every automatic step after ``warmup`` that lies within the
+    by-hand run's steps after ``warmup``, paired with the by-hand step it overlaps most: the two ran at the same time,
+    under the same load."""
+    ratios = []
+    hand = {s: iv for s, iv in hand.items() if s > warmup}
+    lo, hi = min(iv[0] for iv in hand.values()), max(iv[1] for iv in hand.values())
+    for step, (a0, a1) in auto.items():
+        if step <= warmup or a0 < lo or a1 > hi:
+            continue
+        best = max(hand.items(), key=lambda kv: min(a1, kv[1][1]) - max(a0, kv[1][0]))
+        ratios.append((a1 - a0) / (best[1][1] - best[1][0]))
+    return ratios
 
 
 def main() -> int:
@@ -89,26 +99,20 @@ def main() -> int:
     corpus = jh.write_corpus(args.work / "corpus.txt", files=FILES)
     big, k_hand = 8 * args.fits, 8
     load = [os.getloadavg()[0]]
-    hand = launch(args.work, "by_hand", args.limit, args.fits, k_hand, args.steps, corpus)
+    auto_started, auto_out = launch(args.work, "auto", args.limit, big, 1, args.steps, corpus, auto=True)
+    log = args.work / "auto.stderr"
+    settled_line = f"runs per_device_train_batch_size {args.fits} x"
+    while settled_line not in log.read_text(errors="replace") and auto_started[1].poll() is None:
+        time.sleep(0.2)
+    hand_started, hand_out = launch(args.work, "by_hand", args.limit, args.fits, k_hand, args.steps, corpus)
     load.append(os.getloadavg()[0])
-    auto = launch(args.work, "auto", args.limit, big, 1, args.steps, corpus, "--max_restarts", "3")
-    load.append(os.getloadavg()[0])
-    hand2 = launch(args.work, "by_hand_again", args.limit, args.fits, k_hand, args.steps, corpus)
+    auto, hand = finished(auto_started, auto_out), finished(hand_started, hand_out)
     load.append(os.getloadavg()[0])
     block = auto["summary"]["auto_find_batch_size"]
-    failures = []
-    for attempt in block["attempts"]:
-        # the peers of the failing rank in that attempt: the workers alive at the failure
-        peers = [w for w in auto["workers"].values()
-                 if w["rank"] != attempt["rank"] and w["first_seen"] <= attempt["failed_at"] <= w["last_seen"] + 1]
-        waits = [w["last_seen"] - attempt["failed_at"] for w in peers]
-        failures.append({**{k: attempt[k] for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                                                     "rank", "where", "bytes", "wasted_seconds", "restart_seconds")},
-                         "peer_exit_after_failure_seconds": max(waits) if waits else None})
+    failures = [{k: a[k] for k in ("per_device_train_batch_size", "gradient_accumulation_steps", "rank", "where",
+                                   "bytes", "wasted_seconds", "restart_seconds")} for a in block["attempts"]]
     w = args.warmup
-    per_step = {name: run["summary"]["step_seconds"][w:] for name, run in
-                (("by_hand", hand), ("auto", auto), ("by_hand_again", hand2))}
-    hand_mean = [(a + b) / 2 for a, b in zip(per_step["by_hand"], per_step["by_hand_again"])]
+    per_step = {name: run["summary"]["step_seconds"][w:] for name, run in (("by_hand", hand), ("auto", auto))}
     result = {
         "command": " ".join(sys.argv),
         "limit_bytes": args.limit, "fits": args.fits, "started_at": big,
@@ -116,11 +120,13 @@ def main() -> int:
         "failures": failures,
         "step_seconds_after_warmup": per_step,
         "median_step_seconds": {k: median(v) for k, v in per_step.items()},
-        "auto_over_by_hand": ratio_interval([a / h for a, h in zip(per_step["auto"], hand_mean)]),
-        "by_hand_again_over_by_hand": ratio_interval([b / a for a, b in zip(per_step["by_hand"],
-                                                                            per_step["by_hand_again"])]),
+        "auto_over_by_hand_same_step_index": ratio_interval([a / h for a, h in zip(per_step["auto"],
+                                                                                   per_step["by_hand"])]),
+        "auto_over_by_hand_same_time": ratio_interval(paired_by_time(
+            step_intervals(args.work / "auto.stderr", auto["summary"]["step_seconds"]),
+            step_intervals(args.work / "by_hand.stderr", hand["summary"]["step_seconds"]), w)),
         "losses_equal_by_hand": auto["summary"]["train_loss"] == hand["summary"]["train_loss"],
-        "launch_seconds": {"by_hand": hand["seconds"], "auto": auto["seconds"], "by_hand_again": hand2["seconds"]},
+        "launch_seconds": {"by_hand": hand["seconds"], "auto": auto["seconds"]},
         "load_average_1min": load,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
