@@ -129,8 +129,13 @@ def main() -> int:
         "launch_seconds": {"by_hand": hand["seconds"], "auto": auto["seconds"]},
         "load_average_1min": load,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return write_result(args.out, result)
+
+
+def write_result(out: Path, result: dict) -> int:
+    """Write ``result`` as indented JSON to ``out`` and print it; returns the exit code 0."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
 

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
 import job_helpers as jh  # noqa: E402
+from bench import write_result  # noqa: E402  (this folder: on sys.path as the script's own)
 
 SCENARIOS = {"in_collective": ("1", "backward:2:0"), "computing": ("4", "forward:2:0")}
 
@@ -91,10 +92,7 @@ def main() -> int:
     corpus = jh.write_corpus(args.work / "corpus.txt")
     result = {"command": " ".join(sys.argv),
               **{name: scenario(args.work, name, k, at, corpus) for name, (k, at) in SCENARIOS.items()}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    return 0
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":
