@@ -73,11 +73,12 @@ def test_korthikanti_count_for_other_families():
 
 def hand_peak(P, L, h, a, b, s, *, ckpt, baseline, buckets=False):
     """The DDP row's peak by hand: parameters, gradients, AdamW's two moments, with several processes DDP's
-    buckets (a copy of the gradient), activations and logits (4 copies) times the stated calibration."""
+    buckets (a copy of the gradient), activations and logits (4 copies), and the stated calibration's share of
+    one layer (the backward's transient gradients)."""
     layer = 30 * h + a + 4
     per_token = (L * h + layer) if ckpt else L * layer
-    per_token += 2 * h + 2 + 4 * V
-    return baseline + 4 * P + 4 * P + 8 * P + (4 * P if buckets else 0) + b * s * per_token * 4 * CALIBRATION
+    per_token += 2 * h + 2 + 4 * V + CALIBRATION * layer
+    return baseline + 4 * P + 4 * P + 8 * P + (4 * P if buckets else 0) + b * s * per_token * 4
 
 
 def tiny_parameters(s):

@@ -39,10 +39,10 @@ its backward, torch's non-reentrant ``torch.utils.checkpoint``) a block keeps on
 ``L h + (one layer's count)`` per token instead of ``L x (one layer's count)``.
 
 Calibration: the formulas count saved tensors; the process peak also holds the backward's
-transient gradients and what the allocator keeps. :data:`CALIBRATION` multiplies the counted
-activation bytes; it was fitted on ONE measured run (``python -m accum_kit.bench.memory_bench``, the
-``small`` preset, DDP ``no_sync``, without checkpointing; docs/memory.md gives the figures) and is
-applied unchanged to every other row.
+transient gradients of the layer being back-propagated, with or without checkpointing.
+:data:`CALIBRATION` x one layer's activations stands for them (``transient``); it was fitted on ONE
+measured run (``python -m accum_kit.bench.memory_bench``, the ``small`` preset, DDP ``no_sync``,
+without checkpointing; docs/memory.md gives the figures) and is applied unchanged to every other row.
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ from ..errors import UsageError
 LOGIT_COPIES = 4
 #: GELU variants computed as several saved Python ops (tanh approximation in transformers' ``NewGELUActivation``).
 MULTI_OP_GELU = ("gelu_new", "gelu_pytorch_tanh_python")
-#: Measured activation peak / counted activation bytes, fitted on one run (see the module docstring): the `small`
-#: preset, 2 DDP processes, ``no_sync``, micro-batch 4 x 256 tokens, K = 2, 3 steps, no checkpointing: peak
-#: 1617.4 MiB (mean of the two processes) = 1029.9 MiB of every other part + 1.0675 x 550.4 MiB counted.
-CALIBRATION = 1.0675
+#: The backward's transient gradients, in layers' worth of activations, fitted on one run (module docstring): the
+#: `small` preset, 2 DDP processes, ``no_sync``, micro-batch 4 x 256 tokens, K = 2, 3 steps, no checkpointing:
+#: peak 1617.4 MiB (mean of the two processes) = 1580.3 MiB of every counted part + 0.619 x 60.05 MiB (one layer).
+CALIBRATION = 0.619
 
 
 @dataclass(frozen=True)
@@ -153,14 +153,16 @@ class ActivationBytes:
         blocks: what the transformer blocks keep (all of it without checkpointing; their inputs with it).
         recompute: one block's activations recomputed during its backward (checkpointing only; else 0).
         head: the final LayerNorm and the logits' copies (:data:`LOGIT_COPIES`).
-        counted: blocks + recompute + head, as counted; total: ``counted x calibration``.
-        calibration: :data:`CALIBRATION` (1: the count as is).
+        transient: the backward's transient gradients, ``calibration`` x one layer's activations.
+        counted: blocks + recompute + head, as counted; total: ``counted + transient``.
+        calibration: :data:`CALIBRATION` (0: the count as is).
         tokens: b s; checkpointing; measured (False: Korthikanti's layer count); formulas: with the numbers.
     """
 
     blocks: float
     recompute: float
     head: float
+    transient: float
     counted: float
     total: float
     calibration: float
@@ -181,7 +183,8 @@ def activation_bytes(shape: TransformerShape, micro_batch: int, seq: int, *, che
         shape: the model (:class:`TransformerShape`).
         micro_batch: b, examples per micro-batch per process; seq: s, tokens per example.
         checkpointing: the blocks recompute their forward in backward (``--gradient_checkpointing``).
-        calibration: factor on the counted bytes (default :data:`CALIBRATION`).
+        calibration: one layer's activations counted this many times more, the backward's transient gradients
+            (default :data:`CALIBRATION`).
 
     Raises:
         UsageError: b or s below 1 (names ``--per_device_train_batch_size`` / ``--block_size``).
@@ -199,16 +202,17 @@ def activation_bytes(shape: TransformerShape, micro_batch: int, seq: int, *, che
         blocks, recompute = float(T * L * layer * e), 0.0
         bf, rf = f"b s L x one layer x e = {T} x {L} x {layer:g} x {e}", "0 (no checkpointing)"
     head = float(T * shape.head_elements_per_token() * e)
-    counted = blocks + recompute + head
+    counted, transient = blocks + recompute + head, calibration * T * layer * e
     return ActivationBytes(
-        blocks=blocks, recompute=recompute, head=head, counted=counted, total=counted * calibration,
+        blocks=blocks, recompute=recompute, head=head, transient=transient, counted=counted,
+        total=counted + transient,
         calibration=calibration, tokens=T, checkpointing=checkpointing, measured=shape.measured,
         formulas={"blocks": bf, "recompute": rf,
                   "head": f"b s (2 h + 2 + {LOGIT_COPIES} V) e = {T} x (2 x {h} + 2 + {LOGIT_COPIES} x {shape.vocab})"
                           f" x {e}",
                   "one_layer": ("30 h + a + 4 (GPT-2, SDPA, gelu_new)" if shape.measured else
                                 "Korthikanti et al. 2022: (34 + 5 a s / h) h / 2") + f" = {layer:g} elements per token",
-                  "calibration": f"x {calibration:g}"})
+                  "transient": f"{calibration:g} x b s x one layer x e (fitted, CALIBRATION)"})
 
 
 def peak_parts(costs: dict, activations: ActivationBytes, resident_before_training: float | None = None,
@@ -232,7 +236,7 @@ def peak_parts(costs: dict, activations: ActivationBytes, resident_before_traini
         not given).
     """
     params = float(costs.get("parameter_shard_bytes") or 0.0)
-    head_share = activations.head / activations.counted if activations.counted else 0.0
+    head_share = activations.head / activations.total if activations.total else 0.0
     parts = {"baseline": max(0.0, resident_before_training - params) if resident_before_training is not None else 0.0,
              "parameters": params, "gradients": float(costs.get("gradient_bytes") or 0.0),
              "optimizer_state": float(costs.get("optimizer_state_bytes") or 0.0),
