@@ -56,7 +56,7 @@ from accelerate.logging import get_logger
 
 from .callbacks import LoopCallback
 from ..engines.checkpoint_tag import check_engine, engine_name  # noqa: F401 (re-exported)
-from .checkpoint_files import check_checkpoint_files
+from .checkpoint_files import check_checkpoint_files, check_state_files
 from .data_cursor import DataCursor, rng_snapshot
 from ..errors import UsageError
 from .loop_history import HistoryWriter, read_history
@@ -336,6 +336,9 @@ def load_checkpoint(accelerator, path, cursor: DataCursor, accumulation_schedule
                              "resume from another checkpoint")
         saved.update(history)
     in_resplit_units(saved)  # micro-batch counts x p (--auto_find_batch_size), else unchanged
+    from ..compat import restored_state_objects
+
+    check_state_files(path, *restored_state_objects(accelerator))  # one line where load_state would raise
     accelerator.load_state(str(path))
     rng_now = torch.get_rng_state()
     epoch_rng = torch.load(Path(path) / f"data_rng_{accelerator.process_index}.pt", weights_only=True)
