@@ -122,6 +122,11 @@ class BenchConfig:
         "help": "inductor mode for --torch_compile (implies it), e.g. default, max-autotune-no-cudagraphs."})
     gradient_checkpointing: bool = gradient_checkpointing_field()
     gradient_checkpointing_kwargs: str | None = gradient_checkpointing_kwargs_field()
+    gradient_checkpointing_ab: bool = field(default=False, metadata={
+        "help": "Measure activation checkpointing's cost: every arm (DDP: sync_each_batch, no_sync, raw_ddp; FSDP2 / "
+                "HSDP: each policy) also runs as a checkpointed twin (<arm>+gc, a second copy of the model, same "
+                "weights and data) in adjacent runs, and the report gives per arm and K step time with / without "
+                "checkpointing with its 95%% interval and the peak memory of each (docs/memory.md)."})
     output_dir: str = field(default="runs/bench", metadata={"help": "Where bench.json, bench.csv and bench.png go."})
 
     def __post_init__(self):
@@ -177,6 +182,7 @@ class BenchConfig:
                 checks.positive("--tune_bucket_cap_mb", mb, fix="pass sizes in MB, e.g. 5 100")
         self._check_compile()
         part.check_flags(self, policies_given)
+        self._check_checkpointing_ab(part)
         if self.emulate_inter_node_GBps is not None:
             checks.positive("--emulate_inter_node_GBps", self.emulate_inter_node_GBps,
                             fix="pass the emulated inter-node bus bandwidth in GB/s, e.g. 0.1")
@@ -211,6 +217,27 @@ class BenchConfig:
         if self.tune:
             raise UsageError("--torch_compile", "compares compiled with eager under DDP and cannot run with --tune",
                              "drop one of them")
+
+    def _check_checkpointing_ab(self, part) -> None:
+        """``--gradient_checkpointing_ab``: not with ``--gradient_checkpointing`` (every arm checkpointed: no arm
+        left without), ``--tune`` or ``--torch_compile``, nor where no arm gets a twin (DeepSpeed; DDP
+        ``--modes`` without the modes that get one; :meth:`accum_kit.bench.parts.BenchPart.twin_arms`).
+
+        Raises:
+            UsageError: naming the flag.
+        """
+        if not self.gradient_checkpointing_ab:
+            return
+        flag = "--gradient_checkpointing_ab"
+        for other, given in (("--gradient_checkpointing", self.gradient_checkpointing), ("--tune", self.tune),
+                             ("--torch_compile", self.torch_compile)):
+            if given:
+                raise UsageError(flag, f"runs every arm with and without checkpointing and cannot run with {other}",
+                                 f"drop one of {flag} and {other}")
+        if not part.twin_arms(self):
+            raise UsageError(flag, f"gives a twin to DDP's modes {list(MODES)} and to the FSDP2 / HSDP policies, "
+                             "and this run has none of them", "launch with accelerate_configs/cpu_ddp.yaml (with "
+                             "no_sync in --modes) or accelerate_configs/cpu_fsdp.yaml")
 
     def checkpointing(self) -> dict:
         """``build_accelerator``'s activation-checkpointing arguments from ``--gradient_checkpointing*``."""

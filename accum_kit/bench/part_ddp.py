@@ -33,6 +33,8 @@ from ..profiler import CommProfiler
 from ..reference.manual_allreduce import MANUAL_MODES
 from ..reference.raw_ddp import train_raw_ddp
 from .bench_config import MODES
+from .checkpointing_ab import GC_SUFFIX, BlockForwards, TrimmedPeakMemory, checkpointed_prepare, twin_name
+from .report_checkpointing import checkpointing_rows, format_checkpointing_table
 from .bench_data import TokenRows, raw_batch_indices, synthetic_rows
 from .bench_files import plot_modes_png
 from .report_ddp import DDP_CSV_FIELDS, evaluate_bars, summarize_preset
@@ -58,11 +60,22 @@ class DDPBench(BenchPart):
             return TuneBench()
         return self
 
+    def twin_arms(self, cfg) -> list:
+        """``sync_each_batch``, ``no_sync`` and ``raw_ddp``, those of ``--modes``."""
+        return [m for m in cfg.modes if m in MODES]
+
+    def arms(self, cfg) -> list:
+        """``--modes``; with ``--gradient_checkpointing_ab`` each twin right after its mode."""
+        twins = self.twin_arms(cfg) if cfg.gradient_checkpointing_ab else []
+        return [a for m in cfg.modes for a in ([m, twin_name(m)] if m in twins else [m])]
+
     def session(self, cfg, preset: str, accelerator) -> "DDPSession":
         return DDPSession(cfg, preset, accelerator)
 
     def summarize(self, preset, info, runs, cfg, world) -> dict:
         rows, per_k = summarize_preset(preset, info, runs, cfg, world)
+        if cfg.gradient_checkpointing_ab:
+            info["checkpointing"] = checkpointing_rows(preset, runs, "mode", self.twin_arms(cfg), cfg.accumulation_steps)
         return {"rows": rows, "per_k": per_k}
 
     def format_preset(self, preset, info, collected, cfg) -> str:
@@ -70,6 +83,8 @@ class DDPBench(BenchPart):
                 + format_profile(info["profile"]))
         if set(cfg.modes) - set(MODES):  # peers or manual all-reduce modes
             text += "\n" + format_peer_table(collected["rows"], cfg.modes, cfg.variable_targets)
+        if "checkpointing" in info:
+            text += "\n" + format_checkpointing_table(preset, info["checkpointing"])
         return text
 
     def result(self, cfg, presets, collected, runs, world):
@@ -101,6 +116,14 @@ class DDPSession:
             return copy.deepcopy(model).to(device) if wanted else None
 
         raw_model = copy_for("raw_ddp" in modes)
+        ab = cfg.gradient_checkpointing_ab  # twins: a checkpointed copy, prepared as --gradient_checkpointing prepares
+        self.gc_model = self.gc_opt = self.raw_gc_ddp = self.raw_gc_opt = self.prof_gc = self.prof_raw_gc = None
+        if ab:
+            with checkpointed_prepare(accelerator):
+                gc_model = self.plan.engine.apply_activation_checkpointing(accelerator, copy.deepcopy(model))
+                raw_gc = copy.deepcopy(gc_model).to(device) if "raw_ddp" in modes else None
+                self.gc_opt = torch.optim.AdamW(gc_model.parameters(), lr=cfg.learning_rate)
+                self.gc_model, self.gc_opt = accelerator.prepare(gc_model, self.gc_opt)
         self.peer_model = copy_for("trainer" in modes)  # Trainer wraps its own DDP
         self.manual_model = copy_for(bool(modes & set(MANUAL_MODES)))  # no DDP: gradients averaged by hand
         self.initial = [p.detach().clone() for p in model.parameters()]
@@ -122,6 +145,15 @@ class DDPSession:
             self.raw_ddp = DistributedDataParallel(raw_model, device_ids=device_ids(accelerator), **ddp_kw)
             self.raw_opt = torch.optim.AdamW(self.raw_ddp.parameters(), lr=cfg.learning_rate)
             self.prof_raw = CommProfiler(accelerator, self.raw_ddp, hook=self.hook, keep_records=None)
+        if ab:
+            self.prof_gc = CommProfiler(accelerator, self.gc_model, hook=self.hook, keep_records=None)
+            if raw_gc is not None:
+                self.raw_gc_ddp = DistributedDataParallel(raw_gc, device_ids=device_ids(accelerator), **ddp_kw)
+                self.raw_gc_opt = torch.optim.AdamW(self.raw_gc_ddp.parameters(), lr=cfg.learning_rate)
+                self.prof_raw_gc = CommProfiler(accelerator, self.raw_gc_ddp, hook=self.hook, keep_records=None)
+        # with --gradient_checkpointing_ab every model counts its blocks' forwards (twice per micro-batch with checkpointing)
+        self.forwards = {id(m): BlockForwards(m) for m in (self.acc_model, self.raw_ddp, self.gc_model, self.raw_gc_ddp)
+                         if ab and m is not None}
         self.manual_opt = self.prof_manual = None
         if self.manual_model is not None:  # one plain copy for both manual modes (weights and AdamW state reset every run)
             self.manual_opt = torch.optim.AdamW(self.manual_model.parameters(), lr=cfg.learning_rate)
@@ -140,7 +172,7 @@ class DDPSession:
                 "toolkit": accelerator.prepare(DataLoader(rows, batch_size=B, shuffle=False)),
                 "raw": DataLoader(rows, batch_sampler=raw_batch_indices(n_batches, B, rank, world)),
             }
-        self.memory = PeakMemory(device)
+        self.memory = (TrimmedPeakMemory if ab else PeakMemory)(device)  # A/B: each peak from the memory in use
         self.info = {"config": PRESETS[preset], "parameters": n_params, "gradient_bytes": grad_bytes,
                      "micro_batch": f"{B}x{cfg.block_size} tokens", "memory_method": self.memory.method,
                      "ddp_kwargs": ddp_kw, "comm_hook": cfg.comm_hook,
@@ -154,15 +186,20 @@ class DDPSession:
             return None, None, None
         if mode == "raw_ddp":
             return self.raw_ddp, self.raw_opt, self.prof_raw
+        if mode == twin_name("raw_ddp"):
+            return self.raw_gc_ddp, self.raw_gc_opt, self.prof_raw_gc
         if mode in MANUAL_MODES:
             return self.manual_model, self.manual_opt, self.prof_manual
-        self.plan.use_policy("sync_each_batch" if mode == "sync_each_batch" else "no_sync")
-        return self.acc_model, self.acc_opt, self.prof_acc
+        base = mode.removesuffix(GC_SUFFIX)
+        self.plan.use_policy("sync_each_batch" if base == "sync_each_batch" else "no_sync")
+        return (self.gc_model, self.gc_opt, self.prof_gc) if base != mode else (self.acc_model, self.acc_opt, self.prof_acc)
 
     def one_run(self, mode: str, K: int, tag: str) -> dict:
         """One run of ``mode`` at ``K`` from the initial weights and AdamW state; its record (tagged ``tag``)."""
         cfg, accelerator, device, loaders = self.cfg, self.accelerator, self.accelerator.device, self.loaders
         model, opt, prof = self.switch(mode)
+        forwards = self.forwards.get(id(model))
+        mode, twin = mode.removesuffix(GC_SUFFIX), mode  # a twin runs its mode's loop on its checkpointed model
         if prof is not None:
             reset_training_state(model, self.initial, opt)
             prof.enabled = True  # the previous run's on_train_end switched it off
@@ -173,6 +210,8 @@ class DDPSession:
         gc.collect()
         dist.barrier()
         self.memory.reset()
+        if forwards is not None:
+            forwards.take()
         t0 = time.perf_counter()
         if mode == "trainer":
             from .peers import run_trainer
@@ -193,15 +232,17 @@ class DDPSession:
             losses = run_toolkit(accelerator, model, opt, loaders[K]["toolkit"], K, self.run_steps, callbacks)
         wall = time.perf_counter() - t0
         peak, increase = gathered_peaks(self.memory, device)
-        return {"preset": self.preset, "K": K, "mode": mode, "wall_seconds": wall, "losses": losses,
+        counted = {} if forwards is None else {"block_forwards": forwards.take(), "blocks": forwards.blocks,
+                                               "micro_batches_run": self.run_steps * K}
+        return {"preset": self.preset, "K": K, "mode": twin, "wall_seconds": wall, "losses": losses,
                 "load_average_1min": load_average(), "peak_rss_mb": peak, "peak_increase_mb": increase,
-                **run_record(prof, tag)}
+                **counted, **run_record(prof, tag)}
 
     def warm_up(self) -> None:
         """One unrecorded run per mode: a fresh model's first steps pay page faults and allocator growth that
         the per-run warm-up step does not fully absorb. (The guide's loop last: it shares the toolkit's DDP
         model, whose first run primes a static graph.)"""
-        for mode in sorted(self.cfg.modes, key=lambda m: m == "accelerate_guide"):
+        for mode in sorted(DDPBench().arms(self.cfg), key=lambda m: m == "accelerate_guide"):
             self.one_run(mode, self.cfg.accumulation_steps[0], f"preset_warmup/{mode}")
 
     def run_block(self, K: int, repeat: int, order: list[str]) -> list[dict]:
@@ -211,8 +252,11 @@ class DDPSession:
     def close(self) -> dict:
         """Put ``no_sync`` back in force, drop the preset's models, optimizers and dataloaders; returns the info."""
         self.plan.use_policy("no_sync")
+        for counter in self.forwards.values():
+            counter.remove()
         for name in ("acc_model", "acc_opt", "acc_sched", "raw_ddp", "raw_opt", "prof_acc", "prof_raw", "loaders",
-                     "peer_model", "manual_model", "manual_opt", "prof_manual"):
+                     "peer_model", "manual_model", "manual_opt", "prof_manual", "gc_model", "gc_opt", "raw_gc_ddp",
+                     "raw_gc_opt", "prof_gc", "prof_raw_gc", "forwards"):
             setattr(self, name, None)
         self.accelerator.free_memory()  # drops the prepared model, optimizer and dataloaders of this preset
         return self.info

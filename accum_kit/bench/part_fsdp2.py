@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,8 @@ from .bench_data import TokenRows, synthetic_rows
 from .bench_files import plot_policies_png
 from .report_fsdp2 import FSDP_CSV_FIELDS, evaluate_targets, summarize_fsdp_preset
 from .bench_tables import format_fsdp_table
+from .checkpointing_ab import BlockForwards, TrimmedPeakMemory, checkpointed_prepare, twin_name
+from .report_checkpointing import checkpointing_rows, format_checkpointing_table
 from .parts import WindowedPart
 from .peak_memory import PeakMemory
 from .runs import reset_training_state
@@ -113,8 +116,28 @@ class FSDP2Bench(WindowedPart):
     def arms(self, cfg) -> list:
         return list(cfg.accumulation_policies)
 
+    def twin_arms(self, cfg) -> list:
+        """Every policy: with ``--gradient_checkpointing_ab`` a second, checkpointed model runs the same rotation."""
+        return list(cfg.accumulation_policies)
+
     def session(self, cfg, preset: str, accelerator) -> "FSDP2Session":
         return FSDP2Session(cfg, preset, accelerator)
+
+    def summarize(self, preset, info, runs, cfg, world) -> dict:
+        """The policies' figures (:func:`summarize_fsdp_preset`, on the runs without checkpointing), and with
+        ``--gradient_checkpointing_ab`` the preset's ``checkpointing`` rows (:mod:`.report_checkpointing`)."""
+        twins = {twin_name(p) for p in cfg.accumulation_policies}
+        figures = summarize_fsdp_preset(preset, info, [r for r in runs if r["policy"] not in twins], cfg, world)
+        if cfg.gradient_checkpointing_ab:
+            figures["checkpointing"] = checkpointing_rows(preset, runs, "policy", self.twin_arms(cfg),
+                                                          cfg.accumulation_steps)
+        return figures
+
+    def format_preset(self, preset, info, collected, cfg) -> str:
+        text = format_fsdp_table(preset, info, collected["rows"])
+        if "checkpointing" in info:
+            text += "\n" + format_checkpointing_table(preset, info["checkpointing"])
+        return text
 
 
 def apply_policy(accelerator, model, policy: str, fsdp_defaults: list) -> None:
@@ -230,22 +253,50 @@ class FSDP2Session:
             unit.reshard()
         self.defaults = fsdp_reshard_after_forward_state(self.model)
         self.layout = sharded_model(self.model)  # read with FSDP2's own settings in force
+        self.twin = self._twin(cfg, preset, tokens[:1].to(device)) if cfg.gradient_checkpointing_ab else None
+        self.forwards = {id(m.model): BlockForwards(m.model) for m in (self, self.twin) if self.twin is not None}
+        if self.twin is not None:  # A/B: each window's peak from the memory in use, not what the last one left resident
+            self.memory = TrimmedPeakMemory(device)
 
-    def one_run(self, K: int, rep, policies: list[str]) -> list[dict]:
-        """One train_loop whose windows rotate through ``policies``; one record per policy, in that order."""
-        accelerator, prof, device = self.accelerator, self.prof, self.accelerator.device
-        reset_training_state(self.model, self.initial, self.opt)
+    def _twin(self, cfg, preset: str, first_input):
+        """``--gradient_checkpointing_ab``: the same model prepared with activation checkpointing (Accelerate's
+        FSDP2 wrapper), its optimizer, profiler and reshard settings; its runs start from :attr:`initial` too."""
+        accelerator = self.accelerator
+        model = build_model(preset, cfg.vocab_size, cfg.block_size, seed=cfg.seed)
+        with checkpointed_prepare(accelerator):
+            model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate))
+        link = (EmulatedInterNodeLink(model, cfg.emulate_inter_node_GBps).install()
+                if cfg.emulate_inter_node_GBps is not None else None)
+        prof = CommProfiler(accelerator, model, keep_records=None)
+        with torch.no_grad():
+            model(input_ids=first_input)
+        for unit, _ in fsdp_units(model):
+            unit.reshard()
+        return SimpleNamespace(model=model, opt=opt, prof=prof, link=link,
+                               defaults=fsdp_reshard_after_forward_state(model))
+
+    def one_run(self, K: int, rep, policies: list[str], twin: bool = False) -> list[dict]:
+        """One train_loop whose windows rotate through ``policies``; one record per policy, in that order.
+        ``twin``: on the checkpointed model (``--gradient_checkpointing_ab``), its records named ``<policy>+gc``."""
+        m = self.twin if twin else self
+        accelerator, prof, device = self.accelerator, m.prof, self.accelerator.device
+        reset_training_state(m.model, self.initial, m.opt)
         prof.enabled = True  # the previous run's on_train_end switched it off
-        held = HeldMemory(accelerator, self.model)
-        rotation = PolicyRotation(accelerator, self.model, prof, policies, self.cfg.warmup_steps, f"K{K}/r{rep}",
-                                  self.defaults, self.memory)
+        held = HeldMemory(accelerator, m.model)
+        rotation = PolicyRotation(accelerator, m.model, prof, policies, self.cfg.warmup_steps, f"K{K}/r{rep}",
+                                  m.defaults, self.memory)
         run_plan_of(accelerator).set_accumulation_steps(K)
+        forwards = self.forwards.get(id(m.model))
         gc.collect()
         dist.barrier()
+        if forwards is not None:
+            forwards.take()
         t0 = time.perf_counter()
-        result = train_loop(accelerator, self.model, self.opt, self.loaders[K], max_train_steps=self.run_steps,
+        result = train_loop(accelerator, m.model, m.opt, self.loaders[K], max_train_steps=self.run_steps,
                             progress=False, profiler=prof, callbacks=[rotation, held])
         wall = time.perf_counter() - t0
+        counted = {} if forwards is None else {"block_forwards": forwards.take() / len(policies),
+                                               "blocks": forwards.blocks, "micro_batches_run": self.run_steps * K / len(policies)}
         by_policy = held.local()["by_policy"]
         mem = torch.tensor([[by_policy.get(p, {}).get("gradient_bytes", 0),
                              by_policy.get(p, {}).get("gathered_parameter_bytes", 0)] for p in policies] +
@@ -261,7 +312,8 @@ class FSDP2Session:
             mine = [(w, pk) for w, pk in zip(rotation.windows, peaks) if w["policy"] == policy]
             steps = {x.step: x for x in prof.records(tag=tag).steps}
             records.append({
-                "preset": self.preset, "K": K, "policy": policy, "run_wall_seconds": wall,
+                "preset": self.preset, "K": K, "policy": twin_name(policy) if twin else policy, "run_wall_seconds": wall,
+                **counted,
                 "losses": result.train_loss, "cycles": [w["cycle"] for w, _ in mine],
                 "step_seconds": [steps[w["step"]].step_seconds for w, _ in mine], "optimizer_steps": len(mine),
                 "step_cpu_seconds": [steps[w["step"]].cpu_seconds for w, _ in mine],
@@ -273,11 +325,17 @@ class FSDP2Session:
     def warm_up(self) -> None:
         """One unrecorded run: a fresh model's first steps are slow."""
         self.one_run(self.cfg.accumulation_steps[0], "preset_warmup", self.order)
+        if self.twin is not None:
+            self.one_run(self.cfg.accumulation_steps[0], "preset_warmup", self.order, twin=True)
         self.element_bytes = element_bytes(self.accelerator, self.model)
 
     def run_block(self, K: int, repeat: int, order: list[str]) -> list[dict]:
-        """One run at ``K`` whose windows rotate through ``order``."""
-        return self.one_run(K, repeat, order)
+        """One run at ``K`` whose windows rotate through ``order``; with ``--gradient_checkpointing_ab`` then
+        (or first: every other block) the same on the checkpointed model."""
+        if self.twin is None:
+            return self.one_run(K, repeat, order)
+        twin_first = (repeat + self.cfg.accumulation_steps.index(K)) % 2 == 1
+        return [r for twin in (twin_first, not twin_first) for r in self.one_run(K, repeat, order, twin)]
 
     def close(self) -> dict:
         """Put ``no_sync`` and FSDP2's reshard settings back, remove the emulated link, detach the profiler;
@@ -288,6 +346,13 @@ class FSDP2Session:
         if link is not None:
             link.remove()
         prof.detach()
+        if self.twin is not None:
+            apply_policy(self.accelerator, self.twin.model, "no_sync", self.twin.defaults)
+            if self.twin.link is not None:
+                self.twin.link.remove()
+            self.twin.prof.detach()
+        for counter in self.forwards.values():
+            counter.remove()
         info = {"pooled": pooled_summaries(prof, cfg, self.order), "parameters": self.n_params,
                 "micro_batch": f"{cfg.per_device_train_batch_size}x{cfg.block_size} tokens",
                 "memory_method": self.memory.method,
@@ -296,6 +361,6 @@ class FSDP2Session:
                 "emulated_seconds_added": link.seconds_added if link is not None else 0.0,
                 "units": {"resharded": list(self.layout.resharded), "kept": list(self.layout.kept)},
                 "element_bytes": {"b_p": b_p, "b_c": b_c, "b_r": b_r}}
-        self.model = self.opt = self.loaders = self.prof = None
+        self.model = self.opt = self.loaders = self.prof = self.twin = self.forwards = None
         self.accelerator.free_memory()
         return info

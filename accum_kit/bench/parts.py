@@ -171,6 +171,11 @@ class BenchPart:
         """The arms compared, in their first order."""
         return list(cfg.modes)
 
+    def twin_arms(self, cfg) -> list:
+        """The arms that ``--gradient_checkpointing_ab`` gives a checkpointed twin (:mod:`.checkpointing_ab`);
+        here none."""
+        return []
+
     def shift(self, repeat: int, k_index: int, block: int) -> int:
         """By how many places the arms' order is rotated in a block (``block``: its index in run order):
         here one more every block, so consecutive blocks start with different arms."""
