@@ -23,12 +23,16 @@ bad-input cases (``cli.run("bench", argv)``) run. Expected values come from:
   (flat), the same losses as no_sync;
 - every ratio's 95 % interval recomputed here from the per-repeat ratios with
   the textbook t quantile for one degree of freedom (12.706);
+- ``--gradient_checkpointing_ab`` (one command on ``ddp_pool``, one on ``fsdp_pool``, tiny preset, K = 2): every
+  arm's checkpointed twin ran, counting its blocks' forwards twice per micro-batch (once for the arm), with the
+  arm's losses; its ratio rows are the median of the per-pair ratios and their t-interval, recomputed here;
 - ``--tune`` (the next command of the same pool): one row per DDP
   setting, the same losses in every setting, more buckets with a smaller
   bucket cap, the paired ratios and intervals recomputed here.
 
 No timing is asserted (timings belong to the bench's own printed bars).
-Cost: two commands on the shared pool (no launch of their own), in-process ``cli.run("bench", argv)`` calls.
+Cost: two commands on the shared DDP pool, one more on each of the DDP and FSDP2 pools (``--gradient_checkpointing_ab``;
+no launch of their own), in-process ``cli.run("bench", argv)`` calls.
 """
 
 from __future__ import annotations
@@ -94,6 +98,8 @@ def bench(launch):
     (["--bucket_cap_mb", "0"], "--bucket_cap_mb"),
     (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size"),
     (["--steps", "three"], "--steps"),  # argparse's own error
+    (["--gradient_checkpointing_ab", "--gradient_checkpointing"], "--gradient_checkpointing_ab"),
+    (["--gradient_checkpointing_ab", "--modes", "trainer"], "--gradient_checkpointing_ab"),
 ])
 def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(launch, argv, flag, tmp_path, capsys):
     """(Requests the launch first, so the sweep runs while these in-process cases do.)"""
@@ -491,3 +497,72 @@ def test_tune_ratios_intervals_and_recommendation(tune):
     rec = js["recommendations"]["tiny"]
     assert rec["best"] == (min(faster, key=lambda r: r["over_base"])["setting"] if faster else None)
     assert "recommendation: " + rec["text"] in tune["res"].stdout
+
+
+# --------------------------------------------------------------------------- --gradient_checkpointing_ab
+AB_K, AB_LAYERS = 2, 2  # tiny preset: 2 blocks (accum_kit/job/models.py)
+AB_POLICIES = ("sync_each_batch", "no_sync")  # two of FSDP2's four: the twin is the same code for every policy
+AB_ARGS = ["--gradient_checkpointing_ab", "--quick", "--model_presets", "tiny", "--accumulation_steps", str(AB_K),
+           "--repeats", str(REPEATS), "--block_size", str(BLOCK)]
+
+
+@pytest.fixture(scope="module")
+def ab(tmp_path_factory, ddp_pool, fsdp_pool):
+    """The A/B sweep under DDP and under FSDP2 (sync_each_batch and no_sync each), one command on each pool."""
+    root = tmp_path_factory.mktemp("bench_ab")
+    started = {"ddp": ddp_pool.submit("bench", [*AB_ARGS, "--modes", "sync_each_batch", "no_sync",
+                                                 "--output_dir", root / "ddp"]),
+               "fsdp2": fsdp_pool.submit("bench", [*AB_ARGS, "--steps", "1", "--accumulation_policies", *AB_POLICIES,
+                                                   "--output_dir", root / "fsdp2"])}
+    out = {}
+    for name, pending in started.items():
+        res = pending.result()
+        assert res.returncode == 0, res.describe()
+        out[name] = {"res": res, "json": json.loads((root / name / "bench.json").read_text())}
+    return out
+
+
+@pytest.mark.parametrize("part, arm_key, arms", [("ddp", "mode", ("sync_each_batch", "no_sync")),
+                                                 ("fsdp2", "policy", AB_POLICIES)])
+def test_checkpointing_ab_twins_recompute_and_their_ratio_rows(ab, part, arm_key, arms):
+    """Every arm has a checkpointed twin run in every repeat; the twin ran each block's forward twice per micro-batch
+    (hooks on the attention modules), its arm once; the twin's losses are the arm's (checkpointing is exact); the
+    ratio row is the median of the per-pair ratios (DDP: per repeat; FSDP2: per repeat and cycle) with its t-interval."""
+    js = ab[part]["json"]
+    runs = [r for r in js["runs"] if r["K"] == AB_K]
+    run_steps = js["config"]["warmup_steps"] + js["config"]["steps"] * (len(arms) if part == "fsdp2" else 1)
+    by_arm = {a: [r for r in runs if r[arm_key] == a] for a in arms + tuple(f"{a}+gc" for a in arms)}
+    assert set(r[arm_key] for r in runs) == set(by_arm)
+    rows = {r["arm"]: r for r in js["presets"]["tiny"]["checkpointing"]}
+    assert set(rows) == set(arms)
+    for arm in arms:
+        for name, twice in ((arm, 1), (f"{arm}+gc", 2)):
+            assert sorted(r["repeat"] for r in by_arm[name]) == list(range(REPEATS)), name
+            for rep in range(REPEATS):  # DDP: one run per arm; FSDP2: one run per model, its records one per policy
+                run = [r for r in runs if r["repeat"] == rep and (r[arm_key] == name if part == "ddp"
+                                                                  else r[arm_key].endswith("+gc") == (twice == 2))]
+                assert sum(r["block_forwards"] for r in run) == twice * AB_LAYERS * run_steps * AB_K, (name, rep)
+        for base, twin in zip(sorted(by_arm[arm], key=lambda r: r["repeat"]),
+                              sorted(by_arm[f"{arm}+gc"], key=lambda r: r["repeat"])):
+            assert twin["losses"] == pytest.approx(base["losses"], rel=1e-5, abs=1e-6)
+        row = rows[arm]
+        for key, prefix in (("step_seconds", ""), ("step_cpu_seconds", "cpu_")):
+            if part == "fsdp2":  # pairs: the two models' windows of one (repeat, cycle)
+                pairs = {}
+                for side, rs in (("base", by_arm[arm]), ("twin", by_arm[f"{arm}+gc"])):
+                    for r in rs:
+                        for c, t in zip(r["cycles"], r[key]):
+                            pairs.setdefault((r["repeat"], c), {})[side] = t
+                ratios = [p["twin"] / p["base"] for _, p in sorted(pairs.items())]
+            else:  # pairs: the two runs of one repeat
+                med = {(r[arm_key], r["repeat"]): statistics.median(r[key]) for r in runs}
+                ratios = [med[(f"{arm}+gc", rep)] / med[(arm, rep)] for rep in range(REPEATS)]
+            assert len(ratios) == REPEATS
+            assert row[f"{prefix}with_over_without"] == pytest.approx(statistics.median(ratios), rel=1e-9)
+            lo, hi = _t_interval(ratios, T_0975_DF1)
+            assert row[f"{prefix}ci_low"] == pytest.approx(lo, rel=1e-4)
+            assert row[f"{prefix}ci_high"] == pytest.approx(hi, rel=1e-4)
+        assert row["twin"] == f"{arm}+gc" and row["n_pairs"] == REPEATS
+        assert row["block_forwards_per_micro_batch_without"] == 1 and row["block_forwards_per_micro_batch_with"] == 2
+        assert row["peak_mb_without"] > 0 and row["peak_mb_with"] > 0 and row["peak_saved_mb"] is not None
+    assert "activation checkpointing, tiny: step time with / without" in ab[part]["res"].stdout

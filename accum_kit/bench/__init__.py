@@ -138,6 +138,12 @@ their prediction, and the profiler's estimate of ZeRO-1's saving over ZeRO-2 (:m
 ``--torch_compile`` (:mod:`.part_compiled`) runs instead the ``no_sync`` loop compiled against eager, paired and
 interleaved per K, with compile seconds and the break-even step count (``compile.json``; docs/compile.md).
 
+``--gradient_checkpointing_ab`` (:mod:`.checkpointing_ab`) gives every arm (DDP: ``sync_each_batch``, ``no_sync``,
+``raw_ddp``; FSDP2 / HSDP: each policy) a twin with activation checkpointing (``<arm>+gc``, a second copy of the
+model, same weights and data) run next to it, and reports per arm and K the step time with / without
+checkpointing with its 95 % interval and the peak memory of each (:mod:`.report_checkpointing`;
+``--gradient_checkpointing`` instead checkpoints every arm).
+
 ``--tune`` (:mod:`.part_tune`) runs instead the ``no_sync``
 loop at one K under several DDP settings, each on its own copy of the model:
 the bench's own DDP flags, then each bucket size of ``--tune_bucket_cap_mb``,
