@@ -352,23 +352,18 @@ def in_resplit_units(saved: dict) -> None:
             saved["step_accumulation_steps"] = [k * p for k in saved["step_accumulation_steps"]]
 
 
-def for_job(cfg) -> AutoBatch | None:
-    """The train job's :func:`settle` (None without ``--auto_find_batch_size``), with the checkpoint the job will
-    resume from (``--resume_from_checkpoint``, else after a restart the newest in ``--output_dir``). Call before
-    building the Accelerator (it takes K).
+def for_job(cfg, resume) -> AutoBatch | None:
+    """The train job's :func:`settle` (None without ``--auto_find_batch_size``), with ``resume``, the checkpoint
+    the job will resume from (``--resume_from_checkpoint``, else after a restart the newest in ``--output_dir``;
+    None: none). Call before building the Accelerator (it takes K).
 
     Raises:
-        UsageError: see :func:`settle`; a ``--resume_from_checkpoint`` that is no complete checkpoint.
+        UsageError: see :func:`settle`.
     """
     if not cfg.auto_find_batch_size:
         return None
     from ..launch import elastic_restarts_possible
-    from .checkpoint import latest_checkpoint, resolve_checkpoint
 
-    if cfg.resume_from_checkpoint is not None:
-        resume = resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
-    else:
-        resume = latest_checkpoint(cfg.output_dir) if restart_count() > 0 else None
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     return settle(cfg, world, elastic_restarts_possible(), resume)
 

@@ -333,10 +333,11 @@ def run(cfg: TrainConfig) -> dict:
     check_writable(cfg.output_dir)
     if cfg.trace_dir:
         check_output_dir(cfg.trace_dir, flag="--trace_dir")
-    auto = auto_batch.for_job(cfg)  # --auto_find_batch_size: this attempt's (B, K) into cfg, before the Accelerator
+    resume, earlier = _resume_path(cfg)
+    auto = auto_batch.for_job(cfg, resume)  # --auto_find_batch_size: this attempt's (B, K), before the Accelerator
     accelerator = _accelerator(cfg)
+    _log_resume(cfg, resume, earlier)  # Accelerate's logger needs its state
     plan, k = accelerator.run_plan, accelerator.run_plan.first_accumulation_steps
-    resume = _resume_path(cfg)
     if resume is not None:  # before any work: the data position must mean the same examples
         check_resumable(resume, gradient_accumulation_steps=k, world_size=accelerator.num_processes,
                         per_device_batch_size=cfg.per_device_train_batch_size, accumulation_schedule=plan.schedule,
@@ -377,23 +378,22 @@ def run(cfg: TrainConfig) -> dict:
 
 
 def _resume_path(cfg: TrainConfig):
-    """The checkpoint to resume from: --resume_from_checkpoint, or ``latest`` after an elastic restart.
-
-    torchrun sets ``TORCHELASTIC_RESTART_COUNT`` > 0 in workers it restarted
-    (``--max_restarts``); they then continue from the newest complete
-    checkpoint in --output_dir, if there is one, without a flag.
-    """
+    """``(checkpoint to resume from, an earlier run's newest checkpoint this run ignores)`` (each may be None): the
+    first is --resume_from_checkpoint or, in a worker torchrun restarted (``TORCHELASTIC_RESTART_COUNT`` > 0,
+    ``--max_restarts``), the newest complete checkpoint in --output_dir, without a flag."""
     if cfg.resume_from_checkpoint is not None:
-        return resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
-    found = latest_checkpoint(cfg.output_dir)
-    restarts = auto_batch.restart_count()  # torchrun's, or a one-process --auto_find_batch_size re-exec's
-    if restarts > 0 and found is not None:
-        logger.warning("elastic restart %d: resuming from %s", restarts, found)
-        return found
-    if found is not None:
+        return resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir), None
+    found = latest_checkpoint(cfg.output_dir)  # restart count: torchrun's, or an --auto_find_batch_size re-exec's
+    return (found, None) if auto_batch.restart_count() > 0 and found is not None else (None, found)
+
+
+def _log_resume(cfg: TrainConfig, resume, earlier) -> None:
+    """Say that a restarted worker resumes, or that this run starts afresh beside an earlier run's checkpoints."""
+    if earlier is not None:
         logger.warning("--output_dir already holds checkpoints up to %s from an earlier run; this run starts afresh "
-                       "and replaces those it saves under the same names", found.name)
-    return None
+                       "and replaces those it saves under the same names", earlier.name)
+    elif resume is not None and cfg.resume_from_checkpoint is None:
+        logger.warning("elastic restart %d: resuming from %s", auto_batch.restart_count(), resume)
 
 
 def _profiling(cfg: TrainConfig, accelerator, model, steps: int):
