@@ -266,8 +266,11 @@ def hsdp_env(monkeypatch):
      "--num_processes"),
     ({"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "4", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"}, {},
      "--parallelism_config_dp_shard_size", "cpu_ddp.yaml"),
-    ({"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", "PARALLELISM_CONFIG_TP_SIZE": "2"}, {},
-     "--parallelism_config_tp_size", "dp_replicate x dp_shard"),
+    ({"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", "PARALLELISM_CONFIG_SP_SIZE": "2"}, {},
+     "--parallelism_config_sp_size", "--parallelism_config_cp_size 2"),
+    ({"PARALLELISM_CONFIG_TP_SIZE": "2"}, {}, "--parallelism_config_dp_replicate_size / "
+     "--parallelism_config_dp_shard_size / --parallelism_config_tp_size / --parallelism_config_cp_size",
+     "--num_processes (4)"),
     ({"ACCELERATE_USE_FSDP": "false"}, {}, "--parallelism_config_dp_replicate_size", "cpu_hsdp.yaml"),
     ({"FSDP_VERSION": "1"}, {}, "--fsdp_version", "fsdp_version: 2"),
     ({"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "4"},

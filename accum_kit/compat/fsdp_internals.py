@@ -127,15 +127,22 @@ def fsdp_held_tensors(group):
     for p in group.fsdp_params:
         grad = p.sharded_param.grad
         if grad is not None:
-            yield "sharded_grad", grad.to_local() if hasattr(grad, "to_local") else grad
+            yield "sharded_grad", _local(grad)
         unsharded = getattr(p, "_unsharded_param", None)
         if unsharded is not None:
+            unsharded = _local(unsharded)
             if unsharded.grad is not None:
-                yield "unsharded_grad", unsharded.grad
+                yield "unsharded_grad", _local(unsharded.grad)
             if unsharded.untyped_storage().nbytes() > 0:
                 yield "gathered_parameter", unsharded
         if p.unsharded_accumulated_grad is not None:
-            yield "accumulated_grad", p.unsharded_accumulated_grad
+            yield "accumulated_grad", _local(p.unsharded_accumulated_grad)
+
+
+def _local(t):
+    """The local tensor of a ``DTensor`` (under tensor parallel FSDP2's unsharded parameter is still split over tp,
+    and its storage is that of the local part); any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def fsdp_replicate_process_group(group):

@@ -84,17 +84,21 @@ def causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) ->
         model: a causal LM returning ``.logits`` of shape (batch, seq, vocab).
         batch: ``input_ids`` and ``labels`` of shape (batch, seq), optionally
             ``attention_mask``; labels equal to -100 are ignored. Labels are
-            shifted here (position t predicts token t+1), as transformers does.
+            shifted here (position t predicts token t+1), as transformers does;
+            a batch with ``shift_labels`` (already shifted, e.g. one slice of a
+            context-parallel split) uses them as they are.
 
     Returns:
         ``(summed_loss, num_tokens)``: a scalar float32 tensor in nats, summed
         over target tokens, and a scalar int64 tensor with the number of
         target tokens.
     """
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
     logits = model(**inputs).logits
-    logits = logits[:, :-1, :].float()
-    labels = batch["labels"][:, 1:]
+    if "shift_labels" in batch:  # shifted before a context-parallel cut (accum_kit.engines.sequence_split)
+        logits, labels = logits.float(), batch["shift_labels"]
+    else:
+        logits, labels = logits[:, :-1, :].float(), batch["labels"][:, 1:]
     summed = F.cross_entropy(
         logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
@@ -120,6 +124,8 @@ def check_supported(accelerator, mode: str) -> None:
 
 
 def _causal_lm_items(batch) -> torch.Tensor:
+    if "shift_labels" in batch:
+        return (batch["shift_labels"] != IGNORE_INDEX).sum()
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
@@ -200,6 +206,11 @@ class WindowNormalizer:
             window over all processes (exact); ``"mean"``: per-micro-batch mean
             divided by K, the arithmetic of Accelerate's gradient accumulation
             guide (a partial window is still divided by K).
+        ranks: the :class:`accum_kit.core.token_ranks.TokenRanks` holding different tokens, over which the
+            window's tokens are counted (None: every process; under tensor parallel the data-parallel x cp
+            ranks, never tp; under context parallel it also cuts each micro-batch, see :meth:`batches`).
+        gradient_mean_size: W, the processes the engine averages each gradient over (DDP: all; FSDP2: its
+            ``(dp_replicate, dp_shard_cp)`` mesh, without tp); None: all processes.
 
     Raises:
         ValueError: unknown ``mode``.
@@ -215,11 +226,15 @@ class WindowNormalizer:
     bf16 the result is the same as without ``c`` (powers of two scale exactly).
     """
 
-    def __init__(self, accelerator, mode: str = "tokens"):
+    def __init__(self, accelerator, mode: str = "tokens", *, ranks=None, gradient_mean_size: int | None = None):
+        from .token_ranks import TokenRanks
+
         if mode not in NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {NORMALIZATIONS}, got {mode!r}")
         check_supported(accelerator, mode)
         self.accelerator, self.mode = accelerator, mode
+        self.ranks = ranks if ranks is not None else TokenRanks(accelerator)
+        self.gradient_mean_size = gradient_mean_size or accelerator.num_processes
         self._reset()
         self.loss_divisor: float | None = None  # c; None until the first micro-batch
 
@@ -229,8 +244,11 @@ class WindowNormalizer:
         self._stats = None
 
     def batches(self, iterable, loss_fn=None):
-        """The batches to run, as they come (DeepSpeed's :class:`accum_kit.engines.lookahead.LookaheadNormalizer` reads ahead)."""
-        return iterable
+        """The batches to run: as they come, or this process's slice of each under context parallel.
+
+        DeepSpeed's :class:`accum_kit.engines.lookahead.LookaheadNormalizer` reads a window ahead instead.
+        """
+        return iterable if self.ranks.split is None else map(self.ranks.part, iterable)
 
     @property
     def pending(self) -> bool:
@@ -257,9 +275,8 @@ class WindowNormalizer:
 
     def _first_divisor(self, n: torch.Tensor) -> float:
         """``c`` of the first window: the first micro-batch's tokens, averaged over processes (one all-reduce)."""
-        acc = self.accelerator
-        total = acc.reduce(n.detach().double().reshape(1).to(acc.device), reduction="sum")
-        return power_of_two(float(total) / acc.num_processes)
+        total = self.ranks.sum(n.detach().double().reshape(1))
+        return power_of_two(float(total) / self.ranks.size)
 
     @torch.no_grad()
     def finish(self, model: torch.nn.Module) -> tuple[float, int]:
@@ -277,12 +294,12 @@ class WindowNormalizer:
         """
         acc = self.accelerator
         stats = self._stats if self._stats is not None else torch.zeros(3, dtype=torch.float64, device=acc.device)
-        stats = acc.reduce(stats.to(acc.device), reduction="sum").cpu()
+        stats = self.ranks.sum(stats).cpu()
         loss_sum, tokens, micro = stats.tolist()
         if self.mode == "tokens":
-            # grads hold sum(S / c) / (K W) after backward's /K and DDP's mean: make them sum(S) / N.
+            # grads hold sum(S / c) / (K W) after backward's /K and the engine's mean over W: make them sum(S) / N.
             c = self.loss_divisor if self.loss_divisor is not None else 1.0
-            scale = acc.gradient_accumulation_steps * acc.num_processes * c / max(tokens, 1.0)
+            scale = acc.gradient_accumulation_steps * self.gradient_mean_size * c / max(tokens, 1.0)
             scale_grads_(model.parameters(), scale)
             window_loss = loss_sum / max(tokens, 1.0)
             # Next window's c: this window's mean tokens per micro-batch per process (same on every process).

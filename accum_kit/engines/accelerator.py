@@ -46,7 +46,8 @@ class AccumulationAccelerator(Accelerator):
             args = tuple(engine.apply_activation_checkpointing(self, a) if isinstance(a, torch.nn.Module) else a
                          for a in args)
         engine.before_prepare(self, args)
-        out = super().prepare(*args, **kwargs)
+        with engine.preparing(self):
+            out = super().prepare(*args, **kwargs)
         single = len(args) == 1
         prepared = engine.after_prepare(self, args, [out] if single else list(out))
         return prepared[0] if single else tuple(prepared)

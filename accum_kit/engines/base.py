@@ -140,6 +140,10 @@ class Engine:
     def before_prepare(self, accelerator, objects: tuple) -> None:
         """Check the objects handed to ``accelerator.prepare`` against the engine's config (no-op by default)."""
 
+    def preparing(self, accelerator):
+        """A context around Accelerate's own ``prepare`` (none by default)."""
+        return contextlib.nullcontext()
+
     def apply_activation_checkpointing(self, accelerator, model):
         """``model`` with one checkpoint per transformer block, before ``prepare`` wraps it (the run plan's
         ``gradient_checkpointing_kwargs``; :func:`accum_kit.engines.activation_checkpointing.apply_to_model`).
@@ -171,6 +175,16 @@ class Engine:
     def reduces_each_micro_batch(self, accelerator, policy: AccumulationPolicy) -> bool:
         """Whether every micro-batch's backward reduces gradients (``LoopState.sync`` inside a window)."""
         return accelerator.num_processes > 1 and policy.sync_each_batch
+
+    def data_parallel_size(self, accelerator) -> int:
+        """Processes that read different examples from the dataloader: all of them here (tp and cp ranks share theirs)."""
+        return accelerator.num_processes
+
+    def token_ranks(self, accelerator):
+        """The ranks holding different tokens (:class:`accum_kit.core.token_ranks.TokenRanks`): every process here."""
+        from ..core.token_ranks import TokenRanks
+
+        return TokenRanks(accelerator)
 
     def window_normalizer(self, accelerator, mode: str, loss_fn):
         """The loop's :class:`accum_kit.core.loss.WindowNormalizer` for ``mode`` (``tokens`` or ``mean``)."""

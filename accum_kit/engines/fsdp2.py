@@ -113,7 +113,9 @@ class FSDP2Engine(Engine):
     @property
     def label(self) -> str:
         pc = self.parallelism
-        return f"HSDP {pc.dp_replicate_size} x {pc.dp_shard_size}" if self.hybrid else "FSDP2"
+        base = f"HSDP {pc.dp_replicate_size} x {pc.dp_shard_size}" if self.hybrid else "FSDP2"
+        extra = [f"{n} {getattr(pc, n + '_size')}" for n in ("cp", "tp") if pc is not None and getattr(pc, n + "_size") > 1]
+        return " x ".join([base + (f" {pc.dp_shard_size}" if extra and not self.hybrid else ""), *extra])
 
     @property
     def hybrid(self) -> bool:
@@ -206,6 +208,42 @@ class FSDP2Engine(Engine):
             if self.parallelism is not None:
                 enable_hsdp_on_cpu(accelerator, self.parallelism)
         return self
+
+    def before_prepare(self, accelerator, objects) -> None:
+        """Split each model for the mesh's tp and cp dimensions (:func:`accum_kit.engines.model_parallel.prepare_model`)."""
+        import torch
+
+        from .model_parallel import prepare_model
+
+        mesh = self.mesh(accelerator)
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        for obj in objects:
+            if isinstance(obj, torch.nn.Module):
+                prepare_model(accelerator, mesh, obj, optimizers)
+
+    def preparing(self, accelerator):
+        """Accelerate's own tp / cp preparation skipped (:func:`accum_kit.compat.tensor_parallel.accelerate_tp_cp_prepare_off`)."""
+        from ..compat.tensor_parallel import accelerate_tp_cp_prepare_off
+
+        mesh = self.mesh(accelerator)
+        return accelerate_tp_cp_prepare_off(accelerator, tp=mesh.tp > 1, cp=mesh.cp > 1)
+
+    def data_parallel_size(self, accelerator) -> int:
+        """R x S: the tp and cp ranks of a data-parallel rank read its examples too."""
+        return self.mesh(accelerator).data_parallel_size
+
+    def token_ranks(self, accelerator):
+        """The data-parallel x cp ranks (:func:`accum_kit.engines.model_parallel.token_ranks`)."""
+        from .model_parallel import token_ranks
+
+        return token_ranks(accelerator, self.mesh(accelerator))
+
+    def window_normalizer(self, accelerator, mode: str, loss_fn):
+        """The normaliser counting tokens over :meth:`token_ranks`; FSDP2 averages over ``R x S x cp`` (never tp)."""
+        from ..core.loss import WindowNormalizer
+
+        return WindowNormalizer(accelerator, mode, ranks=self.token_ranks(accelerator),
+                                gradient_mean_size=self.mesh(accelerator).fsdp_size)
 
     def after_prepare(self, accelerator, objects, prepared: list) -> list:
         """Refuse a model in which Accelerate's checkpointing wrapped nothing: its auto-wrap policy matches only the

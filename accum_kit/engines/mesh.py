@@ -1,4 +1,4 @@
-"""HSDP (hybrid sharding): the 2-D device mesh a run asks for, checked before the Accelerator is built.
+"""The device mesh a sharded run asks for (HSDP, tensor and context parallel), checked before the Accelerator is built.
 
 Under HSDP every parameter is sharded over the ``dp_shard`` processes of a
 *shard group* (on GPUs: the GPUs of one machine, joined by fast links) and
@@ -17,6 +17,10 @@ the launch flags of the same names, which export
 ``ACCELERATE_USE_PARALLELISM_CONFIG=true`` and ``PARALLELISM_CONFIG_*``; or
 ``build_accelerator(parallelism_config=ParallelismConfig(...))``.
 
+Tensor parallel (``tp_size``) and context parallel (``cp_size``) add two dimensions to the same mesh
+(accelerate_configs/cpu_tp.yaml, cpu_cp.yaml; :mod:`accum_kit.engines.model_parallel` says what each does
+to the model and to the token count).
+
 Rank layout (Accelerate's mesh, row-major over ``(dp_replicate, dp_shard)``):
 rank ``r`` is shard ``r % S`` of replica ``r // S``, so the shard groups are
 consecutive ranks, i.e. the processes of one machine when ``S`` equals the
@@ -33,24 +37,50 @@ from ..errors import UsageError
 #: The launch flags (and accelerate-config keys) that size the mesh.
 REPLICATE_FLAG = "--parallelism_config_dp_replicate_size"
 SHARD_FLAG = "--parallelism_config_dp_shard_size"
+TP_FLAG = "--parallelism_config_tp_size"
+CP_FLAG = "--parallelism_config_cp_size"
+SP_FLAG = "--parallelism_config_sp_size"
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """The data-parallel mesh of a sharded run: ``replicate`` x ``shard`` processes.
+    """The device mesh of a sharded run: ``replicate`` x ``shard`` x ``cp`` x ``tp`` processes.
 
     Attributes:
         replicate: processes holding the same shard (the replicate group's size, R); 1 for plain FSDP2.
-        shard: processes a parameter is sharded over (the shard group's size, S).
+        shard: processes a parameter is sharded over by data parallelism (the shard group's size, S).
+        tp: tensor-parallel processes (1: none): they split every weight matrix and see the *same* tokens.
+        cp: context-parallel processes (1: none): each holds a slice of every sequence of its data-parallel
+            rank's micro-batch; FSDP2 shards over ``shard x cp`` (Accelerate's ``dp_shard_cp``).
+
+    Rank layout (Accelerate's, row-major over ``(dp_replicate, dp_shard, cp, tp)``): tp is the innermost
+    dimension, so the tp ranks of a group are consecutive.
     """
 
     replicate: int
     shard: int
+    tp: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        """R x S."""
+        """R x S x cp x tp: every process of the run."""
+        return self.replicate * self.shard * self.cp * self.tp
+
+    @property
+    def data_parallel_size(self) -> int:
+        """R x S: the ranks that read different micro-batches from the dataloader."""
         return self.replicate * self.shard
+
+    @property
+    def token_ranks(self) -> int:
+        """R x S x cp: the ranks that hold different tokens; a window's tokens are counted over these, never over tp."""
+        return self.replicate * self.shard * self.cp
+
+    @property
+    def fsdp_size(self) -> int:
+        """R x S x cp: the processes FSDP2 averages a gradient over (its mesh ``(dp_replicate, dp_shard_cp)``)."""
+        return self.replicate * self.shard * self.cp
 
     @property
     def is_hybrid(self) -> bool:
@@ -58,7 +88,10 @@ class Mesh:
         return self.replicate > 1
 
     def to_dict(self) -> dict:
-        return {"dp_replicate_size": self.replicate, "dp_shard_size": self.shard}
+        out = {"dp_replicate_size": self.replicate, "dp_shard_size": self.shard}
+        if self.tp > 1 or self.cp > 1:
+            out.update(tp_size=self.tp, cp_size=self.cp)
+        return out
 
 
 def parallelism_requested(parallelism_config=None) -> bool:
@@ -88,8 +121,8 @@ def resolve_parallelism_config(parallelism_config, *, world_size: int, fsdp: boo
         The ``ParallelismConfig`` (Accelerate's), or None.
 
     Raises:
-        UsageError: tensor, context or sequence parallel sizes above 1 (not supported); a mesh
-            whose product is not ``world_size``; ``dp_replicate_size > 1`` with ``dp_shard_size == 1``
+        UsageError: Accelerate's sequence parallel (``sp_size`` > 1: DeepSpeed-only, use ``cp_size``); tensor or
+            context parallel without FSDP2; a mesh whose product is not ``world_size``; ``dp_replicate_size > 1`` with ``dp_shard_size == 1``
             (that is DDP); a parallelism config without FSDP2.
     """
     if not parallelism_requested(parallelism_config):
@@ -97,23 +130,31 @@ def resolve_parallelism_config(parallelism_config, *, world_size: int, fsdp: boo
     from accelerate import ParallelismConfig
 
     pc = parallelism_config if parallelism_config is not None else ParallelismConfig()
-    others = {f"--parallelism_config_{name}_size": getattr(pc, f"{name}_size")
-              for name in ("tp", "cp", "sp") if getattr(pc, f"{name}_size", 1) > 1}
-    if others:
-        flag, size = next(iter(others.items()))
-        raise UsageError(flag, f"is {size}: tensor, context and sequence parallelism are not supported by "
-                         "accum-kit yet (its exactness tests, policies and cost model cover data-parallel "
-                         "meshes only)", f"set {flag} 1 and use the processes as dp_replicate x dp_shard")
-    mesh = Mesh(pc.dp_replicate_size, pc.dp_shard_size)
+    if getattr(pc, "sp_size", 1) > 1:
+        raise UsageError(SP_FLAG, f"is {pc.sp_size}: Accelerate's sp (DeepSpeed's Ulysses) runs only under its "
+                         "DeepSpeed engine, whose accumulation accum-kit drives without a device mesh",
+                         f"split sequences with {CP_FLAG} {pc.sp_size} under FSDP2 (accelerate_configs/cpu_cp.yaml: "
+                         "the same Ulysses all-to-all, exact and counted once), or set sp_size 1")
+    if not fsdp and (pc.tp_size > 1 or pc.cp_size > 1):
+        flag = TP_FLAG if pc.tp_size > 1 else CP_FLAG
+        raise UsageError(flag, "tensor and context parallel run on FSDP2's device mesh, and this run is not an "
+                         "FSDP2 run (DeepSpeed and DDP have no such mesh here)", "launch with accelerate_configs/"
+                         "cpu_tp.yaml or cpu_cp.yaml (distributed_type: FSDP, fsdp_version: 2), or set it to 1")
+    mesh = Mesh(pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size)
     if mesh.world_size != world_size:
-        raise UsageError(f"{REPLICATE_FLAG} / {SHARD_FLAG}", f"{mesh.replicate} x {mesh.shard} = "
-                         f"{mesh.world_size} processes, but {world_size} were launched",
+        sizes = " x ".join(f"{n} {v}" for n, v in (("dp_replicate", mesh.replicate), ("dp_shard", mesh.shard),
+                                                   ("cp", mesh.cp), ("tp", mesh.tp)) if v > 1 or n == "dp_shard")
+        flags = f"{REPLICATE_FLAG} / {SHARD_FLAG}" + (f" / {TP_FLAG} / {CP_FLAG}" if mesh.tp * mesh.cp > 1 else "")
+        raise UsageError(flags, f"{sizes} = {mesh.world_size} processes, but {world_size} were launched",
                          f"choose sizes whose product is --num_processes ({world_size}), e.g. "
                          f"{REPLICATE_FLAG} <machines> {SHARD_FLAG} <processes per machine>")
     if mesh.replicate > 1 and mesh.shard == 1:
         raise UsageError(SHARD_FLAG, f"is 1 with dp_replicate_size {mesh.replicate}: every process would hold "
                          "the whole model, which is DDP", "launch with accelerate_configs/cpu_ddp.yaml (or "
                          "gpu_ddp.yaml) for DDP, or set dp_shard_size > 1 for HSDP")
+    if mesh.shard == 1 and mesh.cp == 1 and mesh.tp > 1:
+        raise UsageError(SHARD_FLAG, f"is 1 with tp_size {mesh.tp}: FSDP2 would have no dimension to shard over",
+                         f"set {SHARD_FLAG} to --num_processes / tp_size (accelerate_configs/cpu_tp.yaml: 2 x 2)")
     if not fsdp:
         raise UsageError(REPLICATE_FLAG, "a parallelism config shards the model with FSDP2, but this run is not "
                          "an FSDP run", "launch with accelerate_configs/cpu_hsdp.yaml (distributed_type: FSDP, "
@@ -129,9 +170,9 @@ def run_mesh(accelerator) -> Mesh | None:
     if not getattr(accelerator, "is_fsdp2", False):
         return None
     pc = getattr(accelerator, "parallelism_config", None)
-    if pc is None or not pc.dp_replicate_enabled:
+    if pc is None or pc.total_size != accelerator.num_processes:
         return Mesh(1, accelerator.num_processes)
-    return Mesh(pc.dp_replicate_size, pc.dp_shard_size)
+    return Mesh(pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size)
 
 
 class EmulatedInterNodeLink:

@@ -11,7 +11,8 @@ from ..core.loss import LossFn, causal_lm_loss
 
 
 @torch.no_grad()
-def evaluate_loss(accelerator, model, eval_dataloader, loss_fn: LossFn | None = None) -> tuple[float, float]:
+def evaluate_loss(accelerator, model, eval_dataloader, loss_fn: LossFn | None = None,
+                  ranks=None) -> tuple[float, float]:
     """Token-mean loss (nats) and perplexity of ``model`` on ``eval_dataloader``.
 
     Every process evaluates its shard; summed losses and target-token counts are
@@ -26,11 +27,18 @@ def evaluate_loss(accelerator, model, eval_dataloader, loss_fn: LossFn | None = 
     Args:
         accelerator: the Accelerator that prepared ``model`` and ``eval_dataloader``.
         loss_fn: ``(model, batch) -> (summed_loss, num_items)``; default causal LM.
+        ranks: the :class:`accum_kit.core.token_ranks.TokenRanks` to sum over (None: the run's engine's, i.e. every
+            process, or under tensor / context parallel the ranks holding different tokens, each batch cut
+            for context parallel).
 
     Returns:
         ``(loss, perplexity)``; ``(nan, nan)`` when there is no target token.
     """
     loss_fn = loss_fn or causal_lm_loss
+    if ranks is None:
+        from ..engines import engine_of
+
+        ranks = engine_of(accelerator).token_ranks(accelerator)
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
@@ -42,11 +50,12 @@ def evaluate_loss(accelerator, model, eval_dataloader, loss_fn: LossFn | None = 
     for batch in eval_dataloader:
         if accelerator.num_processes > 1 and at_end_of_dataloader(accelerator):
             size = len(next(iter(batch.values())))
-            rows = torch.stack([row(*loss_fn(model, {k: v[i : i + 1] for k, v in batch.items()})) for i in range(size)])
-            last += accelerator.gather_for_metrics(rows).sum(dim=0)
+            rows = torch.stack([row(*loss_fn(model, ranks.part({k: v[i : i + 1] for k, v in batch.items()})))
+                                for i in range(size)])
+            last += ranks.gather_rows(rows).sum(dim=0)
         else:
-            totals += row(*loss_fn(model, batch))
-    totals = accelerator.reduce(totals, reduction="sum") + last
+            totals += row(*loss_fn(model, ranks.part(batch)))
+    totals = ranks.sum(totals) + last
     model.train(was_training)
     loss_sum, tokens = totals.tolist()
     if tokens == 0:

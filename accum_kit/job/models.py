@@ -35,10 +35,13 @@ LLAMA_PRESETS: dict[str, dict] = {
     # ~0.1M parameters: the Llama counterpart of "tiny" (verify's model family check).
     "llama_tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
                        intermediate_size=128),
+    # ~3.4M parameters besides the embeddings: benchmarks of tensor / context parallel (heads divisible by 2, 4, 8).
+    "llama_small": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=8,
+                        intermediate_size=688),
 }
 
 
-def build_llama_model(preset: str, vocab_size: int, n_positions: int, seed: int | None = None):
+def build_llama_model(preset: str, vocab_size: int, n_positions: int, seed: int | None = None, **config_overrides):
     """A randomly initialised ``transformers.LlamaForCausalLM`` (float32, no dropout) from :data:`LLAMA_PRESETS`.
 
     Args:
@@ -46,6 +49,7 @@ def build_llama_model(preset: str, vocab_size: int, n_positions: int, seed: int 
         vocab_size: tokens in the vocabulary.
         n_positions: ``max_position_embeddings``, tokens.
         seed: if given, seeds torch before initialising the weights.
+        **config_overrides: extra ``LlamaConfig`` fields (e.g. the tokenizer's ``pad_token_id``).
 
     Raises:
         UsageError: unknown preset (names ``--model_preset``).
@@ -58,15 +62,16 @@ def build_llama_model(preset: str, vocab_size: int, n_positions: int, seed: int 
     if seed is not None:
         torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=n_positions, attention_dropout=0.0,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None, **LLAMA_PRESETS[preset])
+                         **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+                            **LLAMA_PRESETS[preset], **config_overrides})
     return LlamaForCausalLM(config)
 
 
 def build_model(preset: str, vocab_size: int, n_positions: int, seed: int | None = None, **config_overrides):
-    """A randomly initialised GPT-2-style causal LM from a named preset.
+    """A randomly initialised GPT-2-style causal LM from a named preset (a Llama one for :data:`LLAMA_PRESETS`).
 
     Args:
-        preset: a key of :data:`PRESETS`.
+        preset: a key of :data:`PRESETS` or :data:`LLAMA_PRESETS`.
         vocab_size: tokenizer size (``len(tokenizer)``), tokens.
         n_positions: maximum sequence length, tokens (at least ``--block_size``).
         seed: if given, seeds torch before initialising the weights.
@@ -74,11 +79,13 @@ def build_model(preset: str, vocab_size: int, n_positions: int, seed: int | None
             and ``pad_token_id`` of the tokenizer).
 
     Returns:
-        ``transformers.GPT2LMHeadModel`` in float32.
+        ``transformers.GPT2LMHeadModel`` (``LlamaForCausalLM`` for a Llama preset) in float32.
 
     Raises:
         UsageError: unknown preset (names ``--model_preset``).
     """
+    if preset in LLAMA_PRESETS:
+        return build_llama_model(preset, vocab_size, n_positions, seed, **config_overrides)
     if preset not in PRESETS:
         raise UsageError("--model_preset", f"unknown preset {preset!r}", f"use one of {sorted(PRESETS)}")
     import torch

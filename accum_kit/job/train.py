@@ -34,10 +34,11 @@ from ..core.loss import check_supported
 from .models import build_from_config, build_model, count_parameters, fit_embeddings, load_model, resolve_config
 from ..core.accumulation_schedule import optimizer_steps_per_epoch
 from ..core.accumulation_schedule import schedule_pairs, scheduled_steps
-from ..outputs import atomic_write_json, check_output_dir, library_versions, staged_output_dir
+from ..outputs import atomic_write_json, check_output_dir, staged_output_dir
 from ..profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
 from ..profiler.held_memory import HeldMemory
 from ..profiler.held_memory import predicted_memory, predicted_peak
+from .summary import build_summary, model_name
 from .tracking import TrackerLogger, check_trackers, quiet_other_processes
 
 logger = get_logger("accum_kit.job.train")  # logs on the main process only
@@ -85,13 +86,14 @@ def _datasets(cfg: TrainConfig, tokenizer, accelerator, k: int):
     if len(valid) == 0 and cfg.validation_file:
         raise UsageError("--validation_file", f"no validation example after tokenisation (block_size {cfg.block_size})",
                          "add text, or lower --block_size")
-    global_batch = cfg.per_device_train_batch_size * k * accelerator.num_processes
+    dp = accelerator.run_plan.engine.data_parallel_size(accelerator)  # tp / cp ranks share their examples
+    global_batch = cfg.per_device_train_batch_size * k * dp
     if len(train) < global_batch:
         raise UsageError(
             "--per_device_train_batch_size",
             f"{len(train)} training examples are fewer than one global batch of {global_batch} "
             f"(per_device_train_batch_size {cfg.per_device_train_batch_size} x gradient_accumulation_steps {k} "
-            f"x {accelerator.num_processes} processes)",
+            f"x {dp} data-parallel processes)",
             "lower --per_device_train_batch_size or --gradient_accumulation_steps, or add data",
         )
     return train, valid, source
@@ -119,14 +121,6 @@ def _build_model(cfg: TrainConfig, tokenizer):
     if fit_embeddings(model, len(tokenizer)):
         logger.warning("resized the token embeddings to the tokenizer's %d tokens (new rows are random)", len(tokenizer))
     return model
-
-
-def _model_name(cfg: TrainConfig) -> str:
-    """Where the model came from: its path, ``config:<path>``, ``type:<model_type>`` or ``preset:<name>``."""
-    if cfg.model_name_or_path:
-        return cfg.model_name_or_path
-    return f"config:{cfg.config_name}" if cfg.config_name else (
-        f"type:{cfg.model_type}" if cfg.model_type else f"preset:{cfg.model_preset}")
 
 
 def _optimizer(model, cfg: TrainConfig):
@@ -161,64 +155,6 @@ def _accelerator(cfg: TrainConfig):
     accelerator.run_plan.engine.check_job(profile_ab_steps=cfg.profile_ab_steps,
                                           auto_find_batch_size=cfg.auto_find_batch_size)
     return accelerator
-
-
-def _summary(cfg: TrainConfig, accelerator, result, *, k, schedule, checkpointer, resume, evals, data,
-             n_params) -> dict:
-    """train_summary.json's fields that every run has (``comm``, ``compile`` and ``memory`` are added after).
-
-    ``evals``: (eval loss before, after, perplexity before, after), nats; ``data``: (train dataset, eval
-    dataset, its source); ``n_params``: parameters of the model.
-    """
-    eval_before, eval_after, ppl_before, ppl_after = evals
-    train_ds, eval_ds, source = data
-    effective_batch = cfg.per_device_train_batch_size * k * accelerator.num_processes
-    return {
-        "world_size": accelerator.num_processes,
-        "distributed_type": str(accelerator.distributed_type),
-        "gradient_accumulation_steps": k,
-        "per_device_train_batch_size": cfg.per_device_train_batch_size,
-        "effective_batch_size": effective_batch,
-        "accumulation_schedule": schedule_pairs(schedule),
-        "lr_scaling": cfg.lr_scaling,
-        "gradient_accumulation_steps_per_step": result.step_accumulation_steps,
-        "effective_batch_size_per_step": [cfg.per_device_train_batch_size * s * accelerator.num_processes
-                                          for s in result.step_accumulation_steps],
-        "optimizer_steps": result.optimizer_steps,
-        "resumed_from_step": result.resumed_from_step,
-        "resumed_from": str(resume) if resume is not None else None,
-        "checkpoints": [p.name for p in checkpointer.saved],
-        "checkpoint_saves": checkpointer.timings,
-        "micro_batches_per_process": result.micro_batches,
-        "epochs": result.epochs,
-        "train_loss": result.train_loss,
-        "eval_loss_before": eval_before,
-        "eval_loss_after": eval_after,
-        "eval_perplexity_before": ppl_before,
-        "eval_perplexity_after": ppl_after,
-        "tokens_per_second": result.tokens_per_second,
-        "seconds_per_optimizer_step": result.median_step_seconds,
-        "step_seconds": result.step_seconds,
-        "train_seconds": sum(result.step_seconds),
-        "dataset": source,
-        "train_examples": len(train_ds),
-        "eval_examples": len(eval_ds),
-        "block_size": cfg.block_size,
-        "packing": cfg.packing,
-        "model": _model_name(cfg),
-        "model_parameters": n_params,
-        "loss_normalization": cfg.loss_normalization,
-        "mixed_precision": accelerator.mixed_precision,
-        "tracking": cfg.report_to if cfg.with_tracking else None,
-        "sync_each_batch": cfg.accumulation_policy == "sync_each_batch",
-        "accumulation_policy": accelerator.run_plan.requested_policy.name,  # under DeepSpeed the stage: zero1/2/3
-        "gradient_checkpointing": accelerator.run_plan.gradient_checkpointing,  # the flag, or an FSDP config's
-        "gradient_checkpointing_kwargs": accelerator.run_plan.gradient_checkpointing_kwargs,  # in force ({} if off)
-        **accelerator.run_plan.engine.summary_blocks(accelerator),  # "fsdp", "deepspeed": None unless that engine
-        "learning_rate": cfg.learning_rate,
-        "seed": cfg.seed,
-        "versions": library_versions(),
-    }
 
 
 def _save_outputs(cfg: TrainConfig, accelerator, model, tokenizer, summary: dict) -> None:
@@ -279,7 +215,8 @@ def _prepare(cfg: TrainConfig, accelerator) -> _Prepared:
     logger.info("%d processes (%s), K=%s, effective batch %d examples, %d optimizer steps, %.2fM parameters, data %s",
                 accelerator.num_processes, plan.engine.label, k if plan.schedule is None else
                 f"{k} at first (schedule {schedule_pairs(plan.schedule)}, lr_scaling {cfg.lr_scaling})",
-                cfg.per_device_train_batch_size * k * accelerator.num_processes, steps, n_params / 1e6, source)
+                cfg.per_device_train_batch_size * k * plan.engine.data_parallel_size(accelerator), steps,
+                n_params / 1e6, source)
     return _Prepared(tokenizer, model, optimizer, train_dl, eval_dl, lr_scheduler, steps, (train_ds, eval_ds, source),
                      n_params)
 
@@ -299,11 +236,11 @@ def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared, auto=None):
         accelerator.init_trackers("accum_kit", config={
             "gradient_accumulation_steps": k, "world_size": accelerator.num_processes,
             "per_device_train_batch_size": cfg.per_device_train_batch_size,
-            "effective_batch_size": cfg.per_device_train_batch_size * k * accelerator.num_processes,
+            "effective_batch_size": cfg.per_device_train_batch_size * k * plan.engine.data_parallel_size(accelerator),
             "loss_normalization": cfg.loss_normalization, "lr_scaling": cfg.lr_scaling,
             "accumulation_schedule": str(schedule_pairs(plan.schedule)) if plan.schedule else "none",
             "tracking": cfg.report_to if cfg.with_tracking else None, "learning_rate": cfg.learning_rate,
-            "mixed_precision": accelerator.mixed_precision, "model": _model_name(cfg),
+            "mixed_precision": accelerator.mixed_precision, "model": model_name(cfg),
             "block_size": cfg.block_size, "seed": cfg.seed})
         callbacks.append(TrackerLogger(accelerator, run.optimizer, profiler))  # logs K and the effective batch per step
     watch = CompileWatch(warmup_steps=1) if compile_settings(accelerator) else None  # before the first compiled call
@@ -362,7 +299,7 @@ def run(cfg: TrainConfig) -> dict:
     comm = _comm_block(profiler, switches, optimizer_steps_per_epoch(len(run.train_dl), k), accelerator)
     if comm is not None and "speedup" in comm:
         accelerator.log({"comm/ab_speedup": comm["speedup"]}, step=result.optimizer_steps)
-    summary = _summary(cfg, accelerator, result, k=k, schedule=plan.schedule, checkpointer=checkpointer, resume=resume,
+    summary = build_summary(cfg, accelerator, result, k=k, schedule=plan.schedule, checkpointer=checkpointer, resume=resume,
                        evals=(before[0], after[0], before[1], after[1]), data=run.data, n_params=run.n_params)
     if comm is not None:
         summary["comm"] = comm
