@@ -15,6 +15,7 @@ from ..core.lr_scaling import LEARNING_RATE_FIX, LR_RULES
 from .fsdp_plan import MIXED_PRECISION
 from .interconnects import INTERCONNECTS
 from .memory_plan import check_memory_flags, format_memory_plan, memory_plan_of
+from .mesh_plan import check_mesh_flags, format_mesh_plan, mesh_plan_of
 from .plan_report import (SECTIONS, check_batch_size_given, check_learning_rate_flags, check_schedule_flags,
                           check_section_flags, check_target_flags, format_plan, make_plan)
 from .whatif import DEFAULT_ACCUMULATION_STEPS, DEFAULT_MAX_COMM_SHARE, check_whatif_flags
@@ -23,7 +24,8 @@ DESCRIPTION = (
     "Effective batch size, optimizer steps per epoch, padded/dropped examples, learning-rate scaling, "
     "and the gradient accumulation steps that reach a target batch size. With --from_profile: predicted "
     "step time, speedup of no_sync and communication share per K on a target cluster. With --fsdp: memory, "
-    "communication and fit of every FSDP2 accumulation policy, and the fastest one that fits."
+    "communication and fit of every FSDP2 accumulation policy, and the fastest one that fits. With --tp_size / "
+    "--cp_size: data parallel only next to dp x tp and dp x cp, memory per process and collectives per window."
 )
 
 
@@ -119,10 +121,26 @@ class PlanArguments:
     compute_TFLOPS: float | None = field(default=None, metadata={
         "help": "With --memory_per_process and no --from_profile: achieved FLOP rate per process, for the step "
                 "time (default 1; the ranking does not depend on it)."})
+    tp_size: int | None = field(default=None, metadata={
+        "help": "Plan a mesh: tensor-parallel processes (Accelerate's ParallelismConfig tp_size); prints data "
+                "parallel only next to dp x tp: memory per process and collectives per window per group "
+                "(docs/tensor_parallel.md). Uses --model_preset (llama_tiny, llama_small, llama3_8b) or --config_name, "
+                "--num_processes, --parallelism_config_dp_replicate_size, --per_device_train_batch_size, "
+                "--block_size, --gradient_accumulation_steps, --mixed_precision, --accumulation_policy."})
+    cp_size: int | None = field(default=None, metadata={
+        "help": "Plan a mesh: context-parallel processes (Accelerate's cp_size; Ulysses all-to-all), each holding "
+                "--block_size / cp tokens of every sequence; adds dp x cp (and with --tp_size, dp x cp x tp)."})
+    config_name: str | None = field(default=None, metadata={
+        "help": "With --tp_size / --cp_size: a Llama-style config.json (or its folder) instead of --model_preset."})
+    accumulation_policy: str | None = field(default=None, metadata={
+        "help": "With --tp_size / --cp_size: the accumulation policy priced (default no_sync); the plan also says "
+                "what no_sync saves against sync_each_batch."})
     json: bool = field(default=False, metadata={"help": "Print JSON instead of the text table."})
 
     def __post_init__(self):
         """Check ranges and flag combinations; raises UsageError naming the flag."""
+        if check_mesh_flags(self):  # a tp / cp mesh: its own flags, checked there
+            return
         if check_memory_flags(self):  # plan by memory: its own flags, checked there
             return
         if self.per_device_train_batch_size is not None:
@@ -167,6 +185,10 @@ def run_command(args: PlanArguments) -> int:
             fewer examples than one global micro-batch); :func:`accum_kit.cli.run`
             prints it and exits 2, with nothing on stdout.
     """
+    if args.tp_size is not None or args.cp_size is not None:
+        plan = mesh_plan_of(args)
+        print(json.dumps(plan.to_dict(), indent=2) if args.json else format_mesh_plan(plan))
+        return 0
     if args.memory_per_process is not None:
         plan = memory_plan_of(args)
         print(json.dumps(plan.to_dict(), indent=2) if args.json else format_memory_plan(plan))
