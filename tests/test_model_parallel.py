@@ -155,7 +155,8 @@ def test_every_policy_equals_the_single_process_big_batch(runs, kind, policy):
     slice), the logged losses the big batch's."""
     run = runs[kind][f"k3_{policy}"]
     assert len(ex.windows_for(DP, K, 1)[-1]) < K * DP, "no partial window"
-    _check(run, f"{kind} {policy}")
+    params, _ = _check(run, f"{kind} {policy}")
+    print(f"\n{kind} {policy}: largest |param - oracle| {_distance(run['steps'], params):.1e}")
     assert {r["label"] for r in run["ranks"]} == {f"FSDP2 2 x {kind} 2"}
 
 
@@ -181,6 +182,7 @@ def test_counting_over_every_process_would_divide_the_update_by_tp(runs):
     assert run["ranks"][0]["step_tokens"] == [SPLIT * t for t in right["ranks"][0]["step_tokens"]]
     good, _ = oracle(run["init"])
     assert _distance(run["steps"], good) > ex.SENSITIVITY_FACTOR * ex.ATOL
+    print(f"\ncounted over every process: largest |param - big batch| {_distance(run['steps'], good):.1e}")
 
 
 def test_counting_only_the_local_cp_slice_is_not_what_the_loop_does(runs):
@@ -190,6 +192,8 @@ def test_counting_only_the_local_cp_slice_is_not_what_the_loop_does(runs):
     run, right = runs["cp"]["k3_wrong_cp_slice"], runs["cp"]["k3_no_sync"]
     good, windows = oracle(run["init"])
     assert _distance(run["steps"], good) > ex.SENSITIVITY_FACTOR * ex.ATOL
+    print(f"\nlocal cp slice counted: largest |param - big batch| {_distance(run['steps'], good):.1e}, "
+          f"counts {[r['step_tokens'] for r in run['ranks']]} vs {[n for _, n in windows]}")
     counts = [r["step_tokens"] for r in run["ranks"]]
     assert all(sum(c) < sum(n for _, n in windows) for c in counts)
     assert len({tuple(c) for c in counts}) > 1, "every rank counted the same"
