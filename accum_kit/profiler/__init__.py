@@ -25,7 +25,9 @@ The pieces, each usable on its own:
   :mod:`.figures`: what the summaries are computed from, from either;
 - :mod:`.report`: summaries from records (definitions of algbw, busbw,
   exposed time, estimated saving there) and :func:`format_table`;
-- :mod:`.switches`: :class:`ABSwitch` and :class:`OverheadSwitch`.
+- :mod:`.switches`: :class:`ABSwitch` and :class:`OverheadSwitch`;
+- :mod:`.mesh_collectives`: :class:`~accum_kit.profiler.mesh_collectives.MeshCollectiveCounter`, every
+  collective (DTensor's included) by device-mesh dimension, per micro-batch and window; :mod:`.mesh_report`: its report.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ..compat import sync_each_batch
 from .aggregates import RunningAggregates
 from .buckets import BucketRecorder, allreduce_mean_hook
 from .collectives import CollectiveRecorder
+from .mesh_collectives import MeshCollectiveCounter, mesh_collective_counter, wants_mesh_counter
 from .parts import part_for
 from .phases import PhaseTimer
 from .records import COLLECTIVES, KEEP_RECORDS, MODES, BucketCall, CollectiveCall, Labels, MicroBatchTimes, PostBackwardTime, ProfileRecords, StepTimes
@@ -46,9 +49,10 @@ from .trace import StepTrace
 
 __all__ = [
     "ABSwitch", "AlternatingWindows", "BucketCall", "BucketRecorder", "COLLECTIVES", "CollectiveCall",
-    "CollectiveRecorder", "CommProfiler", "KEEP_RECORDS", "Labels", "MODES", "MicroBatchTimes", "OverheadSwitch", "PhaseTimer",
-    "ProfileRecords", "RunningAggregates", "StepTimes", "StepTrace", "allreduce_mean_hook", "format_table", "local_summary",
-    "sharded_summary", "summarize_processes",
+    "CollectiveRecorder", "CommProfiler", "KEEP_RECORDS", "Labels", "MODES", "MeshCollectiveCounter", "MicroBatchTimes",
+    "OverheadSwitch", "PhaseTimer", "ProfileRecords", "RunningAggregates", "StepTimes", "StepTrace",
+    "allreduce_mean_hook", "format_table", "local_summary", "mesh_collective_counter", "sharded_summary",
+    "summarize_processes",
 ]
 
 
@@ -101,6 +105,11 @@ class CommProfiler(LoopCallback):
         keep_records: raw records of each kind kept, the most recent
             (default :data:`KEEP_RECORDS`; None: every one, for short runs that
             read them all, such as the bench).
+        by_mesh_dim: count every collective by device-mesh dimension
+            (:func:`accum_kit.profiler.mesh_collectives.mesh_collective_counter`, the mesh being
+            ``accelerator.torch_device_mesh``): the summary then has a ``by_mesh_dim`` block and
+            ``no_sync_saving_scope``. Default (None): on when the mesh has a ``tp``, ``cp`` or ``sp``
+            dimension; True: on (without a mesh every collective counts as ``"dp"``); False: off.
 
     Attributes:
         part: the engine's :class:`accum_kit.profiler.parts.RecorderPart`.
@@ -115,6 +124,7 @@ class CommProfiler(LoopCallback):
         enabled: False makes the recorders skip everything (the hook stays).
         trace_path: the trace file written, or None.
         aggregates: the :class:`RunningAggregates` of every record.
+        mesh: the :class:`~accum_kit.profiler.mesh_collectives.MeshCollectiveCounter`, or None (``by_mesh_dim``).
 
     Raises:
         RuntimeError: the model already has a comm hook (DDP allows only one):
@@ -123,7 +133,8 @@ class CommProfiler(LoopCallback):
     """
 
     def __init__(self, accelerator, model, *, hook=None, hook_state=None, trace_dir=None, trace_steps=2,
-                 trace_wait=1, synchronize=None, distributed=None, keep_records: int | None = KEEP_RECORDS):
+                 trace_wait=1, synchronize=None, distributed=None, keep_records: int | None = KEEP_RECORDS,
+                 by_mesh_dim: bool | None = None):
         self.accelerator, self.model = accelerator, model
         self.world_size = accelerator.num_processes
         self.keep_records = keep_records
@@ -141,6 +152,8 @@ class CommProfiler(LoopCallback):
         self.phases = PhaseTimer(self.labels, synchronize=synchronize, keep_records=keep_records, sink=sink,
                                  accumulation=self.accumulation)
         self.trace = StepTrace(accelerator, trace_dir, trace_steps, trace_wait) if trace_dir else None
+        self.mesh = (mesh_collective_counter(accelerator, labels=self.labels, keep_records=keep_records)
+                     if wants_mesh_counter(accelerator, by_mesh_dim) else None)
         self._attached = False
         self._paused = False  # recording paused for a static-graph DDP model's priming sync
 
@@ -209,6 +222,8 @@ class CommProfiler(LoopCallback):
         and DeepSpeed's backend methods are given back)."""
         self.enabled = False
         self.part.detach()
+        if self.mesh is not None:
+            self.mesh.stop()
         if self.trace is not None:
             self.trace.stop()
 
@@ -235,13 +250,19 @@ class CommProfiler(LoopCallback):
         if self.trace is not None and self.enabled:
             self.trace.on_micro_batch_begin(state)
         self.phases.on_micro_batch_begin(state)
+        if self.mesh is not None:  # last: the forward's collectives from here
+            self.mesh.on_micro_batch_begin(state)
 
     def on_forward_end(self, state):
+        if self.mesh is not None:
+            self.mesh.on_forward_end(state)
         if self._attached:
             self.part.on_forward_end()
         self.phases.on_forward_end(state)
 
     def on_backward_end(self, state):
+        if self.mesh is not None:
+            self.mesh.on_backward_end(state)
         self.phases.on_backward_end(state)  # timed before the range closes
         if self.trace is not None:
             self.trace.close_range()
@@ -250,8 +271,12 @@ class CommProfiler(LoopCallback):
 
     def on_step_begin(self, state):
         self.phases.on_step_begin(state)
+        if self.mesh is not None:
+            self.mesh.on_step_begin(state)
 
     def on_step_end(self, state):
+        if self.mesh is not None:  # before the switches change the labels for the next window
+            self.mesh.on_step_end(state)
         self.collectives.flush()  # CUDA: the step's collectives into the aggregates (bounded pending events)
         self.phases.on_step_end(state)
         if self.trace is not None:
@@ -303,14 +328,23 @@ class CommProfiler(LoopCallback):
         self.collectives.flush()  # CUDA-timed collectives reach the aggregates only when flushed
         records = (self.records(mode=self.mode, tag=tag) if from_records
                    else self.aggregates.figures(mode=self.mode, tag=tag))
-        return self.part.summary(records, tag)
+        out = self.part.summary(records, tag)
+        if self.mesh is not None:  # the counter's own running totals (no raw-record variant)
+            out["by_mesh_dim"] = self.mesh.summary(mode=self.mode, tag=tag)
+            out["no_sync_saving_scope"] = out["by_mesh_dim"]["no_sync_scope"]["note"]
+        return out
 
     def step_figures(self, step: int) -> dict:
         """The collectives of optimizer step ``step`` (0-based) as the engine's part counts them, for a tracker:
         DDP ``allreduce_calls`` / ``allreduce_bytes``; FSDP2 ``reduce_scatter_*`` and ``all_gather_*`` (and
         under HSDP ``all_reduce_*``, ``shard_seconds``, ``replicate_seconds``); see
-        :meth:`accum_kit.profiler.parts.RecorderPart.step_figures`. Reads the recent records from the newest back."""
-        return self.part.step_figures(step)
+        :meth:`accum_kit.profiler.parts.RecorderPart.step_figures`; with ``by_mesh_dim`` also ``mesh_<dim>_calls`` /
+        ``mesh_<dim>_bytes`` (:meth:`~accum_kit.profiler.mesh_collectives.MeshCollectiveCounter.step_figures`).
+        Reads the recent records from the newest back."""
+        out = self.part.step_figures(step)
+        if self.mesh is not None:
+            out.update(self.mesh.step_figures(step))
+        return out
 
     def summary(self, tag: str | None = None) -> dict:
         """The ``comm`` block: :meth:`local_summary` of every process, min / median / max over them.

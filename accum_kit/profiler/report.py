@@ -190,7 +190,8 @@ def _fmt(v, unit: str = "") -> str:
 
 
 def format_table(comm: dict) -> str:
-    """A text table of a ``comm`` block: the main process's value and min / median / max over processes."""
+    """A text table of a ``comm`` block: the main process's value and min / median / max over processes; with a
+    ``by_mesh_dim`` block, its table (:func:`accum_kit.profiler.mesh_report.format_mesh_table`) below."""
     from tabulate import tabulate
 
     spread_of = comm.get("spread", {})
@@ -201,4 +202,10 @@ def format_table(comm: dict) -> str:
         s = spread_of.get(key)
         rows.append((label, _fmt(comm[key], unit), f"{_fmt(s['min'])} / {_fmt(s['median'])} / {_fmt(s['max'])}" if s else ""))
     headers = (f"communication ({comm.get('world_size')} processes)", "main", "min / median / max over processes")
-    return tabulate(rows, headers=headers, tablefmt="simple", colalign=("left", "right", "left"), disable_numparse=True)
+    table = tabulate(rows, headers=headers, tablefmt="simple", colalign=("left", "right", "left"),
+                     disable_numparse=True)
+    if comm.get("by_mesh_dim"):  # the profiler counted by mesh dimension: its table and what no_sync saves
+        from .mesh_report import format_mesh_table
+
+        table += "\n\n" + format_mesh_table(comm["by_mesh_dim"])
+    return table

@@ -93,7 +93,10 @@ class ABSwitch(AlternatingWindows):
             self.profiler.mode = self.labels[value]
 
     def summary(self, steps_per_epoch: int | None = None) -> dict:
-        """Median seconds per optimizer step each way, the saving (seconds per step / epoch) and the speedup."""
+        """Median seconds per optimizer step each way, the saving (seconds per step / epoch) and the speedup; with a
+        profiler counting by mesh dimension, ``measured_saving_scope``: the sentence saying that only the
+        data-parallel gradient synchronisation is saved (tensor- and context-parallel collectives run on every
+        micro-batch; :func:`accum_kit.profiler.mesh_report.no_sync_scope`)."""
         sync_each, no_sync = median(self.times["sync_each_batch"]), median(self.times["no_sync"])
         out = {"ab_steps_each": min(len(v) for v in self.times.values()),
                "seconds_per_step_sync_each_batch": sync_each, "seconds_per_step_no_sync": no_sync}
@@ -105,8 +108,11 @@ class ABSwitch(AlternatingWindows):
                 out["measured_seconds_saved_per_epoch"] = saved * steps_per_epoch
             if self.profiler is not None:
                 # Estimated vs measured saving per step, from the no-sync windows' own records.
-                est = self.profiler.local_summary().get("estimated_seconds_saved_per_step")
+                local = self.profiler.local_summary()
+                est = local.get("estimated_seconds_saved_per_step")
                 out["estimated_over_measured"] = est / saved if (est is not None and saved) else None
+                if "no_sync_saving_scope" in local:  # under dp x tp / cp: the data-parallel part only
+                    out["measured_saving_scope"] = local["no_sync_saving_scope"]
         return out
 
 
