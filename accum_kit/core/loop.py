@@ -131,6 +131,7 @@ def train_loop(
     resume_from=None,
     accumulation_schedule=None,
     lr_scaling: str = "none",
+    normalizer=None,
 ) -> LoopResult:
     """Train with gradient accumulation that skips DDP syncs and is exact.
 
@@ -179,6 +180,9 @@ def train_loop(
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: multiply the
             learning rate by the rule's factor for K / (K at step 0) whenever K
             changes (the scheduler's base rates, see :mod:`accum_kit.core.window_schedule`).
+        normalizer: a :class:`accum_kit.core.loss.WindowNormalizer` to use instead of the engine's
+            (:meth:`accum_kit.engines.base.Engine.window_normalizer`), e.g. one counting tokens over other
+            ranks (``accum-kit verify``'s miscount rows); its ``mode`` replaces ``loss_normalization``.
 
     Returns:
         :class:`LoopResult` with per-step losses, times and token counts.
@@ -196,7 +200,7 @@ def train_loop(
     loss_fn = loss_fn or causal_lm_loss
     run = _Run.start(accelerator, model, optimizer, train_dataloader, lr_scheduler, loss_fn, loss_normalization,
                      max_train_steps, num_train_epochs, [profiler, *callbacks, checkpointer], checkpointer,
-                     resume_from, accumulation_schedule, lr_scaling, progress)
+                     resume_from, accumulation_schedule, lr_scaling, progress, normalizer)
     hooks, norm, state, result = run.hooks, run.norm, run.state, run.result
     model.train()
     restart_window_counter(accelerator)  # an earlier loop may have stopped mid-window; load_state restores it too
@@ -206,7 +210,10 @@ def train_loop(
     last = time.perf_counter()
     try:
         for state.epoch in run.epochs:
-            for batch in norm.batches(run.cursor.batches(state.epoch)):  # set_epoch (reshuffle), skipping on resume
+            batches = run.cursor.batches(state.epoch)  # set_epoch (reshuffle), skipping on resume
+            if hasattr(loss_fn, "window_batches"):  # a loss that reads its window ahead (router_loss.RouterAuxLoss)
+                batches = loss_fn.window_batches(batches)
+            for batch in norm.batches(batches):
                 with accelerator.accumulate(model):
                     state.boundary = accelerator.sync_gradients
                     state.sync = state.boundary or run.plan.reduces_each_micro_batch()
@@ -259,13 +266,14 @@ class _Run:
     @classmethod
     def start(cls, accelerator, model, optimizer, train_dataloader, lr_scheduler, loss_fn, loss_normalization,
               max_train_steps, num_train_epochs, callbacks, checkpointer, resume_from, accumulation_schedule,
-              lr_scaling, progress) -> "_Run":
+              lr_scaling, progress, normalizer=None) -> "_Run":
         """Everything the loop needs before its first micro-batch; restores a checkpoint's state and history."""
         plan = run_plan_of(accelerator)
         # profiler first: it must see a step before others react to it; the checkpointer after the user's
         # callbacks: it saves what they did; the engine's own last (DDP's static-graph first sync)
         hooks = CallbackList([*callbacks, *plan.engine.loop_callbacks(accelerator, model)])
-        norm = plan.engine.window_normalizer(accelerator, loss_normalization, loss_fn)  # DeepSpeed: counts ahead
+        norm = normalizer if normalizer is not None else \
+            plan.engine.window_normalizer(accelerator, loss_normalization, loss_fn)  # DeepSpeed: counts ahead
         windows = WindowSchedule(accelerator, accumulation_schedule, optimizer, lr_scheduler, lr_scaling,
                                  _examples_per_micro_batch(accelerator, train_dataloader))
         total = max_train_steps or windows.total_steps(len(train_dataloader), num_train_epochs)

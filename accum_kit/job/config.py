@@ -17,7 +17,7 @@ from ..engines.activation_checkpointing import (gradient_checkpointing_field, gr
                                                 parse_checkpointing_kwargs, resolve_checkpointing)
 from ..errors import UsageError
 from ..core.loss import NORMALIZATIONS
-from .models import LLAMA_PRESETS, PRESETS
+from .models import LLAMA_PRESETS, MOE_PRESETS, PRESETS
 from ..core.lr_scaling import LR_RULES
 from ..core.accumulation_schedule import parse_accumulation_schedule
 from ..engines.policies import POLICIES, resolve_policy
@@ -31,7 +31,8 @@ class TrainConfig:
     """Settings of ``accum-kit train`` / ``examples/train.py`` (see ``--help``)."""
 
     model_name_or_path: str | None = field(default=None, metadata={"help": "Local model directory (or hub name) to fine-tune; overrides --model_preset."})
-    model_preset: str = field(default="mini", metadata={"help": f"Model built from a GPT2Config, one of {sorted(PRESETS)}, or from a LlamaConfig (tensor / context parallel need one), one of {sorted(LLAMA_PRESETS)}."})
+    model_preset: str = field(default="mini", metadata={"help": f"Model built from a GPT2Config, one of {sorted(PRESETS)}, or from a LlamaConfig (tensor / context parallel need one), one of {sorted(LLAMA_PRESETS)}, or a mixture of experts from a MixtralConfig, one of {sorted(MOE_PRESETS)}."})
+    router_aux_loss_scope: str | None = field(default=None, metadata={"help": "Mixture-of-experts models: over which tokens the router's load-balancing loss is defined: 'window' (default: the whole accumulation window on all processes, as one big batch; reads each window ahead and routes it once more without gradients) or 'micro_batch' (each micro-batch's own, averaged over the window)."})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset name; default: the CPython standard library sources on this machine."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
     train_file: str | None = field(default=None, metadata={"help": "Local .txt, .json/.jsonl or .csv file with a 'text' column."})
@@ -114,7 +115,9 @@ class TrainConfig:
         checks.one_of("--lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
         checks.one_of("--report_to", self.report_to, TRACKERS)
         if self.model_name_or_path is None:
-            checks.one_of("--model_preset", self.model_preset, sorted(PRESETS) + sorted(LLAMA_PRESETS))
+            checks.one_of("--model_preset", self.model_preset, sorted(PRESETS) + sorted(LLAMA_PRESETS) + sorted(MOE_PRESETS))
+        if self.router_aux_loss_scope is not None:
+            checks.one_of("--router_aux_loss_scope", self.router_aux_loss_scope, ["window", "micro_batch"])
         if self.train_file is not None and self.dataset_name is not None:
             raise UsageError("--train_file", "given together with --dataset_name", "pass only one data source")
         check_data_flags(self.train_file, self.validation_split_percentage, self.validation_file)

@@ -41,6 +41,41 @@ LLAMA_PRESETS: dict[str, dict] = {
 }
 
 
+#: Mixture-of-experts presets (``MixtralConfig`` fields: experts fused in one 3-D parameter per layer, top-2).
+MOE_PRESETS: dict[str, dict] = {
+    # ~0.2M parameters: 4 experts of which each token uses 2; the router's aux loss weighs 0.02.
+    "moe_tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                     intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02),
+}
+
+
+def build_moe_model(preset: str, vocab_size: int, n_positions: int, seed: int | None = None, **config_overrides):
+    """A randomly initialised ``transformers.MixtralForCausalLM`` (float32, no dropout) from :data:`MOE_PRESETS`.
+
+    Args:
+        preset: a key of :data:`MOE_PRESETS`.
+        vocab_size: tokens in the vocabulary.
+        n_positions: ``max_position_embeddings``, tokens.
+        seed: if given, seeds torch before initialising the weights.
+        **config_overrides: extra ``MixtralConfig`` fields.
+
+    Raises:
+        UsageError: unknown preset (names ``--model_preset``).
+    """
+    if preset not in MOE_PRESETS:
+        raise UsageError("--model_preset", f"unknown mixture-of-experts preset {preset!r}",
+                         f"use one of {sorted(MOE_PRESETS)}")
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    config = MixtralConfig(vocab_size=vocab_size, max_position_embeddings=n_positions, attention_dropout=0.0,
+                           **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+                              **MOE_PRESETS[preset], **config_overrides})
+    return MixtralForCausalLM(config)
+
+
 def build_llama_model(preset: str, vocab_size: int, n_positions: int, seed: int | None = None, **config_overrides):
     """A randomly initialised ``transformers.LlamaForCausalLM`` (float32, no dropout) from :data:`LLAMA_PRESETS`.
 
@@ -68,10 +103,11 @@ def build_llama_model(preset: str, vocab_size: int, n_positions: int, seed: int 
 
 
 def build_model(preset: str, vocab_size: int, n_positions: int, seed: int | None = None, **config_overrides):
-    """A randomly initialised GPT-2-style causal LM from a named preset (a Llama one for :data:`LLAMA_PRESETS`).
+    """A randomly initialised GPT-2-style causal LM from a named preset (a Llama one for :data:`LLAMA_PRESETS`, a
+    Mixtral one for :data:`MOE_PRESETS`).
 
     Args:
-        preset: a key of :data:`PRESETS` or :data:`LLAMA_PRESETS`.
+        preset: a key of :data:`PRESETS`, :data:`LLAMA_PRESETS` or :data:`MOE_PRESETS`.
         vocab_size: tokenizer size (``len(tokenizer)``), tokens.
         n_positions: maximum sequence length, tokens (at least ``--block_size``).
         seed: if given, seeds torch before initialising the weights.
@@ -79,13 +115,15 @@ def build_model(preset: str, vocab_size: int, n_positions: int, seed: int | None
             and ``pad_token_id`` of the tokenizer).
 
     Returns:
-        ``transformers.GPT2LMHeadModel`` (``LlamaForCausalLM`` for a Llama preset) in float32.
+        ``transformers.GPT2LMHeadModel`` (``LlamaForCausalLM``, ``MixtralForCausalLM``) in float32.
 
     Raises:
         UsageError: unknown preset (names ``--model_preset``).
     """
     if preset in LLAMA_PRESETS:
         return build_llama_model(preset, vocab_size, n_positions, seed, **config_overrides)
+    if preset in MOE_PRESETS:
+        return build_moe_model(preset, vocab_size, n_positions, seed, **config_overrides)
     if preset not in PRESETS:
         raise UsageError("--model_preset", f"unknown preset {preset!r}", f"use one of {sorted(PRESETS)}")
     import torch

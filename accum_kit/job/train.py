@@ -38,6 +38,7 @@ from ..outputs import atomic_write_json, check_output_dir, staged_output_dir
 from ..profiler import ABSwitch, CommProfiler, OverheadSwitch, format_table
 from ..profiler.held_memory import HeldMemory
 from ..profiler.held_memory import predicted_memory, predicted_peak
+from . import moe
 from .summary import build_summary, model_name
 from .tracking import TrackerLogger, check_trackers, quiet_other_processes
 
@@ -282,7 +283,9 @@ def run(cfg: TrainConfig) -> dict:
         check_state_files(resume, schedulers=1)  # the job's one scheduler, no registered objects
     set_seed(cfg.seed)
     run = _prepare(cfg, accelerator)
+    router = moe.router_loss(cfg.router_aux_loss_scope, accelerator, run.model)  # None for a dense model
     callbacks, profiler, switches, held, watch = _callbacks(cfg, accelerator, run, auto)
+    callbacks.append(moe.router_records(router, accelerator))
     before = _evaluate(accelerator, run, "before", 0)
     checkpointer = Checkpointer(accelerator, cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit,
                                 resplit=auto is not None)
@@ -290,7 +293,8 @@ def run(cfg: TrainConfig) -> dict:
         with auto_batch.on_failure(auto, accelerator.process_index, checkpointer):  # ends this process, no collective
             result = train_loop(accelerator, run.model, run.optimizer, run.train_dl, lr_scheduler=run.lr_scheduler,
                                 max_train_steps=run.steps, max_grad_norm=cfg.max_grad_norm,
-                                loss_normalization=cfg.loss_normalization, callbacks=callbacks, profiler=profiler,
+                                loss_normalization=cfg.loss_normalization, loss_fn=router, callbacks=callbacks,
+                                profiler=profiler,
                                 checkpointer=checkpointer, resume_from=resume, lr_scaling=cfg.lr_scaling)
     except Preempted:
         accelerator.end_training()
@@ -304,6 +308,7 @@ def run(cfg: TrainConfig) -> dict:
     if comm is not None:
         summary["comm"] = comm
     summary["auto_find_batch_size"] = auto.summary() if auto is not None else None
+    summary["router"] = moe.router_summary(router)
     summary["compile"] = {**compile_settings(accelerator), **watch.summary()} if watch is not None else None
     if watch is not None:  # the last evaluation counted too
         watch.close()
