@@ -1,9 +1,10 @@
-"""Worker of tests/test_model_parallel.py (not a test module): accumulation scenarios on a tp or cp mesh.
+"""Worker of tests/test_model_parallel.py and test_moe.py (not a test module): accumulation scenarios of a Llama on
+a tp or cp mesh, or of a Mixtral (``"model_class": "mixtral"``) with the router's aux loss on any engine.
 
     accelerate launch --config_file accelerate_configs/cpu_tp.yaml tests/mesh_worker.py SPEC.json OUT_DIR
 
 (or a script run of a command pool launched that way). For each scenario of the spec it builds the
-Accelerator with accum_kit, a seeded Llama from the spec's ``LlamaConfig`` fields, SGD and a dataloader of
+Accelerator with accum_kit, a seeded Llama (or Mixtral) from the spec's config fields, SGD and a dataloader of
 the spec's examples (one per micro-batch and data-parallel rank, right-padded), trains with
 ``accum_kit.train_loop`` and writes:
 
@@ -28,7 +29,7 @@ import torch
 from accelerate.state import AcceleratorState
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 import accum_kit
 from accum_kit.core.callbacks import LoopCallback
@@ -39,8 +40,8 @@ from job_helpers import pad_collate  # the worker runs as a script from tests/
 
 def full_parameters(model) -> dict:
     """Every parameter as a plain tensor (DTensor shards gathered: a collective), by its unwrapped name."""
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.named_parameters()}
+    return {k.removeprefix("module."): (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.named_parameters()}  # DDP's "module." prefix dropped
 
 
 class StepRecorder(LoopCallback):
@@ -67,9 +68,13 @@ def wrong_ranks(accelerator, how: str) -> TokenRanks:
 def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = None) -> None:
     if AcceleratorState._shared_state:  # a fresh Accelerator per scenario; the process group stays
         AcceleratorState._reset_state(reset_partial_state=True)
-    accelerator = accum_kit.build_accelerator(sc["K"], accumulation_policy=sc["policy"])
+    accelerator = accum_kit.build_accelerator(sc["K"], accumulation_policy=sc["policy"],
+                                              mixed_precision=sc.get("mixed_precision", "no"))
     torch.manual_seed(spec["seed"])
-    model = LlamaForCausalLM(LlamaConfig(**spec["model_config"]))
+    if spec.get("model_class") == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**spec["model_config"]))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**spec["model_config"]))
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
     loader = DataLoader(spec["examples"], batch_size=1, shuffle=False, collate_fn=pad_collate(spec["pad_id"]))
@@ -79,13 +84,20 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         wrong = wrong_ranks(accelerator, sc["wrong"])
         engine.token_ranks = lambda acc: wrong  # this run only: the engine is rebuilt per scenario
     rec = StepRecorder(model, keep=accelerator.is_main_process)
+    loss_fn, callbacks = None, [rec]
+    if sc.get("router_aux_loss_scope"):
+        from accum_kit.core.router_loss import RouterAuxLoss, RouterWindowRecords
+
+        loss_fn = RouterAuxLoss(accelerator, model, scope=sc["router_aux_loss_scope"])
+        callbacks.append(RouterWindowRecords(loss_fn))
     name_dir = out_dir / sc["name"]
     checkpointer = None
     if sc.get("resume_from") and resume_from is None:
         checkpointer = Checkpointer(accelerator, name_dir / "ckpts", checkpointing_steps=1, signals=())
     result = accum_kit.train_loop(
         accelerator, model, optimizer, loader, num_train_epochs=sc.get("epochs", 1),
-        max_grad_norm=sc.get("max_grad_norm"), callbacks=[rec], progress=False, checkpointer=checkpointer,
+        max_grad_norm=sc.get("max_grad_norm"), callbacks=callbacks, loss_fn=loss_fn, progress=False,
+        checkpointer=checkpointer,
         resume_from=name_dir / "ckpts" / f"step_{resume_from}" if resume_from is not None else None)
     d = name_dir / (f"resumed_{resume_from}" if resume_from is not None else "")
     d.mkdir(parents=True, exist_ok=True)
@@ -94,7 +106,8 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         torch.save(rec.steps, d / "steps.pt")
     mesh = accelerator.torch_device_mesh
     info = {"rank": accelerator.process_index, "num_processes": accelerator.num_processes,
-            "mesh": {n: mesh.get_local_rank(n) for n in mesh.mesh_dim_names},
+            "mesh": {n: mesh.get_local_rank(n) for n in mesh.mesh_dim_names} if mesh is not None else None,
+            "router_windows": loss_fn.windows if loss_fn is not None else None,
             "label": engine.label, "train_loss": result.train_loss, "step_tokens": result.step_tokens,
             "grad_norms": rec.norms, "len_dataloader": len(loader), "resumed_from_step": result.resumed_from_step,
             "dtensor_parameters": sum(isinstance(p, DTensor) for p in model.parameters()),
