@@ -41,6 +41,9 @@ WRONG = {"tp": "world", "cp": "cp_slice"}
 JOB = ["--model_preset", "llama_tiny", "--block_size", "64", "--learning_rate", "3e-3", "--num_warmup_steps", "0",
        "--max_train_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
        "--max_train_samples", "64", "--max_eval_samples", "16", "--logging_steps", "2"]
+VERIFY_K = 2  # accum-kit verify on the mesh: a full window of 2 micro-batches and a partial one of 1
+VERIFY = ["--model_preset", "llama_tiny", "--gradient_accumulation_steps", VERIFY_K]
+MISCOUNT_ROWS = {"tp": "tokens counted over every process", "cp": "tokens of the local cp slice only"}
 
 
 def _load(d, world):
@@ -54,7 +57,7 @@ def runs(tmp_path_factory, ddp_pool):
     "ddp_job": summary}``: both pools run at once, the DDP job on the session's DDP pool."""
     root = tmp_path_factory.mktemp("model_parallel")
     corpus = jh.write_corpus(root / "corpus.txt")
-    pools, pending = {}, {}
+    pools, pending, verifies = {}, {}, {}
     try:
         for kind, config in (("tp", TP_CONFIG), ("cp", CP_CONFIG)):
             work = root / kind
@@ -65,6 +68,8 @@ def runs(tmp_path_factory, ddp_pool):
                     "examples": ex.EXAMPLES, "scenarios": scenarios}
             (work / "spec.json").write_text(json.dumps(spec))
             pools[kind] = pool = command_pool.CommandPool(work / "pool", config, num_processes=4, timeout=TIMEOUT_S)
+            # first: a tp model fails once the train job has ended the process group and the pool formed a new one
+            verifies[kind] = pool.submit("verify", [*VERIFY, "--json", work / "verify.json"])
             pending[kind] = (pool.submit("mesh_worker", [work / "spec.json", work / "out"],
                                          script=jh.REPO / "tests" / "mesh_worker.py"),
                              pool.submit("train", ["--train_file", corpus, "--output_dir", work / "job", *JOB],
@@ -85,6 +90,11 @@ def runs(tmp_path_factory, ddp_pool):
                          for sc in scenarios}
             out[kind]["job"] = json.loads((root / kind / "job" / "train_summary.json").read_text())
             out[kind]["job_dir"] = root / kind / "job"
+        for kind, cmd in verifies.items():
+            res = cmd.result(TIMEOUT_S)
+            if res.returncode != 0:
+                pytest.fail(f"{kind} verify failed\n{res.describe()}", pytrace=False)
+            out[kind]["verify"] = json.loads((root / kind / "verify.json").read_text())
         res = ddp_job.result(TIMEOUT_S)
         if res.returncode != 0:
             pytest.fail(f"DDP job failed\n{res.describe()}", pytrace=False)
@@ -237,6 +247,51 @@ def test_a_tp_trained_model_saves_whole_and_loads_on_one_process(runs):
     for k in want:
         assert got[k].shape == want[k].shape, k
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- accum-kit verify on the mesh
+
+
+@pytest.mark.parametrize("kind", ["tp", "cp"])
+def test_verify_on_the_mesh_passes_and_reports_the_public_miscount(runs, kind):
+    """accum-kit verify under cpu_tp.yaml / cpu_cp.yaml (llama_tiny, K=2 and a partial window): each example taken
+    once (the tp / cp ranks of a data-parallel rank ran the same ones), the tokens row within tolerance, and the
+    miscount of that mesh (over every process under tp, the local cp slice under cp) run for real as an
+    informational row, more than 10x outside the tolerance; the sum row shows FSDP2 averaging over R x S x cp."""
+    rep = runs[kind]["verify"]
+    split = {"tp": (DP, DP), "cp": (DP * SPLIT, DP * SPLIT)}[kind]  # token ranks, processes a gradient is averaged over
+    assert (rep["world_size"], rep["data_parallel_size"], (rep["token_ranks"], rep["gradient_mean_size"])) == \
+        (4, DP, split)
+    assert rep["mesh"] == {"dp_replicate_size": 1, "dp_shard_size": DP, "tp_size": SPLIT if kind == "tp" else 1,
+                           "cp_size": SPLIT if kind == "cp" else 1, "world_size": 4}
+    r = (VERIFY_K + 1) // 2
+    assert [w["examples"] for w in rep["windows"]] == [VERIFY_K * 2 * DP, r * 2 * DP]  # B=2 per micro-batch
+    assert sorted(i for w in rep["windows"] for i in w["indices"]) == list(range((VERIFY_K + r) * 2 * DP))
+    for w in rep["windows"]:  # the oracle's count: each example's targets once (ids of length n: n - 1 targets)
+        assert w["target_tokens"] == sum(len(ids) - 1 for ids in w["input_ids"])
+    rows = rep["rows"]
+    assert rep["passed"] and rep["exit_code"] == 0
+    assert rows["tokens"]["passed"] and rows["tokens"]["tolerance_used"] <= 1.0
+    wrong = rows[MISCOUNT_ROWS[kind]]
+    assert MISCOUNT_ROWS[{"tp": "cp", "cp": "tp"}[kind]] not in rows
+    assert wrong["informational"] and not wrong["passed"] and wrong["tolerance_used"] > 10
+    assert {"tp": "count over the world x tp", "cp": "count of the local cp slice"}[kind] in wrong["summary"]["reproduces"]
+    if kind == "tp":  # every token counted tp times: exactly 1/tp of the update
+        assert wrong["summary"]["factor"] == pytest.approx(1 / SPLIT, rel=1e-5)
+    else:  # a slice's tokens only: too few counted, a larger update
+        assert wrong["summary"]["factor"] > 1.2
+    assert rep["ddp_sum_ratio"] == pytest.approx(1 / split[1], rel=1e-5)
+    assert rows["trainer"]["skipped"]
+
+
+def test_verify_takes_each_data_parallel_ranks_examples_once():
+    """What 4 processes of a 2 x 2 mesh ran: one entry per data-parallel rank; peers that disagree are refused."""
+    from accum_kit.verify.mesh import one_per_data_parallel_rank
+
+    assert one_per_data_parallel_rank(["a", "a", "b", "b"], 2) == ["a", "b"]
+    assert one_per_data_parallel_rank(["a", "b"], 2) == ["a", "b"]
+    with pytest.raises(RuntimeError, match="process 3"):
+        one_per_data_parallel_rank(["a", "a", "b", "c"], 2)
 
 
 # --------------------------------------------------------------------------- bad input (in-process)

@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from ..core.token_ranks import TokenRanks
 from ..errors import UsageError
 from .mesh import Mesh
 from .sequence_split import check_heads, split_sequences
@@ -59,8 +60,6 @@ def prepare_model(accelerator, mesh: Mesh, model: torch.nn.Module, optimizers=()
 def token_ranks(accelerator, mesh: Mesh):
     """The :class:`accum_kit.core.token_ranks.TokenRanks` of the mesh: the ``dp_cp`` group of this process's tp
     coordinate (every process when there is no tp), and under cp this rank's slice of each sequence."""
-    from ..core.token_ranks import TokenRanks
-
     if mesh.tp == 1 and mesh.cp == 1:
         return TokenRanks(accelerator)
     device_mesh = accelerator.torch_device_mesh
@@ -69,3 +68,49 @@ def token_ranks(accelerator, mesh: Mesh):
         split = functools.partial(split_sequences, rank=device_mesh["cp"].get_local_rank(), size=mesh.cp)
     return TokenRanks(accelerator, group=device_mesh["dp_cp"].get_group(), size=mesh.token_ranks, cp=mesh.cp,
                       split=split)
+
+
+#: The two public miscounts of a window's tokens under tp / cp, by the name of ``accum-kit verify``'s informational
+#: row that runs each for real: the bug it reproduces.
+WORLD_COUNT = "tokens counted over every process"
+CP_SLICE_COUNT = "tokens of the local cp slice only"
+MISCOUNT_BUGS = {
+    WORLD_COUNT: "count over the world x tp: the tokens summed over every process, tp duplicates included, so "
+                 "each token is counted tp_size times and the update is 1/tp of the exact one",
+    CP_SLICE_COUNT: "count of the local cp slice: each rank divides by its own slice's tokens summed over the "
+                    "data-parallel ranks only (its cp peers' slices left out), undercounting by a factor of about "
+                    "cp, by a different factor on each rank",
+}
+
+
+def miscounts(accelerator, mesh: Mesh | None) -> dict:
+    """The :class:`accum_kit.core.token_ranks.TokenRanks` of the public miscounts on this mesh, by
+    :data:`MISCOUNT_BUGS` row name; empty without tp and cp (or without a mesh).
+
+    - tp > 1: :data:`WORLD_COUNT`, every process (``accelerator.reduce``), tp ranks included;
+    - cp > 1: :data:`CP_SLICE_COUNT`, this rank's slice summed over the data-parallel ranks of its cp (and tp)
+      coordinate (Accelerate's flattened ``dp`` mesh dimension) only.
+
+    Both keep the run's own sequence split, so only the count differs from :func:`token_ranks`. For measuring
+    (``accum-kit verify``), never for training.
+    """
+    if mesh is None or (mesh.tp == 1 and mesh.cp == 1):
+        return {}
+    split = token_ranks(accelerator, mesh).split
+    out = {}
+    if mesh.tp > 1:
+        out[WORLD_COUNT] = TokenRanks(accelerator, split=split)
+    if mesh.cp > 1:
+        if mesh.data_parallel_size > 1:
+            dp = accelerator.torch_device_mesh["dp"]  # (dp_replicate, dp_shard) flattened by Accelerate
+            out[CP_SLICE_COUNT] = TokenRanks(accelerator, group=dp.get_group(), size=dp.size(), split=split)
+        else:
+            out[CP_SLICE_COUNT] = _OwnRank(accelerator, size=1, split=split)
+    return out
+
+
+class _OwnRank(TokenRanks):
+    """Token ranks of one process only (a mesh whose data-parallel size is 1): a sum is this rank's own value."""
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.accelerator.device).clone()

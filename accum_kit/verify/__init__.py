@@ -72,6 +72,11 @@ by K and averages), and so is the Trainer row. With ``--mixed_precision bf16``
 DeepSpeed trains the model in bf16 (float32 master weights), and the bf16
 normwise tolerance applies.
 
+Under an FSDP2 mesh with tensor or context parallel (accelerate_configs/cpu_tp.yaml, cpu_cp.yaml) only the
+data-parallel ranks read different examples; the oracle takes each example once, and an informational row
+per mesh runs the ``tokens`` pass with a public miscount of the window's tokens (over every process under tp,
+the local cp slice under cp) against the same oracle (:mod:`accum_kit.verify.mesh`).
+
 Command line: ``accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accum_kit verify``
 (any number of processes), or ``python -m accum_kit verify`` on one. Exit 0
 when the row selected by ``--loss_normalization`` passes, 1 when it does not,

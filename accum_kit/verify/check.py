@@ -30,6 +30,7 @@ from . import batchnorm
 from .accelerator import CompileRecord, resolve_accelerator, resolve_tolerances
 from .capture import EvalMode, GradientCapture
 from .data import partial_micro_batches
+from .mesh import mesh_plan, one_per_data_parallel_rank
 from .report import VerifyReport
 from .rows import BATCHNORM_ROW, evaluate
 from .settings import DEFAULT_BATCH_SIZE, Captured, RunSettings, model_copy, validate
@@ -116,7 +117,8 @@ def verify_accumulation(
             and, on a user ``dataset``, the oracle applies it to the whole
             window as one batch. None: :func:`accum_kit.causal_lm_loss`.
         dataset: your examples (a list or map-style dataset; the first
-            ``(K + r) x B x W`` are used, in order, every process the same);
+            ``(K + r) x B x W`` are used, in order, every process the same; W the data-parallel ranks, which
+            under tp / cp are fewer than the processes);
             None: verify's random token sequences (the model must then be a
             causal LM with ``config.vocab_size``).
         collate_fn: list of examples -> batch for ``dataset`` (None:
@@ -200,18 +202,23 @@ def _plan(accelerator, K: int, *, model, model_name_or_path, model_preset, seed,
         base, spec, bn_layers = model_copy(model, model_name_or_path, seed, model_preset, token_data)
     spec["parameters"] = sum(p.numel() for p in base.parameters())
     r = partial_micro_batches(K, partial_window)
-    n = (K + r) * per_device_train_batch_size * accelerator.num_processes
+    plan = run_plan_of(accelerator)
+    engine = plan.engine
+    parallel = mesh_plan(accelerator, engine)  # tp / cp ranks read their data-parallel rank's examples
+    n = (K + r) * per_device_train_batch_size * parallel.data_parallel_size
     workload = (token_workload(n, seed, spec["vocab_size"], spec["max_length"], loss_fn) if token_data
                 else user_workload(dataset, n, collate_fn, loss_fn or causal_lm_loss))
     trainer_skip = None
-    plan = run_plan_of(accelerator)
-    engine = plan.engine
     if trainer_row and engine.owns_backward():
         trainer_row, trainer_skip = False, ("under DeepSpeed Trainer would build its own engine from the "
                                             "launch's config; run it under DDP")
     if trainer_row and (loss_fn is not None or not token_data):
         trainer_row, trainer_skip = False, ("it runs transformers' causal-LM Trainer on verify's own token data; "
                                             "a loss_fn or dataset was given")
+    if trainer_row and parallel.model_parallel:
+        trainer_row, trainer_skip = False, ("the tp / cp ranks of this mesh share their data-parallel rank's "
+                                            "examples, and Trainer would build its own Accelerator and split the "
+                                            "model its own way; run it without tp / cp")
     precision = engine.compute_precision(accelerator)
     rtol, atol, normwise = resolve_tolerances(precision, rtol, atol)
     settings = RunSettings(
@@ -225,7 +232,7 @@ def _plan(accelerator, K: int, *, model, model_name_or_path, model_preset, seed,
         # an engine that casts the model (not Accelerate's autocast) computes in low precision too
         autocast=bool(getattr(accelerator, "native_amp", False)) or precision != accelerator.mixed_precision,
         batchnorm_layers=bn_layers, accumulation_policy=plan.policy.name, engine=engine.name,
-        casts_model=engine.casts_model())
+        casts_model=engine.casts_model(), parallel=parallel)
     return settings, base, trainer_skip
 
 
@@ -272,7 +279,7 @@ def _capture_trainer(accelerator, model, s: RunSettings) -> dict:
 def _capture(accelerator, base, s: RunSettings) -> Captured:
     """Every process: run the rows on prepared copies; gather example indices and gradient norms."""
     K, B, W, r = s.gradient_accumulation_steps, s.per_device_train_batch_size, s.world_size, s.partial_micro_batches
-    wl = s.workload
+    wl, mp = s.workload, s.parallel
     capture = GradientCapture(base.named_parameters(), keep=accelerator.is_main_process)
     pmodel, popt, ploader = accelerator.prepare(base, capture, wl.loader(B))
     engine = run_plan_of(accelerator).engine
@@ -288,34 +295,40 @@ def _capture(accelerator, base, s: RunSettings) -> Captured:
         if len(ploader) != K + r:
             raise RuntimeError(f"expected {K + r} micro-batches per process after sharding, got {len(ploader)}")
         for name, mode, modes in passes[:2]:
-            runs[name] = _loop_pass(accelerator, pmodel, popt, ploader, capture, wl, mode, modes)
+            runs[name] = _loop_pass(accelerator, pmodel, popt, ploader, capture, wl, mode, modes,
+                                    mp.normalizer(accelerator, mode))
         if not engine.owns_backward():  # a plain loss.backward() goes through the engine's reduction
-            runs["sum"] = _sum_pass(accelerator, pmodel, popt, ploader, capture, wl)
+            runs["sum"] = _sum_pass(accelerator, pmodel, popt, ploader, capture, wl, mp.part)
+        for name, ranks in mp.miscounts.items():  # tp / cp: the public miscounts, run for real (informational)
+            runs[name] = _loop_pass(accelerator, pmodel, popt, ploader, capture, wl, "tokens", EvalMode(pmodel),
+                                    mp.normalizer(accelerator, "tokens", ranks))
         for name, mode, modes in passes[2:]:
-            runs[name] = _loop_pass(accelerator, pmodel, popt, ploader, capture, wl, mode, modes)
+            runs[name] = _loop_pass(accelerator, pmodel, popt, ploader, capture, wl, mode, modes,
+                                    mp.normalizer(accelerator, mode))
     finally:
         forget_prepared(accelerator, (pmodel, popt, ploader))
 
     for name, (_, norms, _) in runs.items():
         if len(norms) != s.windows:
             raise RuntimeError(f"{name}: {len(norms)} optimizer steps, expected {s.windows}")
-    # Examples each process ran, per row and window; gradient norms of every rank.
-    ran = gather_object([{name: run[2] for name, run in runs.items()}])
+    # Examples each data-parallel rank ran (its tp / cp peers ran the same), per row and window; every rank's norms.
+    ran = one_per_data_parallel_rank(gather_object([{name: run[2] for name, run in runs.items()}]),
+                                     mp.data_parallel_size)
     norms = accelerator.gather(torch.tensor([x for run in runs.values() for x in run[1]],
                                             dtype=torch.float64, device=accelerator.device)).cpu().view(W, -1)
     return Captured(grads={name: run[0] for name, run in runs.items()}, examples=ran, norms=norms, workload=wl)
 
 
-def _sum_pass(accelerator, pmodel, popt, ploader, capture, wl: Workload) -> tuple:
+def _sum_pass(accelerator, pmodel, popt, ploader, capture, wl: Workload, part) -> tuple:
     """The ``sum`` row (not where the engine owns the backward, :meth:`~accum_kit.engines.base.Engine.owns_backward`:
-    DeepSpeed's must go through its engine)."""
+    DeepSpeed's must go through its engine); ``part`` cuts a micro-batch to this process's slice (cp)."""
     # reduction="sum": plain backward inside accumulate; only DDP stands between it and the big batch.
     rec, window = IndexRecorder(wl.loss_fn), 0
     pmodel.eval()
     for batch in ploader:
         with accelerator.accumulate(pmodel):
             rec.window = window
-            summed, _ = rec(pmodel, batch)
+            summed, _ = rec(pmodel, part(batch))
             summed.backward()
             if accelerator.sync_gradients:
                 popt.step()
@@ -324,11 +337,12 @@ def _sum_pass(accelerator, pmodel, popt, ploader, capture, wl: Workload) -> tupl
     return (*capture.take(), rec.windows)
 
 
-def _loop_pass(accelerator, pmodel, popt, ploader, capture, wl: Workload, mode: str, modes) -> tuple:
-    """One epoch of train_loop over the windows; ``modes`` is the callback that sets the modules' modes."""
+def _loop_pass(accelerator, pmodel, popt, ploader, capture, wl: Workload, mode: str, modes, normalizer=None) -> tuple:
+    """One epoch of train_loop over the windows; ``modes`` is the callback that sets the modules' modes;
+    ``normalizer``: the loop's, None for the engine's own."""
     rec = IndexRecorder(wl.loss_fn)
     with warnings.catch_warnings():  # the BatchNorm pass is measured on purpose: the report says it
         warnings.simplefilter("ignore", BatchNormAccumulationWarning)
         train_loop(accelerator, pmodel, popt, ploader, num_train_epochs=1, loss_normalization=mode,
-                   loss_fn=rec, callbacks=[rec, modes], progress=False)
+                   loss_fn=rec, callbacks=[rec, modes], progress=False, normalizer=normalizer)
     return (*capture.take(), rec.windows)

@@ -58,7 +58,8 @@ class Row:
     """One normalisation compared with the oracle; errors are the worst over windows.
 
     Attributes:
-        name: ``tokens``, ``mean-of-means``, ``sum`` or ``sum (DataParallel)``.
+        name: ``tokens``, ``mean-of-means``, ``sum``, ``sum (DataParallel)``, ``trainer``, or under a tp / cp
+            mesh ``tokens counted over every process`` / ``tokens of the local cp slice only``.
         computed_by: how our gradient was produced.
         compared_with: which oracle gradient (``big-batch token mean`` or ``big-batch sum``).
         max_abs_error: max |g - o| over all elements and windows (gradient units).
@@ -70,11 +71,12 @@ class Row:
         passed: within tolerance in every window and ranks agree.
         windows: per-window ``max_abs_error``, ``rel_error``, ``tolerance_used``, ``grad_norm``.
         skipped: why the row was not measured (None when it was).
-        informational: the row never decides ``passed`` (the ``trainer`` row);
+        informational: the row never decides ``passed`` (the ``trainer`` row, the tp / cp miscount rows);
             the table shows ``info`` instead of PASS / FAIL.
         summary: the ``trainer`` row's conclusion (``factor`` = <g, o> / <o, o>
             over all windows, worst ``cosine``, ``cause``; see
-            :func:`accum_kit.verify.trainer.trainer_summary`), else None.
+            :func:`accum_kit.verify.trainer.trainer_summary`); a miscount row's ``factor`` and ``reproduces``
+            (the public bug, :data:`accum_kit.engines.model_parallel.MISCOUNT_BUGS`); else None.
     """
 
     name: str
@@ -135,6 +137,10 @@ class VerifyReport:
     compile: dict | None = None  # torch.compile settings and this process's counts (verify.accelerator.CompileRecord)
     engine: str = "ddp"  # the run's engine (accum_kit.engines.base.Engine.name); words the text only
     casts_model: bool = False  # the engine casts the model itself (Engine.casts_model: DeepSpeed); words the text only
+    data_parallel_size: int | None = None  # processes reading different examples (None: world_size)
+    token_ranks: int | None = None  # processes holding different tokens, over which a window's tokens are counted
+    gradient_mean_size: int | None = None  # processes the engine averages a gradient over (None: world_size)
+    mesh: dict | None = None  # the sharded run's mesh sizes (Mesh.to_dict() and world_size), None without one
 
     def row(self, name: str) -> Row:
         """The row called ``name`` (StopIteration if none)."""
@@ -155,7 +161,12 @@ class VerifyReport:
 
     @property
     def ddp_sum_ratio_expected(self) -> float:
-        return 1.0 / self.world_size
+        return 1.0 / self.averaged_over
+
+    @property
+    def averaged_over(self) -> int:
+        """Processes the engine averages each gradient over (FSDP2 under tp: not the tp ranks)."""
+        return self.gradient_mean_size or self.world_size
 
     def to_dict(self) -> dict:
         """JSON-ready dict: the fields, ``rows`` keyed by name, and the derived verdict fields."""
@@ -172,7 +183,7 @@ class VerifyReport:
 
     def ddp_statement(self) -> str:
         """One sentence: what DDP does to a sum loss, with the measured ratio."""
-        w, r = self.world_size, self.ddp_sum_ratio
+        w, r = self.averaged_over, self.ddp_sum_ratio
         if r is None:
             return (f"DeepSpeed's engine divides each micro-batch's loss by K={self.gradient_accumulation_steps} "
                     f"and averages over the {w} processes (no sum row)")
@@ -198,6 +209,8 @@ class VerifyReport:
             "dropout off (eval mode)",
             f"  data: {self.data.get('description', '')}",
         ]
+        if self.mesh is not None and self.data_parallel_size != W:
+            lines.append(self._mesh_line())
         if self.compile is not None:
             lines.append(self._compile_line())
         for w in self.windows:
@@ -217,6 +230,14 @@ class VerifyReport:
             self._tolerance_line(),
         ]
         return lines
+
+    def _mesh_line(self) -> str:
+        sizes = " x ".join(f"{k.removesuffix('_size')} {v}" for k, v in self.mesh.items()
+                           if k != "world_size" and (v > 1 or k == "dp_shard_size"))
+        return (f"  mesh: {sizes}: {self.data_parallel_size} data-parallel ranks read different examples (each "
+                f"taken once by the oracle), tokens counted over the {self.token_ranks} ranks holding different "
+                f"tokens (data-parallel x cp{', never per tp rank' if self.mesh.get('tp_size', 1) > 1 else ''}), "
+                f"{self.reducer} averages over {self.averaged_over}")
 
     def _compile_line(self) -> str:
         c = self.compile
@@ -267,10 +288,18 @@ class VerifyReport:
                 verdict = "info" if r.informational else ("PASS" if r.passed else "FAIL")
                 table.append(cells + [f"{r.max_abs_error:.2e}", *[f"{x['rel_error']:.2e}" for x in r.windows],
                                       f"{r.tolerance_used:.3g}", verdict])
-                if r.summary is not None:
+                if r.summary is not None and "reproduces" in r.summary:
+                    notes += self._miscount_notes(r)
+                elif r.summary is not None:
                     notes += self._trainer_notes(r)
         text = tabulate(table, headers=head, tablefmt="simple", disable_numparse=True)
         return ["  " + line for line in text.splitlines()] + notes
+
+    def _miscount_notes(self, r: Row) -> list[str]:
+        """A miscount row's size against the oracle and the public bug it reproduces (informational)."""
+        s = r.summary
+        return [f"  {r.name} (informational, exit code unaffected): max abs err {r.max_abs_error:.2e}, worst/tol "
+                f"{r.tolerance_used:.3g}, update = oracle x{s['factor']:.4f} in size; reproduces {s['reproduces']}"]
 
     def _trainer_notes(self, r: Row) -> list[str]:
         """The ``trainer`` row's size, direction and cause (informational: no effect on the verdict)."""
@@ -294,7 +323,7 @@ class VerifyReport:
         return lines
 
     def _conclusion_lines(self) -> list[str]:
-        W = self.world_size
+        W, G = self.world_size, self.averaged_over
         measured = [r for r in self.rows if r.rank_spread is not None]  # the DDP rows (and Trainer's)
         lines = [f"  {self.ddp_statement()}"]
         if self.dataparallel_sum_ratio is not None:
@@ -305,8 +334,8 @@ class VerifyReport:
         items = self.items
         why = (f"  why: tokens divides the summed loss by the window's {items} over all processes (exact); "
                f"mean-of-means weights micro-batches with fewer {items} more and still divides a partial window by K")
-        lines.append(why + (f"; sum is {W}x too small because {self.reducer} averages over {W} processes"
-                            if W > 1 and self.ddp_sum_ratio is not None else ""))
+        lines.append(why + (f"; sum is {G}x too small because {self.reducer} averages over {G} processes"
+                            if G > 1 and self.ddp_sum_ratio is not None else ""))
         if self.batchnorm is not None:
             lines += finding_lines(self.batchnorm, self.gradient_accumulation_steps,
                                    self.per_device_train_batch_size, W, self.rtol)

@@ -8,6 +8,7 @@ import torch
 
 from . import batchnorm
 from .compare import compare_gradients, scaled_residual
+from .mesh import MISCOUNT_BUGS
 from .oracle import big_batch_gradient, dataparallel_sum_gradient
 from .report import Row, VerifyReport, WindowInfo
 from .settings import Captured, RunSettings
@@ -53,9 +54,12 @@ def evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
     for j, name in enumerate(cap.names):
         if name == BATCHNORM_ROW:
             continue
-        how, compared = HOW[name]
-        row = Row(name, how, compared if wl.token_data else compared.replace("token mean", "item mean"))
+        miscount = name in MISCOUNT_BUGS  # tp / cp: a public miscount run for real, informational
+        how, compared = HOW.get(name) or (f'train_loop(loss_normalization="tokens"), {name}', "big-batch token mean")
+        row = Row(name, how, compared if wl.token_data else compared.replace("token mean", "item mean"),
+                  informational=miscount)
         row.rank_spread = _rank_spread(cap, j, n_windows)
+        dots = sqs = 0.0
         for w in range(n_windows):
             sum_grad, n_tok = oracle(cap.window_indices(name, w))
             if name == "sum":  # atol is stated for token-mean gradients; the sum gradient is N times larger
@@ -66,7 +70,10 @@ def evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
             if name == "sum":
                 sum_pairs.append((cap.grads[name][w], want, c))
             row.add_window(w + 1, c)
+            dots, sqs = dots + c["dot"], sqs + c["want_sq"]
         row.conclude(s.rtol)
+        if miscount:
+            row.summary = {"reproduces": MISCOUNT_BUGS[name], "factor": dots / sqs if sqs else float("nan")}
         rows.append(row)
 
     ratio = residual = None
@@ -106,6 +113,7 @@ def evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
         bn_row, finding = _batchnorm_row(s, cap, oracle_model)
         rows.append(bn_row)
 
+    mp = s.parallel
     return VerifyReport(
         world_size=s.world_size, distributed_type=s.distributed_type, gradient_accumulation_steps=K,
         per_device_train_batch_size=s.per_device_train_batch_size, seed=s.seed, model=s.model,
@@ -114,6 +122,9 @@ def evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
         dataparallel_sum_ratio=dp_ratio, mixed_precision=s.mixed_precision, normwise=s.normwise,
         autocast=s.autocast, data={"description": wl.description, "items": wl.items, "token_data": wl.token_data},
         batchnorm=finding, accumulation_policy=s.accumulation_policy, engine=s.engine, casts_model=s.casts_model,
+        data_parallel_size=mp.data_parallel_size if mp else s.world_size,
+        token_ranks=mp.token_ranks if mp else s.world_size,
+        gradient_mean_size=mp.gradient_mean_size if mp else s.world_size, mesh=mp.mesh if mp else None,
         oracle={"dtype": "float64", "device": str(device),
                 "grad_norm": [w.oracle_grad_norm for w in windows],
                 "sum_grad_norm": [w.oracle_sum_grad_norm for w in windows]},

@@ -76,6 +76,7 @@ class RunSettings:
     batchnorm_layers: tuple = ()  # BatchNorm layers of the given model (the finding runs if any)
     engine: str = "ddp"  # the run's engine (accum_kit.engines.base.Engine.name)
     casts_model: bool = False  # the engine casts the model's weights itself (Engine.casts_model: DeepSpeed)
+    parallel: object = None  # verify.mesh.MeshPlan: data-parallel / token ranks, the miscount rows' token ranks
 
     @property
     def windows(self) -> int:
