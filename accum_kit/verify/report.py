@@ -332,7 +332,8 @@ class VerifyReport:
         lines.append(f"  ranks agree: gradient norms differ by at most {max(r.rank_spread for r in measured):.1e} "
                      f"(relative) across the {W} process(es)")
         items = self.items
-        why = (f"  why: tokens divides the summed loss by the window's {items} over all processes (exact); "
+        over = "all processes" if self.data_parallel_size in (None, W) else f"the {self.token_ranks} token ranks"
+        why = (f"  why: tokens divides the summed loss by the window's {items} over {over} (exact); "
                f"mean-of-means weights micro-batches with fewer {items} more and still divides a partial window by K")
         lines.append(why + (f"; sum is {G}x too small because {self.reducer} averages over {G} processes"
                             if G > 1 and self.ddp_sum_ratio is not None else ""))
