@@ -72,7 +72,8 @@ def runs(tmp_path_factory, ddp_pool):
             verifies[kind] = pool.submit("verify", [*VERIFY, "--json", work / "verify.json"])
             pending[kind] = (pool.submit("mesh_worker", [work / "spec.json", work / "out"],
                                          script=jh.REPO / "tests" / "mesh_worker.py"),
-                             pool.submit("train", ["--train_file", corpus, "--output_dir", work / "job", *JOB],
+                             pool.submit("train", ["--train_file", corpus, "--output_dir", work / "job", *JOB,
+                                                   "--profile_comm"],
                                          datasets_cache=root / f"hf_cache_{kind}"), scenarios)
         ddp_job = ddp_pool.submit("train", ["--train_file", corpus, "--output_dir", root / "ddp_job", *JOB],
                                   datasets_cache=root / "hf_cache_ddp")
@@ -234,6 +235,26 @@ def test_the_train_job_on_the_mesh_equals_ddp(runs, kind):
     assert (got["world_size"], got["data_parallel_size"], got["effective_batch_size"]) == \
         (4, DP, want["effective_batch_size"])
     assert want["world_size"] == DP
+
+
+@pytest.mark.parametrize("kind", ["tp", "cp"])
+def test_the_profiler_counts_each_mesh_dimensions_collectives_as_the_cost_table_does(runs, kind):
+    """The tp and cp jobs ran with --profile_comm: per micro-batch, synchronising or not, the tp group's
+    all-reduces and the logits' all-gather (2 L + 1 + 1 forward, 5 L + 1 backward, L = 2) and the cp group's
+    all-to-alls (8 L) are what engines/mesh_costs.py's table says, and none of them is gradient
+    synchronisation; the window's token count is one scalar all-reduce per window on the dp x cp group."""
+    from accum_kit.engines.mesh_costs import cp_collectives, dense_transformer, tp_collectives
+
+    by = runs[kind]["job"]["comm"]["by_mesh_dim"]["by_dim"]
+    model = dense_transformer("llama_tiny")  # calls do not depend on the vocabulary
+    table = tp_collectives(model, 2, 1, 1, 4) if kind == "tp" else cp_collectives(model, 2, 1, 1, 1, 4)
+    per_micro_batch = sum(c.calls for c in table)  # K = 1: calls per micro-batch
+    assert per_micro_batch == (17 if kind == "tp" else 16)
+    dim = by[kind]
+    assert dim["calls_per_sync_micro_batch"] == dim["calls_per_no_sync_micro_batch"] == per_micro_batch, dim
+    assert "gradient_sync" not in dim["by_class"]
+    counts = by["dp_cp"] if kind == "tp" else by["dp_shard_cp"]  # under cp the dp x cp ranks are FSDP2's group
+    assert counts["by_phase"]["step"]["calls_per_window"] >= 1
 
 
 def test_a_tp_trained_model_saves_whole_and_loads_on_one_process(runs):
