@@ -15,8 +15,10 @@ attention is causal by itself; a right-padded batch needs no more, since no real
 
 from __future__ import annotations
 
+import weakref
+
 ATTENTION_NAME = "accum_kit_ulysses"
-_groups: dict = {}  # id(config) -> the cp process group of that model
+_groups: dict = {}  # id(config) -> the cp process group of that model (a config cannot hold it: it is saved as JSON)
 
 
 def _local_attention(scaling: float):
@@ -71,5 +73,7 @@ def install_ulysses_attention(model, group) -> None:
     AttentionInterface.register(ATTENTION_NAME, _ulysses_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
     for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+        if id(config) not in _groups:  # forget the entry with the config: a later object may reuse its id
+            weakref.finalize(config, _groups.pop, id(config), None)
         _groups[id(config)] = group
         config._attn_implementation = ATTENTION_NAME
