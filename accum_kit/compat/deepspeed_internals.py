@@ -300,3 +300,18 @@ def set_deepspeed_clipping(engine, max_norm: float) -> None:
     if engine.gradient_clipping() != float(max_norm):  # a later DeepSpeed keeps it elsewhere
         raise RuntimeError("deepspeed no longer reads gradient_clipping from engine._config; "
                            "see accum_kit.compat.set_deepspeed_clipping")
+
+
+def make_zero3_leaf_modules(model, modules) -> int:
+    """Flag ``modules`` (inside ``model``) as ZeRO-3 leaf modules with ``deepspeed.utils.set_z3_leaf_modules_by_name``
+    (DeepSpeed 0.19.8; the mechanism Accelerate's ``transformer_moe_cls_names`` uses): ZeRO-3 gathers a leaf
+    module's parameters at its forward and, after its backward, reduces every one of them, a zero gradient for
+    those that got none (``DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks``). Before
+    ``deepspeed.initialize`` (``prepare``). Returns how many were flagged."""
+    if not modules:
+        return 0
+    from deepspeed.utils import set_z3_leaf_modules_by_name
+
+    names = {id(m): n for n, m in model.named_modules()}
+    flagged, _ = set_z3_leaf_modules_by_name(model, [names[id(m)] for m in modules if id(m) in names])
+    return len(flagged)

@@ -26,7 +26,9 @@ class AccumulationAccelerator(Accelerator):
     - ``no_sync(model)`` (which ``accumulate(model)`` enters on every
       non-boundary micro-batch): the engine adds the policy's switches (FSDP2:
       keep parameters gathered after backward; HSDP: skip only the all-reduce
-      across replicas).
+      across replicas) and, after the backward, zero gradients where FSDP2 needs them;
+    - ``backward(loss)``: the engine may add a zero-valued term that gives every parameter a gradient
+      (DDP, DeepSpeed; :mod:`accum_kit.engines.moe`).
 
     Attributes:
         run_plan: the run's :class:`~accum_kit.core.run_plan.RunPlan`.
@@ -51,6 +53,11 @@ class AccumulationAccelerator(Accelerator):
         single = len(args) == 1
         prepared = engine.after_prepare(self, args, [out] if single else list(out))
         return prepared[0] if single else tuple(prepared)
+
+    def backward(self, loss, **kwargs):
+        """``Accelerator.backward``, through the run's engine (:meth:`accum_kit.engines.base.Engine.backward`: DDP and
+        DeepSpeed give every parameter a gradient where the backward reduces, see :mod:`accum_kit.engines.moe`)."""
+        return self.run_plan.engine.backward(self, loss, super().backward, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self, model):

@@ -172,6 +172,12 @@ class Engine:
         with base_no_sync(model):
             yield
 
+    def backward(self, accelerator, loss, base_backward, **kwargs):
+        """``accelerator.backward(loss, **kwargs)``: ``base_backward`` (Accelerate's) on ``loss``, which an engine may
+        complete first (DDP, DeepSpeed: :func:`accum_kit.engines.moe.with_zero_gradients`, so that a parameter the
+        forward did not reach still gets a gradient where the backward reduces). Here: ``loss`` as it is."""
+        return base_backward(loss, **kwargs)
+
     def reduces_each_micro_batch(self, accelerator, policy: AccumulationPolicy) -> bool:
         """Whether every micro-batch's backward reduces gradients (``LoopState.sync`` inside a window)."""
         return accelerator.num_processes > 1 and policy.sync_each_batch

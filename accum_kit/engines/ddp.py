@@ -149,6 +149,38 @@ class DDPEngine(Engine):
                              "drop use_reentrant (non-reentrant is the default) or --ddp_find_unused_parameters")
         return super().apply_activation_checkpointing(accelerator, model)
 
+    def after_prepare(self, accelerator, objects, prepared: list) -> list:
+        """Keep the prepared models, for :meth:`backward`."""
+        import torch
+
+        self._models = getattr(self, "_models", []) + [m for m in prepared if isinstance(m, torch.nn.Module)]
+        return prepared
+
+    def backward(self, accelerator, loss, base_backward, **kwargs):
+        """On every synchronising backward of a DDP model built without ``find_unused_parameters`` (the window's
+        boundary, every micro-batch under ``sync_each_batch``): ``loss`` plus
+        :func:`accum_kit.engines.moe.zero_gradient_term` of its parameters, so that a parameter the micro-batch
+        did not reach (an expert without tokens, on this rank or all) gets a zero gradient and DDP's reducer
+        reduces every bucket on every rank (without it: "Expected to have finished reduction in the prior
+        iteration" at the next forward, after a step on unreduced gradients). Otherwise (DDP with
+        ``find_unused_parameters``, which finds them itself; one process), after the window's boundary
+        backward, :func:`accum_kit.engines.moe.fill_zero_gradients`. Either way a parameter no micro-batch of
+        the window reached steps with a zero gradient (weight decay applies), as under FSDP2 and DeepSpeed. The
+        update is otherwise unchanged; cost: ``P`` zeros written per window (:mod:`accum_kit.engines.moe`)."""
+        from ..compat.unused_parameters import ddp_needs_every_parameter
+        from .moe import fill_zero_gradients, with_zero_gradients
+
+        models = getattr(self, "_models", ())
+        term = [m for m in models if ddp_needs_every_parameter(m)]
+        for model in term:
+            loss = with_zero_gradients(loss, model.parameters())
+        out = base_backward(loss, **kwargs)
+        if accelerator.sync_gradients:  # DDP with find_unused_parameters, one process: zeros after the reduction
+            for model in models:
+                if model not in term:
+                    fill_zero_gradients(model.parameters())
+        return out
+
     def loop_callbacks(self, accelerator, model) -> list:
         """Callbacks the loop adds for this engine: the static-graph first sync when the model needs it."""
         first = static_graph_first_sync(accelerator, model)

@@ -129,10 +129,40 @@ class ZeroEngine(Engine):
         return self
 
     def before_prepare(self, accelerator, objects) -> None:
+        """Check the batch sizes; then each block of experts (:func:`accum_kit.engines.moe.expert_blocks`): under
+        ZeRO-3 a leaf module, under ZeRO-2 its experts' gradients put in one order on every rank
+        (:func:`accum_kit.engines.moe.order_expert_gradients`); see :mod:`.moe`."""
+        import torch
+
+        from ..compat.deepspeed_internals import make_zero3_leaf_modules
+        from .moe import expert_blocks, order_expert_gradients
+
         check_batch_sizes(accelerator, objects)
+        for obj in objects:
+            if not isinstance(obj, torch.nn.Module) or self.stage < 2:
+                continue
+            if self.stage == 3:
+                make_zero3_leaf_modules(obj, expert_blocks(obj))
+            elif accelerator.num_processes > 1:
+                for block in expert_blocks(obj):
+                    order_expert_gradients(block)
+
+    def backward(self, accelerator, loss, base_backward, **kwargs):
+        """Under ZeRO-1 and 2 with several processes: ``loss`` plus
+        :func:`accum_kit.engines.moe.zero_gradient_term` of the model's parameters, so that a parameter the
+        micro-batch did not reach (an expert without tokens) still fills its place in DeepSpeed's reduce buckets
+        (without it: gloo's "Received data size doesn't match expected size" on the first backward that reduces,
+        measured with DeepSpeed 0.19.8). ZeRO-3 has its experts' blocks as leaf modules instead (:meth:`before_prepare`)."""
+        from .moe import with_zero_gradients
+
+        if self.stage < 3 and accelerator.num_processes > 1:
+            for model in getattr(self, "_engines", ()):
+                loss = with_zero_gradients(loss, model.module.parameters())
+        return base_backward(loss, **kwargs)
 
     def after_prepare(self, accelerator, objects, prepared: list) -> list:
-        """Wrap a scheduler that ``prepare`` returned as it came (one prepared without the model).
+        """Keep the prepared DeepSpeed engines (for :meth:`backward`); wrap a scheduler that ``prepare`` returned as
+        it came (one prepared without the model).
 
         Accelerate wraps a scheduler in ``AcceleratedScheduler`` (which steps it
         once per process per optimizer step, its convention, and which
@@ -143,6 +173,7 @@ class ZeroEngine(Engine):
         """
         from ..compat import wrap_prepared_scheduler
 
+        self._engines = getattr(self, "_engines", []) + [m for m in prepared if self.prepared_engine(m) is not None]
         return [wrap_prepared_scheduler(accelerator, obj) if obj is out else out
                 for obj, out in zip(objects, prepared)]
 

@@ -246,7 +246,9 @@ class FSDP2Engine(Engine):
                                 gradient_mean_size=self.mesh(accelerator).fsdp_size)
 
     def after_prepare(self, accelerator, objects, prepared: list) -> list:
-        """Refuse a model in which Accelerate's checkpointing wrapped nothing: its auto-wrap policy matches only the
+        """Make every unit reduce a zero gradient for a parameter without one
+        (:func:`accum_kit.compat.unused_parameters.fsdp_reduce_unused_parameters`: an expert without tokens on
+        some rank), then refuse a model in which Accelerate's checkpointing wrapped nothing: its auto-wrap policy matches only the
         classes of ``_no_split_modules`` or the config's ``fsdp_transformer_layer_cls_to_wrap``, and checkpoints no
         other module, silently (accelerate 1.15).
 
@@ -256,7 +258,11 @@ class FSDP2Engine(Engine):
         import torch
 
         from ..compat.torch_checkpoint import is_checkpoint_wrapper
+        from ..compat.unused_parameters import fsdp_reduce_unused_parameters
 
+        for model in prepared:  # experts without tokens: a zero gradient reduced, never a missing one (engines/moe.py)
+            if isinstance(model, torch.nn.Module):
+                fsdp_reduce_unused_parameters(model)
         if not accelerator.run_plan.gradient_checkpointing:
             return prepared
         for given, model in zip(objects, prepared):
@@ -277,7 +283,10 @@ class FSDP2Engine(Engine):
         reduce-scatter inside the shard group runs. Under the policies that keep
         parameters gathered, ``model.set_reshard_after_backward(False)`` holds
         while the micro-batch runs and ``True`` is restored after, so the
-        boundary backward reshards before the optimizer step.
+        boundary backward reshards before the optimizer step. After the
+        micro-batch, a parameter it gave no gradient (an expert without tokens)
+        gets a zero one in the reduce dtype
+        (:func:`accum_kit.compat.unused_parameters.fsdp_zero_fill_accumulated_grads`).
         """
         if policy.hsdp_only:
             model.set_requires_all_reduce(False)
@@ -286,12 +295,15 @@ class FSDP2Engine(Engine):
             finally:
                 model.set_requires_all_reduce(True)
             return
+        from ..compat.unused_parameters import fsdp_zero_fill_accumulated_grads
+
         keep = policy.keep_params_after_backward
         if keep:
             model.set_reshard_after_backward(False)
         try:
             with base_no_sync(model):
                 yield
+            fsdp_zero_fill_accumulated_grads(model)  # one reduce dtype at the boundary (engines/moe.py)
         finally:
             if keep:
                 model.set_reshard_after_backward(True)

@@ -1,0 +1,112 @@
+"""Parameters without a gradient in a micro-batch (mixture-of-experts routing): what each engine does so that no rank
+crashes or waits, and the update stays the big batch's.
+
+A mixture-of-experts model whose experts are separate modules gives an expert no gradient in a backward in
+which the router sent it no token, and routing differs between micro-batches and ranks: an expert may get
+tokens only in a window's last micro-batch, only on one rank, or never. Every engine reduces gradients with
+collectives that must match across ranks, tensor for tensor (docs/moe.md has the measured failures). The fix,
+per engine, gives every trainable parameter a gradient (zero where it had none) before the reduction, which
+adds nothing to the sum, so the update is unchanged:
+
+- FSDP2 and HSDP (:class:`accum_kit.engines.fsdp2.FSDP2Engine`): every unit reduce-scatters a zero gradient
+  for a parameter without one (:func:`accum_kit.compat.unused_parameters.fsdp_reduce_unused_parameters`, at
+  ``prepare``), and after each ``no_sync`` backward a parameter without a gradient gets a zero one in the
+  reduce dtype (:func:`accum_kit.compat.unused_parameters.fsdp_zero_fill_accumulated_grads`), so that the
+  boundary's reduce-scatter sees one dtype under bf16;
+- DDP and DeepSpeed ZeRO-1/2 (:func:`zero_gradient_term`): ``accelerator.backward`` adds ``0 x`` one element
+  of every parameter to the loss of a backward that reduces, so that every parameter's gradient hook fires
+  (DDP's reducer, DeepSpeed's reduce buckets) with a zero gradient where the forward did not reach it; DDP
+  with ``find_unused_parameters`` (which finds them itself) and one process get the zero gradients after the
+  window's backward instead (:func:`fill_zero_gradients`);
+- DeepSpeed ZeRO-2 also needs every rank to hand its gradients to the reduce buckets in one order (it
+  flattens them in the order their hooks fire, and sums the buckets position by position: an expert used on
+  one rank only fires mid-backward there and at once elsewhere, and the sums mix parameters, silently; measured,
+  DeepSpeed 0.19.8). :func:`order_expert_gradients` adds ``0 x`` one element of each expert parameter to the
+  block's input, so that every expert's gradient, used or not, is complete only when the block's backward
+  has run, in the same order on every rank;
+- DeepSpeed ZeRO-3, whose parameters are partitioned outside their module's forward (no element to take):
+  each module that holds an ``experts`` list (:func:`expert_blocks`) becomes a ZeRO-3 "leaf module"
+  (``deepspeed.utils.set_z3_leaf_modules``, DeepSpeed's own answer for mixture-of-experts): its parameters
+  are gathered together at its forward and, after its backward, DeepSpeed gives every one of them without a
+  gradient a zero one before reducing them all.
+"""
+
+from __future__ import annotations
+
+
+def zero_gradient_term(parameters):
+    """``0 x`` the sum of the first element of each trainable parameter in ``parameters``: a zero scalar whose backward
+    gives every one of them a gradient (zero) and adds nothing to a gradient it already gets. None when none trains.
+
+    Cost per backward it is added to: one zero gradient tensor per parameter (``P`` elements written and added),
+    about what an SGD step reads; no collective.
+    """
+    import torch
+
+    firsts = [p.reshape(-1)[:1] for p in parameters if p.requires_grad and p.numel()]
+    if not firsts:
+        return None
+    return torch.cat([f.float() for f in firsts]).sum() * 0.0
+
+
+def fill_zero_gradients(parameters) -> int:
+    """A zero ``.grad`` for every trainable parameter in ``parameters`` that has none (after a backward that reduced,
+    or on one process); returns how many. For a DDP model built with ``find_unused_parameters``, whose reducer
+    marks the unused parameters itself and fails on a second gradient ("Expected to mark a variable ready only
+    once", torch 2.13), and for a model without DDP."""
+    import torch
+
+    filled = 0
+    for p in parameters:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+            filled += 1
+    return filled
+
+
+def with_zero_gradients(loss, parameters):
+    """``loss + zero_gradient_term(parameters)`` (``loss`` unchanged when no parameter trains)."""
+    term = zero_gradient_term(parameters)
+    return loss if term is None else loss + term.to(loss.dtype)
+
+
+def expert_blocks(model) -> list:
+    """The modules of ``model`` that hold their experts as a list: an attribute ``experts`` that is an
+    ``nn.ModuleList`` or ``nn.ModuleDict`` of at least 2 modules (transformers' sparse MoE blocks of the
+    per-expert-module kind, and tests/moe_model.py's), in module order. A model whose experts are one fused
+    3-D parameter (transformers 5's Mixtral, OLMoE, Qwen2-MoE) has none: every expert gets a gradient there."""
+    from torch import nn
+
+    found = []
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, (nn.ModuleList, nn.ModuleDict)) and len(experts) >= 2:
+            found.append(module)
+    return found
+
+
+def order_expert_gradients(block):
+    """Make every expert parameter of ``block`` (one of :func:`expert_blocks`) receive its gradient at the same point
+    of the backward on every rank, used or not: a forward pre-hook adds :func:`zero_gradient_term` of the experts'
+    parameters to the block's hidden states (its first positional argument, or ``hidden_states``), so the autograd
+    engine completes each expert gradient only after the whole block's backward, in the term's order. Adds
+    nothing to any value or gradient. Returns the hook's handle (None when no expert parameter trains).
+
+    For DeepSpeed ZeRO-2, whose reduce buckets are filled in gradient-hook order; the parameters must be whole on
+    every rank (not ZeRO-3's partitions).
+    """
+    import torch
+
+    params = [p for p in block.experts.parameters() if p.requires_grad]
+    if not params:
+        return None
+
+    def add_term(module, args, kwargs):
+        if args and torch.is_tensor(args[0]) and args[0].is_floating_point():
+            return (args[0] + zero_gradient_term(params).to(args[0].dtype), *args[1:]), kwargs
+        h = kwargs.get("hidden_states")
+        if torch.is_tensor(h) and h.is_floating_point():
+            return args, {**kwargs, "hidden_states": h + zero_gradient_term(params).to(h.dtype)}
+        return None
+
+    return block.register_forward_pre_hook(add_term, with_kwargs=True)
