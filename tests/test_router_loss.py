@@ -131,6 +131,8 @@ def pooled(tmp_path_factory, ddp_pool, fsdp_pool):
         (root / f"{kind}.json").write_text(__import__("json").dumps(spec))
         submitted[kind] = (pool.submit("mesh_worker", [root / f"{kind}.json", root / kind],
                                        script=jh.REPO / "tests" / "mesh_worker.py"), scenarios)
+    verify = ddp_pool.submit("verify", ["--model_preset", "moe_tiny", "--gradient_accumulation_steps", "2",
+                                        "--trainer_row", "false", "--json", root / "verify.json"])
     out = {}
     for kind, (cmd, scenarios) in submitted.items():
         res = cmd.result(POOL_TIMEOUT_S)
@@ -141,6 +143,9 @@ def pooled(tmp_path_factory, ddp_pool, fsdp_pool):
                                   "ranks": [__import__("json").loads((root / kind / sc["name"] / f"rank{r}.json")
                                                                      .read_text()) for r in range(2)]}
                      for sc in scenarios}
+    res = verify.result(POOL_TIMEOUT_S)
+    assert res.returncode == 0, res.describe()
+    out["verify"] = (__import__("json").loads((root / "verify.json").read_text()), res.stdout)
     return out
 
 
@@ -177,3 +182,17 @@ def test_bf16_under_fsdp2_runs_and_stays_near_the_big_batch(pooled):
     every micro-batch), the logged losses within 1e-2 relative of fp32's."""
     got, fp32 = pooled["fsdp"]["window_k3_bf16"], pooled["fsdp"]["window_k3"]
     assert got["ranks"][0]["train_loss"] == pytest.approx(fp32["ranks"][0]["train_loss"], rel=1e-2)
+
+
+def test_verify_reports_the_per_micro_batch_deviation_on_the_users_model(pooled):
+    """accum-kit verify on moe_tiny (2 DDP processes, K=2): the tokens row passes (the LM gradient is exact on a
+    mixture of experts), and the router finding gives, per window, both aux values and how far the
+    per-micro-batch definition moves the aux gradient from the window's (far: its micro-batches are 2 tiny
+    examples)."""
+    report, stdout = pooled["verify"]
+    assert report["passed"] and report["rows"]["tokens"]["passed"]
+    router = report["router"]
+    assert router["experts"] == 4 and router["top_k"] == 2 and len(router["windows"]) == 2
+    assert [w["micro_batches"] for w in router["windows"]] == [4, 2]  # K x 2 processes, then the partial window
+    assert all(w["gradient_rel_diff"] > 0.01 and w["aux_window"] != w["aux_micro_batch_mean"] for w in router["windows"])
+    assert "router aux loss (4 experts, top-2" in stdout

@@ -33,7 +33,7 @@ class VerifyArguments:
     per_device_train_batch_size: int = field(default=DEFAULT_BATCH_SIZE, metadata={"help": "Examples per micro-batch per process."})
     seed: int = field(default=0, metadata={"help": "Seed of the examples and of the preset model."})
     model_name_or_path: str | None = field(default=None, metadata={"help": "Local causal LM (save_pretrained directory) instead of a preset."})
-    model_preset: str = field(default="tiny", metadata={"help": f"Randomly initialised model, one of {list(MODEL_PRESETS)}: GPT-2 style (tiny) or LlamaForCausalLM (llama_tiny)."})
+    model_preset: str = field(default="tiny", metadata={"help": f"Randomly initialised model, one of {list(MODEL_PRESETS)}: GPT-2 style (tiny), LlamaForCausalLM (llama_tiny, llama_small) or a Mixtral mixture of experts (moe_tiny: the report adds the router aux loss finding)."})
     loss_normalization: str = field(default="tokens", metadata={"help": f"The row that decides the exit code, one of {list(SELECTABLE)}: tokens, or mean (mean-of-means)."})
     trainer_row: bool = field(default=True, metadata={"help": "Also run transformers' Trainer (average_tokens_across_devices, unclipped) on the same windows and compare its update's size and direction with the oracle (informational: never changes the exit code); --no_trainer_row: skip it."})
     partial_window: bool = field(default=True, metadata={"help": "Also verify a partial last window of ceil(K/2) micro-batches per process; --no_partial_window: one full window only."})

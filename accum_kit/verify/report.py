@@ -134,6 +134,7 @@ class VerifyReport:
     accumulation_policy: str = "no_sync"  # accum_kit.engines.policies: what the windows skipped and kept
     data: dict = field(default_factory=dict)  # description, items (what N counts), token_data
     batchnorm: dict | None = None  # the BatchNorm finding (accum_kit.verify.batchnorm.summarize), None: no such layer
+    router: dict | None = None  # mixture of experts: the per-micro-batch aux loss's deviation (accum_kit.verify.router)
     compile: dict | None = None  # torch.compile settings and this process's counts (verify.accelerator.CompileRecord)
     engine: str = "ddp"  # the run's engine (accum_kit.engines.base.Engine.name); words the text only
     casts_model: bool = False  # the engine casts the model itself (Engine.casts_model: DeepSpeed); words the text only
@@ -340,6 +341,10 @@ class VerifyReport:
         if self.batchnorm is not None:
             lines += finding_lines(self.batchnorm, self.gradient_accumulation_steps,
                                    self.per_device_train_batch_size, W, self.rtol)
+        if self.router is not None:
+            from .router import finding_lines as router_lines
+
+            lines += router_lines(self.router)
         lines.append(f"  verdict: {self.selected_row.name} (--loss_normalization {self.selected}) "
                      f"{'PASSES' if self.passed else 'FAILS'} -> exit {self.exit_code}   ({self.seconds:.1f} s)")
         return lines

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from ..compat.transformers_moe import eager_experts
 from . import batchnorm
 from .compare import compare_gradients, scaled_residual
 from .mesh import MISCOUNT_BUGS
@@ -30,6 +31,7 @@ def evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
     """Main process: oracle per window, row comparisons, ratios."""
     device, wl = s.device, s.workload
     oracle_model = oracle_model.double().to(device).eval()
+    eager_experts(oracle_model)  # a mixture of experts' default grouped matmul has no float64 kernel
     K, r, n_windows = s.gradient_accumulation_steps, s.partial_micro_batches, s.windows
     oracle_cache: dict = {}
 
@@ -112,6 +114,11 @@ def evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
     if BATCHNORM_ROW in cap.grads:
         bn_row, finding = _batchnorm_row(s, cap, oracle_model)
         rows.append(bn_row)
+    from .oracle import to_oracle
+    from .router import router_finding
+
+    router = router_finding(oracle_model, [wl.window(cap.window_indices("tokens", w)) for w in range(n_windows)],
+                            s.per_device_train_batch_size, wl.collate_fn, lambda b: to_oracle(b, device))
 
     mp = s.parallel
     return VerifyReport(
@@ -121,7 +128,7 @@ def evaluate(s: RunSettings, cap: Captured, oracle_model) -> VerifyReport:
         selected=s.loss_normalization, ddp_sum_ratio=ratio, ddp_sum_residual=residual,
         dataparallel_sum_ratio=dp_ratio, mixed_precision=s.mixed_precision, normwise=s.normwise,
         autocast=s.autocast, data={"description": wl.description, "items": wl.items, "token_data": wl.token_data},
-        batchnorm=finding, accumulation_policy=s.accumulation_policy, engine=s.engine, casts_model=s.casts_model,
+        batchnorm=finding, router=router, accumulation_policy=s.accumulation_policy, engine=s.engine, casts_model=s.casts_model,
         data_parallel_size=mp.data_parallel_size if mp else s.world_size,
         token_ranks=mp.token_ranks if mp else s.world_size,
         gradient_mean_size=mp.gradient_mean_size if mp else s.world_size, mesh=mp.mesh if mp else None,

@@ -13,7 +13,7 @@ import torch
 
 from .. import checks
 from ..errors import UsageError
-from ..job.models import LLAMA_PRESETS, PRESETS, build_llama_model, build_model, load_model
+from ..job.models import LLAMA_PRESETS, MOE_PRESETS, PRESETS, build_llama_model, build_model, build_moe_model, load_model
 from . import batchnorm
 from .compare import DEFAULT_ATOL, DEFAULT_RTOL, MIXED_PRECISIONS
 from .data import MAX_LENGTH
@@ -23,7 +23,7 @@ from .workload import Workload
 DEFAULT_BATCH_SIZE = 2  # examples per micro-batch per process
 TINY_VOCAB = 128  # vocabulary of the preset models
 #: ``--model_preset`` choices: the GPT-2 style ``tiny`` and the Llama-family ``llama_tiny``.
-MODEL_PRESETS = ("tiny", *LLAMA_PRESETS)
+MODEL_PRESETS = ("tiny", *LLAMA_PRESETS, *MOE_PRESETS)
 
 def validate(gradient_accumulation_steps, per_device_train_batch_size, rtol, atol, loss_normalization,
              mixed_precision=None, model_preset: str = "tiny", model_name_or_path: str | None = None) -> None:
@@ -128,6 +128,11 @@ def model_copy(model, model_name_or_path, seed, model_preset="tiny", token_data=
         p = LLAMA_PRESETS[model_preset]
         desc = (f"preset {model_preset} (LlamaForCausalLM, {p['num_hidden_layers']} layers, width {p['hidden_size']}, "
                 f"vocab {TINY_VOCAB}, random init seed {seed})")
+    elif model_preset in MOE_PRESETS:
+        m = build_moe_model(model_preset, TINY_VOCAB, MAX_LENGTH, seed=seed)
+        p = MOE_PRESETS[model_preset]
+        desc = (f"preset {model_preset} (MixtralForCausalLM, {p['num_hidden_layers']} layers, {p['num_local_experts']} "
+                f"experts, top-{p['num_experts_per_tok']}, vocab {TINY_VOCAB}, random init seed {seed})")
     else:
         m = build_model("tiny", TINY_VOCAB, MAX_LENGTH, seed=seed)
         p = PRESETS["tiny"]
