@@ -28,7 +28,7 @@ import job_helpers as jh
 import moe_model as mm
 
 ATOL, RTOL = 1e-6, 1e-5  # tests/test_exactness.py's fp32 criterion
-BF16_UPDATE_RTOL = 0.1  # a bf16 update within 10 % of the fp32 oracle's (a dropped micro-batch misses by 1/K or more)
+BF16_UPDATE_RTOL = 0.05  # a bf16 update within 5 % of the fp32 oracle's (a dropped micro-batch misses by 1/K or more)
 SPEC = {"B": 2, "windows": 2, "tail": 1, "lr": 0.5, "weight_decay": 0.1, "seed": 0}
 K = 3
 POOL_TIMEOUT_S = 300
@@ -45,8 +45,10 @@ DDP_CELLS = [cell(f"{p}_{prec}", p, prec) for p in ("sync_each_batch", "no_sync"
 DDP_CELLS += [cell("no_sync_top2", top_k=2), cell("user_loop", user_loop=True),
               cell("find_unused", ddp_kwargs={"find_unused_parameters": True}),
               cell("static_graph", ddp_kwargs={"static_graph": True})]
-HSDP_CELLS = [cell(f"no_sync_{prec}", precision=prec) for prec in ("no", "bf16")]
+HSDP_CELLS = [cell(f"no_sync_{prec}", precision=prec) for prec in ("no", "bf16")] + [
+    cell("no_sync_no_reshard_bf16", "no_sync_no_reshard", "bf16")]
 ZERO_CELLS = [cell(f"zero{s}_{prec}", precision=prec, zero_stage=s) for s in (1, 2, 3) for prec in ("no", "bf16")]
+ZERO_CELLS += [cell("zero2_no_top2", top_k=2, zero_stage=2)]
 
 
 def example_script(cells: list, work) -> dict:
@@ -220,3 +222,41 @@ def test_the_zero_gradient_term_adds_nothing_but_a_gradient_for_every_parameter(
         else:
             assert torch.equal(p.grad, plain[n]), n
     assert any(plain[n] is None for n in mm.expert_names(mm.EXPERT_OF["never"]))
+
+
+def test_reentrant_checkpointing_of_experts_is_refused_where_their_zero_gradient_cannot_be_added():
+    """DDP and ZeRO-1/2 put the zero-gradient term in the loss; reentrant checkpointing would give a checkpointed
+    parameter two gradient-hook calls, so the term is left out then, and a model with experts is refused (the
+    flag and the fix named); the same model without reentrant, on one process, or under ZeRO-3 is not."""
+    from types import SimpleNamespace
+
+    from accum_kit import UsageError
+    from accum_kit.engines.ddp import DDPEngine
+    from accum_kit.engines.deepspeed import ZeroEngine
+    from accum_kit.engines.moe import expert_blocks, reentrant_checkpointing
+
+    def acc(reentrant, processes=2):
+        plan = SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        return SimpleNamespace(run_plan=plan, num_processes=processes, ddp_handler=None)
+
+    assert [type(b).__name__ for b in expert_blocks(mm.TinyMoE())] == ["MoEBlock"]
+    assert reentrant_checkpointing(acc(True)) and not reentrant_checkpointing(acc(False))
+    engines = [DDPEngine(), ZeroEngine(SimpleNamespace(zero_stage=1)), ZeroEngine(SimpleNamespace(zero_stage=2))]
+    for engine in engines:
+        with pytest.raises(UsageError) as err:
+            engine.apply_activation_checkpointing(acc(True), mm.TinyMoE())
+        assert err.value.flag == "--gradient_checkpointing_kwargs" and "drop use_reentrant" in err.value.fix
+        for ok in (acc(False), acc(True, processes=1)):
+            engine.apply_activation_checkpointing(ok, mm.TinyMoE())
+    ZeroEngine(SimpleNamespace(zero_stage=3)).apply_activation_checkpointing(acc(True), mm.TinyMoE())
+
+
+def test_an_expert_made_an_fsdp2_unit_of_its_own_is_named():
+    """engines/moe.experts_as_units: the experts (and modules inside one) among FSDP2's unit modules, by name; the
+    block that holds them, the root and the dense modules are not."""
+    from accum_kit.engines.moe import experts_as_units
+
+    model = mm.TinyMoE()
+    experts = model.block.experts
+    assert experts_as_units(model, [model, model.block, model.head]) == []
+    assert experts_as_units(model, [model.block, experts[1], experts[3].up]) == ["block.experts.1", "block.experts.3.up"]

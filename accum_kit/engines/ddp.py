@@ -137,16 +137,22 @@ class DDPEngine(Engine):
 
         Raises:
             UsageError (``--gradient_checkpointing_kwargs``): ``use_reentrant: true`` with
-                ``--ddp_find_unused_parameters``.
+                ``--ddp_find_unused_parameters``, or on a model with experts (:func:`accum_kit.engines.moe.expert_blocks`).
         """
         from ..compat import ddp_constructor_kwargs
         from ..errors import UsageError
+
+        from .moe import expert_blocks
 
         reentrant = accelerator.run_plan.gradient_checkpointing_kwargs.get("use_reentrant")
         if reentrant and accelerator.num_processes > 1 and ddp_constructor_kwargs(accelerator).get("find_unused_parameters"):
             raise UsageError("--gradient_checkpointing_kwargs", "use_reentrant: true fails under DDP with "
                              "find_unused_parameters=True (\"Expected to mark a variable ready only once\")",
                              "drop use_reentrant (non-reentrant is the default) or --ddp_find_unused_parameters")
+        if reentrant and accelerator.num_processes > 1 and expert_blocks(model):
+            raise UsageError("--gradient_checkpointing_kwargs", "use_reentrant: true under DDP cannot give an expert "
+                             "without tokens its zero gradient (docs/moe.md), and DDP then fails or hangs",
+                             "drop use_reentrant (non-reentrant is the default)")
         return super().apply_activation_checkpointing(accelerator, model)
 
     def after_prepare(self, accelerator, objects, prepared: list) -> list:
@@ -166,12 +172,14 @@ class DDPEngine(Engine):
         ``find_unused_parameters``, which finds them itself; one process), after the window's boundary
         backward, :func:`accum_kit.engines.moe.fill_zero_gradients`. Either way a parameter no micro-batch of
         the window reached steps with a zero gradient (weight decay applies), as under FSDP2 and DeepSpeed. The
-        update is otherwise unchanged; cost: ``P`` zeros written per window (:mod:`accum_kit.engines.moe`)."""
+        update is otherwise unchanged; cost: ``P`` zeros written per window (:mod:`accum_kit.engines.moe`). With
+        reentrant checkpointing no term is added (:func:`accum_kit.engines.moe.reentrant_checkpointing`; a model
+        with experts is refused then, :meth:`apply_activation_checkpointing`)."""
         from ..compat.unused_parameters import ddp_needs_every_parameter
-        from .moe import fill_zero_gradients, with_zero_gradients
+        from .moe import fill_zero_gradients, reentrant_checkpointing, with_zero_gradients
 
         models = getattr(self, "_models", ())
-        term = [m for m in models if ddp_needs_every_parameter(m)]
+        term = [] if reentrant_checkpointing(accelerator) else [m for m in models if ddp_needs_every_parameter(m)]
         for model in term:
             loss = with_zero_gradients(loss, model.parameters())
         out = base_backward(loss, **kwargs)

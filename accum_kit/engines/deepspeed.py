@@ -147,15 +147,30 @@ class ZeroEngine(Engine):
                 for block in expert_blocks(obj):
                     order_expert_gradients(block)
 
+    def apply_activation_checkpointing(self, accelerator, model):
+        """As the base engine, after refusing reentrant checkpointing of a model with experts under ZeRO-1/2 (its
+        zero-gradient term cannot be added then: :func:`accum_kit.engines.moe.reentrant_checkpointing`).
+
+        Raises:
+            UsageError (``--gradient_checkpointing_kwargs``): ``use_reentrant: true``, ZeRO-1/2, experts.
+        """
+        from .moe import expert_blocks, reentrant_checkpointing
+
+        if reentrant_checkpointing(accelerator) and self.stage < 3 and accelerator.num_processes > 1 and expert_blocks(model):
+            raise UsageError("--gradient_checkpointing_kwargs", f"use_reentrant: true under ZeRO-{self.stage} cannot "
+                             "give an expert without tokens its zero gradient (docs/moe.md), and the reduction then "
+                             "fails", "drop use_reentrant (non-reentrant is the default), or use ZeRO-3")
+        return super().apply_activation_checkpointing(accelerator, model)
+
     def backward(self, accelerator, loss, base_backward, **kwargs):
         """Under ZeRO-1 and 2 with several processes: ``loss`` plus
         :func:`accum_kit.engines.moe.zero_gradient_term` of the model's parameters, so that a parameter the
         micro-batch did not reach (an expert without tokens) still fills its place in DeepSpeed's reduce buckets
         (without it: gloo's "Received data size doesn't match expected size" on the first backward that reduces,
         measured with DeepSpeed 0.19.8). ZeRO-3 has its experts' blocks as leaf modules instead (:meth:`before_prepare`)."""
-        from .moe import with_zero_gradients
+        from .moe import reentrant_checkpointing, with_zero_gradients
 
-        if self.stage < 3 and accelerator.num_processes > 1:
+        if self.stage < 3 and accelerator.num_processes > 1 and not reentrant_checkpointing(accelerator):
             for model in getattr(self, "_engines", ()):
                 loss = with_zero_gradients(loss, model.module.parameters())
         return base_backward(loss, **kwargs)

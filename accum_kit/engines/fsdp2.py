@@ -254,14 +254,18 @@ class FSDP2Engine(Engine):
 
         Raises:
             UsageError (``--gradient_checkpointing``): no checkpoint wrapper in a prepared model.
+            UsageError (``fsdp_transformer_layer_cls_to_wrap``): an expert made an FSDP2 unit of its own
+                (:func:`accum_kit.engines.moe.check_fsdp_expert_units`).
         """
         import torch
 
         from ..compat.torch_checkpoint import is_checkpoint_wrapper
         from ..compat.unused_parameters import fsdp_reduce_unused_parameters
+        from .moe import check_fsdp_expert_units
 
         for model in prepared:  # experts without tokens: a zero gradient reduced, never a missing one (engines/moe.py)
             if isinstance(model, torch.nn.Module):
+                check_fsdp_expert_units(model)
                 fsdp_reduce_unused_parameters(model)
         if not accelerator.run_plan.gradient_checkpointing:
             return prepared

@@ -110,3 +110,44 @@ def order_expert_gradients(block):
         return None
 
     return block.register_forward_pre_hook(add_term, with_kwargs=True)
+
+
+def reentrant_checkpointing(accelerator) -> bool:
+    """Whether the run checkpoints its blocks with reentrant ``torch.utils.checkpoint`` (``use_reentrant: true``).
+
+    Then :func:`zero_gradient_term` must stay out of the loss: a checkpointed block's parameters get their
+    gradient in the inner backward of the recompute and the term's in the outer one, two gradient-hook calls
+    for one parameter (DDP: "Expected to mark a variable ready only once"; DeepSpeed ZeRO-1/2: "Gradient computed
+    twice for this partition").
+    """
+    plan = getattr(accelerator, "run_plan", None)
+    return bool(plan is not None and plan.gradient_checkpointing
+                and (plan.gradient_checkpointing_kwargs or {}).get("use_reentrant"))
+
+
+def experts_as_units(model, unit_modules) -> list[str]:
+    """The names of the modules in ``unit_modules`` (FSDP2's units) that are experts of one of :func:`expert_blocks`
+    (or inside one): an expert that is an FSDP2 unit of its own reduces its gradients from its own post-backward,
+    which runs during the backward on a rank whose expert got tokens and at the backward's end on one whose did
+    not, so the ranks' reduce-scatters come in different orders, and a unit never gathered on a rank is not
+    reduced there at all. Empty when every expert lives inside a larger unit (its block's)."""
+    experts = {id(m) for block in expert_blocks(model) for e in block.experts.children() for m in e.modules()}
+    names = {id(m): n for n, m in model.named_modules()}
+    return [names.get(id(m), type(m).__name__) for m in unit_modules if id(m) in experts]
+
+
+def check_fsdp_expert_units(model) -> None:
+    """Refuse a prepared FSDP2 model in which an expert is a unit of its own (:func:`experts_as_units`).
+
+    Raises:
+        UsageError (``fsdp_transformer_layer_cls_to_wrap``): naming the expert units and the fix.
+    """
+    from ..compat import fsdp_units
+    from ..errors import UsageError
+
+    units = experts_as_units(model, [m for m, _ in fsdp_units(model)])
+    if units:
+        raise UsageError("fsdp_transformer_layer_cls_to_wrap", f"makes experts FSDP2 units of their own ({units[0]}, "
+                         f"... {len(units)} in all): ranks whose experts get different tokens then reduce them in "
+                         "different orders, and the collectives mismatch (docs/moe.md)", "wrap the block that holds "
+                         "the experts (the decoder layer, the model's _no_split_modules) instead")
