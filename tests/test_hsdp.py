@@ -23,6 +23,7 @@ import pytest
 
 import job_helpers as jh
 import test_exactness as ex
+import test_moe as moe
 from conftest import example_specs
 
 HSDP_CONFIG = jh.REPO / "accelerate_configs" / "cpu_hsdp.yaml"
@@ -63,13 +64,15 @@ def runs(tmp_path_factory):
     # accelerate launch --config_file cpu_ddp.yaml --num_processes 4 would leave unset)
     customs = [{**custom, "name": "custom_loop_hsdp"},
                {**custom, "name": "custom_loop_ddp", "env": {"ACCELERATE_USE_FSDP": None,
-                                                             "ACCELERATE_USE_PARALLELISM_CONFIG": None}}]
+                                                             "ACCELERATE_USE_PARALLELISM_CONFIG": None}},
+               moe.example_script(moe.HSDP_CELLS, root / "moe")]  # tests/test_moe.py's matrix, HSDP's cells
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
             "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "example_scripts": customs}
     out = jh.run_dist_worker(HSDP_CONFIG, spec, root, "hsdp", W, TIMEOUT_S)
     out["custom_loop"] = {name: [json.loads((root / "out" / f"custom_loop_{name}.rank{r}.json").read_text())
                                  for r in range(W)] for name in ("hsdp", "ddp")}
     out["checkpoints"] = root / "out" / "resume_2ep" / "ckpts"  # saved by the uninterrupted run, every step
+    out["moe"] = moe.load(root / "moe", moe.HSDP_CELLS)
     return out
 
 
@@ -327,3 +330,13 @@ def test_a_users_loop_trains_under_hsdp_as_under_ddp(runs):
         assert len(got["train_loss"]) == len(want["train_loss"]) == CUSTOM_LOOP_STEPS and gap <= 1e-5
         assert got["eval_loss_after"] == pytest.approx(want["eval_loss_after"], rel=1e-5)
         assert got["final_learning_rate"] == pytest.approx(want["final_learning_rate"], abs=1e-12)
+
+
+@pytest.mark.parametrize("c", moe.HSDP_CELLS, ids=lambda c: c["name"])
+def test_experts_getting_tokens_late_or_on_one_rank_train_exactly(runs, c):
+    """tests/test_moe.py's mixture of experts under HSDP 2 x 2 (no_sync policies, fp32 and bf16): an expert with tokens
+    only in a window's first / middle / last micro-batch, only on rank 0, or never: no crash, fp32 equals the big
+    batch of the 4 ranks, the never-used expert moves by weight decay alone, bf16 follows fp32."""
+    run = runs["moe"][c["name"]]
+    assert len(run["steps"]) == moe.SPEC["windows"] + 1
+    moe.check_cell(run, c, W)
