@@ -196,3 +196,20 @@ def test_verify_reports_the_per_micro_batch_deviation_on_the_users_model(pooled)
     assert [w["micro_batches"] for w in router["windows"]] == [4, 2]  # K x 2 processes, then the partial window
     assert all(w["gradient_rel_diff"] > 0.01 and w["aux_window"] != w["aux_micro_batch_mean"] for w in router["windows"])
     assert "router aux loss (4 experts, top-2" in stdout
+
+
+def test_an_expert_parallel_model_is_refused(accelerator, one_process):
+    """A model whose config carries transformers' DistributedConfig with ep_size > 1 is refused in prepare, naming
+    ep_size and the fix; the same model without it prepares."""
+    from types import SimpleNamespace
+
+    from accum_kit import UsageError
+
+    acc = accelerator(2)
+    model = _model()
+    model.config.distributed_config = SimpleNamespace(ep_size=2)
+    with pytest.raises(UsageError) as err:
+        acc.prepare(model)
+    assert err.value.flag == "ep_size" and "distributed_config" in err.value.fix
+    model.config.distributed_config = None
+    acc.prepare(model)

@@ -47,6 +47,11 @@ class AccumulationAccelerator(Accelerator):
         if self.run_plan.gradient_checkpointing:  # on the bare model, before any wrapper (DDP, FSDP2, compile)
             args = tuple(engine.apply_activation_checkpointing(self, a) if isinstance(a, torch.nn.Module) else a
                          for a in args)
+        from .model_parallel import refuse_expert_parallel
+
+        for a in args:
+            if isinstance(a, torch.nn.Module):
+                refuse_expert_parallel(a)  # every engine: expert parallel is out of scope
         engine.before_prepare(self, args)
         with engine.preparing(self):
             out = super().prepare(*args, **kwargs)

@@ -32,6 +32,29 @@ TP_FLAG = "--parallelism_config_tp_size"
 CP_FLAG = "--parallelism_config_cp_size"
 
 
+EP_FLAG = "ep_size"
+
+
+def refuse_expert_parallel(model: torch.nn.Module) -> None:
+    """Refuse a model split over an expert-parallel mesh dimension (out of scope: experts are data here).
+
+    transformers splits a mixture of experts' experts over processes when the model is loaded with
+    ``DistributedConfig(ep_size > 1)`` (or the removed ``enable_expert_parallel``); it keeps that config as
+    ``model.config.distributed_config``. Each process would then hold other experts and the window's token
+    counts per expert would need an all-to-all of their own.
+
+    Raises:
+        UsageError (``ep_size``): such a model.
+    """
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    ep = getattr(config, "ep_size", None) or (2 if getattr(config, "enable_expert_parallel", False) else 1)
+    if ep > 1:
+        raise UsageError(EP_FLAG, f"the model was loaded with expert parallelism (ep_size {ep}): accum-kit "
+                         "accumulates over data, tensor and context parallel meshes only",
+                         "load it without distributed_config's ep_size / enable_expert_parallel (every process "
+                         "holds every expert; FSDP2 shards them), or train it outside accum-kit")
+
+
 def prepare_model(accelerator, mesh: Mesh, model: torch.nn.Module, optimizers=()) -> None:
     """Split ``model`` in place for the mesh's tp and cp dimensions (no-op without them); ``optimizers`` (handed to
     the same ``prepare``) are switched to the split parameters.
