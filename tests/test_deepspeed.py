@@ -36,6 +36,7 @@ import pytest
 
 import job_helpers as jh
 import test_exactness as ex
+import test_moe as moe
 from conftest import example_specs, ok
 
 CONFIG = jh.REPO / "accelerate_configs" / "cpu_deepspeed.yaml"
@@ -74,6 +75,7 @@ def launched(tmp_path_factory):
     custom = next(e for e in example_specs(corpus) if e["name"] == "custom_loop")
     customs = [{**custom, "name": f"custom_loop_zero{s}", "env": {"ACCELERATE_DEEPSPEED_ZERO_STAGE": str(s)}}
                for s in STAGES]  # the user's script, unchanged, as under accelerate launch --zero_stage s
+    customs.append(moe.example_script(moe.ZERO_CELLS, root / "moe"))  # tests/test_moe.py's matrix, ZeRO's cells
     spec = {"model_config": ex.MODEL_CONFIG, "seed": ex.SEED, "lr": ex.LR, "pad_id": ex.PAD_ID,
             "examples": ex.EXAMPLES, "scenarios": SCENARIOS, "profile": True, "verify": VERIFY, "bench": BENCH,
             "example_scripts": customs,
@@ -795,3 +797,15 @@ def test_a_checkpoint_without_the_files_load_state_reads_is_refused_by_name(tmp_
     with pytest.raises(UsageError) as err:
         check_state_files(tmp_path, schedulers=1)
     assert "holds 1 custom_checkpoint_<i>.pkl file(s) but this run registers 0" in err.value.problem
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("c", moe.ZERO_CELLS, ids=lambda c: c["name"])
+def test_experts_getting_tokens_late_or_on_one_rank_train_exactly(launched, c):
+    """tests/test_moe.py's mixture of experts under ZeRO-1/2/3, fp32 and bf16: an expert with tokens only in a window's
+    first / middle / last micro-batch, only on rank 0, or never: no crash, fp32 equals the big batch (ZeRO-2 too,
+    whose reduce buckets follow the gradient hooks' order), the never-used expert moves by weight decay alone,
+    bf16 follows fp32."""
+    run = moe.load(launched[0] / "moe", [c])[c["name"]]
+    assert len(run["steps"]) == moe.SPEC["windows"] + 1
+    moe.check_cell(run, c, W)

@@ -156,10 +156,10 @@ class DDPEngine(Engine):
         return super().apply_activation_checkpointing(accelerator, model)
 
     def after_prepare(self, accelerator, objects, prepared: list) -> list:
-        """Keep the prepared models, for :meth:`backward`."""
-        import torch
+        """Watch the prepared models' forwards, for :meth:`backward` (:func:`accum_kit.engines.moe.watch_prepared`)."""
+        from .moe import watch_prepared
 
-        self._models = getattr(self, "_models", []) + [m for m in prepared if isinstance(m, torch.nn.Module)]
+        watch_prepared(self, prepared)
         return prepared
 
     def backward(self, accelerator, loss, base_backward, **kwargs):
@@ -178,15 +178,20 @@ class DDPEngine(Engine):
         from ..compat.unused_parameters import ddp_needs_every_parameter
         from .moe import fill_zero_gradients, reentrant_checkpointing, with_zero_gradients
 
-        models = getattr(self, "_models", ())
-        term = [] if reentrant_checkpointing(accelerator) else [m for m in models if ddp_needs_every_parameter(m)]
+        watch = getattr(self, "forward_watch", None)
+        if watch is None:  # nothing prepared through this engine
+            return base_backward(loss, **kwargs)
+        ran = watch.ran()
+        term = [] if reentrant_checkpointing(accelerator) else [m for m in ran if ddp_needs_every_parameter(m)]
         for model in term:
             loss = with_zero_gradients(loss, model.parameters())
         out = base_backward(loss, **kwargs)
-        if accelerator.sync_gradients:  # DDP with find_unused_parameters, one process: zeros after the reduction
-            for model in models:
-                if model not in term:
+        boundary = bool(accelerator.sync_gradients)
+        if boundary:  # DDP with find_unused_parameters, one process: zeros after the reduction
+            for model in watch.ran(boundary=True):
+                if all(model is not m for m in term):
                     fill_zero_gradients(model.parameters())
+        watch.backward_done(boundary)
         return out
 
     def loop_callbacks(self, accelerator, model) -> list:

@@ -170,13 +170,18 @@ class ZeroEngine(Engine):
         measured with DeepSpeed 0.19.8). ZeRO-3 has its experts' blocks as leaf modules instead (:meth:`before_prepare`)."""
         from .moe import reentrant_checkpointing, with_zero_gradients
 
-        if self.stage < 3 and accelerator.num_processes > 1 and not reentrant_checkpointing(accelerator):
-            for model in getattr(self, "_engines", ()):
-                loss = with_zero_gradients(loss, model.module.parameters())
-        return base_backward(loss, **kwargs)
+        watch = getattr(self, "forward_watch", None)
+        if watch is not None and self.stage < 3 and accelerator.num_processes > 1 and not reentrant_checkpointing(accelerator):
+            for model in watch.ran():  # the engine being trained only (the bench prepares one per stage)
+                if self.prepared_engine(model) is not None:
+                    loss = with_zero_gradients(loss, model.module.parameters())
+        out = base_backward(loss, **kwargs)
+        if watch is not None:
+            watch.backward_done(bool(accelerator.sync_gradients))
+        return out
 
     def after_prepare(self, accelerator, objects, prepared: list) -> list:
-        """Keep the prepared DeepSpeed engines (for :meth:`backward`); wrap a scheduler that ``prepare`` returned as
+        """Watch the prepared DeepSpeed engines' forwards (for :meth:`backward`); wrap a scheduler that ``prepare`` returned as
         it came (one prepared without the model).
 
         Accelerate wraps a scheduler in ``AcceleratedScheduler`` (which steps it
@@ -187,8 +192,9 @@ class ZeroEngine(Engine):
         same way keeps one convention for every engine.
         """
         from ..compat import wrap_prepared_scheduler
+        from .moe import watch_prepared
 
-        self._engines = getattr(self, "_engines", []) + [m for m in prepared if self.prepared_engine(m) is not None]
+        watch_prepared(self, [m for m in prepared if self.prepared_engine(m) is not None])
         return [wrap_prepared_scheduler(accelerator, obj) if obj is out else out
                 for obj, out in zip(objects, prepared)]
 

@@ -151,3 +151,49 @@ def check_fsdp_expert_units(model) -> None:
                          f"... {len(units)} in all): ranks whose experts get different tokens then reduce them in "
                          "different orders, and the collectives mismatch (docs/moe.md)", "wrap the block that holds "
                          "the experts (the decoder layer, the model's _no_split_modules) instead")
+
+
+class ForwardWatch:
+    """Which prepared models ran a forward with gradients since the last backward and since the window's last
+    boundary, so that an engine's :meth:`~accum_kit.engines.base.Engine.backward` touches only the model being
+    trained (the bench prepares several, each with its engine's hooks on its parameters).
+
+    :meth:`watch` adds a forward pre-hook to a prepared model (the wrapper ``prepare`` returned: DDP, DeepSpeed's
+    engine, a compiled or plain module); :meth:`ran` is what ran since the last backward (``boundary=False``) or
+    the last boundary; :meth:`backward_done` forgets them.
+    """
+
+    def __init__(self):
+        self._since_backward, self._since_boundary = [], []
+
+    def watch(self, model) -> None:
+        model.register_forward_pre_hook(self._record)
+
+    def _record(self, module, args):
+        import torch
+
+        if torch.is_grad_enabled():
+            for seen in (self._since_backward, self._since_boundary):
+                if all(m is not module for m in seen):
+                    seen.append(module)
+
+    def ran(self, *, boundary: bool = False) -> list:
+        return list(self._since_boundary if boundary else self._since_backward)
+
+    def backward_done(self, boundary: bool) -> None:
+        self._since_backward = []
+        if boundary:
+            self._since_boundary = []
+
+
+def watch_prepared(engine, prepared) -> ForwardWatch:
+    """``engine``'s :class:`ForwardWatch` (made on first use, kept as ``engine.forward_watch``), watching every
+    ``nn.Module`` in ``prepared``."""
+    import torch
+
+    watch = getattr(engine, "forward_watch", None) or ForwardWatch()
+    engine.forward_watch = watch
+    for obj in prepared:
+        if isinstance(obj, torch.nn.Module):
+            watch.watch(obj)
+    return watch
