@@ -16,7 +16,8 @@ is measured (the first one creates AdamW's state):
 
 At world size 1 Accelerate never syncs inside a window (``use_distributed`` is False), so
 ``sync_each_batch`` holds what ``no_sync`` does, and its predicted P b_p / W equals P b_r: both are
-checked as they are. Activation checkpointing is not in accum_kit (nothing to predict for it).
+checked as they are. Activation checkpointing (--gradient_checkpointing, whose activation memory accum_kit
+predicts: docs/memory.md) is not measured here yet.
 
 The same launch then trains the default policy as gpu_fsdp.yaml sets FSDP2 up (bf16, parameters loaded
 by rank 0 through Accelerate's ``cpu_ram_efficient_loading``, which the CPU config does not use) and
