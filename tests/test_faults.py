@@ -260,6 +260,37 @@ def test_describe_collective_failure_reads_gloo_messages():
     assert describe_collective_failure(ConnectionRefusedError(111, "Connection refused")) is None
 
 
+def _installed(path: str, source: str, env: dict) -> dict:
+    """Run ``source`` as if it were the installed file ``path`` (its frames carry that file name)."""
+    exec(compile(source, path, "exec"), env)
+    return env
+
+
+def test_the_caller_named_is_outside_every_installed_package():
+    """Under DeepSpeed the collective is called by DeepSpeed's wrappers (``deepspeed/comm/torch.py``, or
+    typing_extensions' ``deprecated`` wrapper), both installed packages: the line names the frame that called
+    into them, as under DDP it names the one that called torch (found by benchmarks/deepspeed/faults.py: the
+    killed ZeRO runs' line said ``called at comm/torch.py:290 in all_reduce``)."""
+    from accum_kit.core.faults import describe_collective_failure
+
+    site = os.path.join(os.sep, "venv", "lib", "python3.11", "site-packages")
+    env = _installed(os.path.join(site, "torch", "distributed", "distributed_c10d.py"),
+                     "def all_reduce(t):\n    raise RuntimeError('[gloo/transport/tcp/pair.cc:537] Read error "
+                     "[127.0.0.1]:1: Connection reset by peer.')\n", {})
+    env = _installed(os.path.join(site, "deepspeed", "comm", "torch.py"),
+                     "def ds_all_reduce(t):\n    all_reduce(t)\n", env)
+    env = _installed(os.path.join(site, "typing_extensions.py"), "def wrapper(t):\n    ds_all_reduce(t)\n", env)
+    import inspect
+
+    try:
+        call_line = inspect.currentframe().f_lineno + 1
+        env["wrapper"](None)  # this test's frame is the caller
+    except RuntimeError as exc:
+        line = describe_collective_failure(exc)
+    name = inspect.currentframe().f_code.co_name
+    assert f"all_reduce (called at tests/test_faults.py:{call_line} in {name}) lost its connection" in line, line
+
+
 def test_the_hook_prints_one_line_in_place_of_a_collective_failures_traceback(monkeypatch, capsys):
     """A collective failure reaching ``sys.excepthook``: the one ``error:`` line and not the traceback (the hook
     in place is not called); ``ACCUM_KIT_TRACEBACK=1`` adds the traceback; any other exception is left alone."""

@@ -15,7 +15,8 @@ were in, with the transport's words only. Measured with torch 2.13 over gloo:
 Neither names the collective nor the rank that raised it. :func:`describe_collective_failure`
 reads that from the exception's traceback (the ``torch.distributed`` function
 it was raised in, or autograd's backward for DDP's bucket all-reduce, and the
-first caller outside torch and Accelerate). :func:`install_collective_failure_hook`
+innermost caller outside library code: torch, Accelerate, any installed package such
+as DeepSpeed, the standard library). :func:`install_collective_failure_hook`
 prints it as one ``error:`` line in place of the uncaught exception's traceback
 (which said nothing more: the transport's words and torch's frames; set
 ``ACCUM_KIT_TRACEBACK=1`` to have it printed after the line);
@@ -38,6 +39,24 @@ import traceback
 _TIMEOUT = re.compile(r"Timed out waiting (\d+)ms for (?:send|recv) operation")
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
 _LIBRARIES = (f"{os.sep}torch{os.sep}", f"{os.sep}accelerate{os.sep}")
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # this package's folder
+
+
+def _is_library(filename: str) -> bool:
+    """Whether a frame's file is library code, never the caller to name: torch and Accelerate wherever they live,
+    any installed package (``site-packages``, ``dist-packages``: DeepSpeed's collective wrappers, typing_extensions'
+    ``deprecated`` wrapper around a torch collective), the standard library and frozen modules; this package's own
+    files never are, even when installed."""
+    import sysconfig
+
+    if filename.startswith("<frozen "):
+        return True
+    path = os.path.abspath(filename)
+    if path.startswith(_OWN):
+        return False
+    stdlib = tuple(os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
+    return any(lib in path for lib in (*_LIBRARIES, *_INSTALLED)) or path.startswith(stdlib)
 
 
 def _which_collective(tb) -> tuple[str, str]:
@@ -53,7 +72,7 @@ def _which_collective(tb) -> tuple[str, str]:
         op = "DDP's gradient all_reduce (inside backward)"
     caller = ""
     for outer, inner in zip(frames, frames[1:]):
-        if not any(lib in outer.filename for lib in _LIBRARIES) and any(lib in inner.filename for lib in _LIBRARIES):
+        if not _is_library(outer.filename) and _is_library(inner.filename):
             caller = f"{_short(outer.filename)}:{outer.lineno} in {outer.name}"
     return op or "a collective", caller
 
