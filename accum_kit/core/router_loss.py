@@ -34,9 +34,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..compat import at_end_of_dataloader, set_end_of_dataloader
 from ..errors import UsageError
 from .loss import IGNORE_INDEX
+from .read_ahead import read_ahead
 
 SCOPES = ("window", "micro_batch")
 FLAG = "--router_aux_loss_scope"
@@ -122,31 +122,23 @@ class RouterAuxLoss:
         ``scope="window"``: each batch is routed once without gradients to count its experts; then one
         all-reduce of the window's counts, rows, target tokens and micro-batches over the token ranks.
         """
-        acc, it = self.accelerator, iter(iterable)
-        while True:
-            window, ends = [], []
-            for batch in it:
-                window.append(batch)
-                ends.append(at_end_of_dataloader(acc))
-                if len(window) == acc.gradient_accumulation_steps or ends[-1]:
-                    break
-            if not window:
-                return
-            totals = torch.zeros(self.experts + 3, dtype=torch.float64, device=acc.device)
-            for batch in window:
-                part = self.ranks.part(batch)
-                mask = _rows_mask(part).to(acc.device)
-                if self.scope == "window":
-                    with torch.no_grad():
-                        out = self.model(**self._inputs(part), output_router_logits=True)
-                    totals[: self.experts] += route_counts(out.router_logits, mask, self.experts, self.top_k)
-                totals[self.experts] += float(mask.sum()) * self.layers
-                totals[self.experts + 1] += float(self._targets(part))
-                totals[self.experts + 2] += 1.0
-            self._ahead = self.ranks.sum(totals).cpu()
-            for batch, end in zip(window, ends):
-                set_end_of_dataloader(acc, end)
-                yield batch
+        return read_ahead(self.accelerator, iterable, self._read)
+
+    def _read(self, window) -> None:
+        """The window's totals over the token ranks: expert counts (``scope="window"``), rows, targets, micro-batches."""
+        acc = self.accelerator
+        totals = torch.zeros(self.experts + 3, dtype=torch.float64, device=acc.device)
+        for batch in window:
+            part = self.ranks.part(batch)
+            mask = _rows_mask(part).to(acc.device)
+            if self.scope == "window":
+                with torch.no_grad():
+                    out = self.model(**self._inputs(part), output_router_logits=True)
+                totals[: self.experts] += route_counts(out.router_logits, mask, self.experts, self.top_k)
+            totals[self.experts] += float(mask.sum()) * self.layers
+            totals[self.experts + 1] += float(self._targets(part))
+            totals[self.experts + 2] += 1.0
+        self._ahead = self.ranks.sum(totals).cpu()
 
     @staticmethod
     def _inputs(batch) -> dict:

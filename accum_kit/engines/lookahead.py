@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import set_end_of_dataloader
 from ..core.loss import WindowNormalizer
+from ..core.read_ahead import read_ahead
 from ..errors import UsageError
 
 def count_items(loss_fn, batch) -> torch.Tensor:
@@ -62,24 +62,13 @@ class LookaheadNormalizer(WindowNormalizer):
         end-of-dataloader flag, set when the last batch is fetched, is put back
         per batch so that only the window's last batch closes it).
         """
-        acc, it = self.accelerator, iter(iterable)
-        loss_fn = loss_fn or self.loss_fn
-        from ..compat import at_end_of_dataloader
+        acc, loss_fn = self.accelerator, loss_fn or self.loss_fn
 
-        while True:
-            window, ends = [], []
-            for batch in it:
-                window.append(batch)
-                ends.append(at_end_of_dataloader(acc))
-                if len(window) == acc.gradient_accumulation_steps or ends[-1]:
-                    break
-            if not window:
-                return
+        def count(window):
             local = sum(count_items(loss_fn, b).double() for b in window).reshape(1).to(acc.device)
             self.window_items = float(acc.reduce(local, reduction="sum"))
-            for batch, end in zip(window, ends):
-                set_end_of_dataloader(acc, end)
-                yield batch
+
+        return read_ahead(acc, iterable, count)
 
     def backward_loss(self, summed_loss: torch.Tensor, num_items) -> torch.Tensor:
         """``summed_loss x K x W / N`` for ``accelerator.backward`` (see the class docstring)."""

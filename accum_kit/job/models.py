@@ -62,18 +62,8 @@ def build_moe_model(preset: str, vocab_size: int, n_positions: int, seed: int | 
     Raises:
         UsageError: unknown preset (names ``--model_preset``).
     """
-    if preset not in MOE_PRESETS:
-        raise UsageError("--model_preset", f"unknown mixture-of-experts preset {preset!r}",
-                         f"use one of {sorted(MOE_PRESETS)}")
-    import torch
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    if seed is not None:
-        torch.manual_seed(seed)
-    config = MixtralConfig(vocab_size=vocab_size, max_position_embeddings=n_positions, attention_dropout=0.0,
-                           **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-                              **MOE_PRESETS[preset], **config_overrides})
-    return MixtralForCausalLM(config)
+    return _decoder_from_preset(MOE_PRESETS, "mixture-of-experts", "Mixtral", preset, vocab_size, n_positions, seed,
+                                config_overrides)
 
 
 def build_llama_model(preset: str, vocab_size: int, n_positions: int, seed: int | None = None, **config_overrides):
@@ -89,17 +79,25 @@ def build_llama_model(preset: str, vocab_size: int, n_positions: int, seed: int 
     Raises:
         UsageError: unknown preset (names ``--model_preset``).
     """
-    if preset not in LLAMA_PRESETS:
-        raise UsageError("--model_preset", f"unknown Llama preset {preset!r}", f"use one of {sorted(LLAMA_PRESETS)}")
+    return _decoder_from_preset(LLAMA_PRESETS, "Llama", "Llama", preset, vocab_size, n_positions, seed,
+                                config_overrides)
+
+
+def _decoder_from_preset(presets: dict, kind: str, family: str, preset: str, vocab_size: int, n_positions: int,
+                         seed: int | None, overrides: dict):
+    """``transformers.<family>ForCausalLM`` from ``<family>Config`` with the preset's fields: no dropout, no special
+    token ids unless overridden; torch seeded first when ``seed`` is given."""
+    if preset not in presets:
+        raise UsageError("--model_preset", f"unknown {kind} preset {preset!r}", f"use one of {sorted(presets)}")
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     if seed is not None:
         torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=n_positions, attention_dropout=0.0,
-                         **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-                            **LLAMA_PRESETS[preset], **config_overrides})
-    return LlamaForCausalLM(config)
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=vocab_size, max_position_embeddings=n_positions, attention_dropout=0.0,
+        **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **presets[preset], **overrides})
+    return getattr(transformers, f"{family}ForCausalLM")(config)
 
 
 def build_model(preset: str, vocab_size: int, n_positions: int, seed: int | None = None, **config_overrides):
