@@ -241,7 +241,8 @@ def _tree(root: Path) -> list:
 
 def run_train_jobs(spec, out_dir: Path) -> None:
     """``spec["train_job"]``: the train job uninterrupted under this launch's DeepSpeed config (the reference
-    of the SIGTERM test), a one-step DDP job (a checkpoint of another engine), then each bad resume of
+    of the SIGTERM test) and under each stage of ``reference_stages`` (``train_ref_zero<s>``: the references of
+    the fault launches), a one-step DDP job (a checkpoint of another engine), then each bad resume of
     ``bad_resumes`` (``{name: {"argv": extra flags, "env": launcher variables}}``, ``{ref}`` / ``{ddp}`` in a
     flag: those runs' output folders, ``{bad}``: copies made here, see below); ``train_jobs.json`` gets each
     bad run's exit code, error lines and whether its checkpoint folder and output folder were left unchanged."""
@@ -255,8 +256,11 @@ def run_train_jobs(spec, out_dir: Path) -> None:
     ref, ddp, bad = out_dir / "train_ref", out_dir / "train_ddp", out_dir / "train_bad"
     results = {}
     ddp_env = {"ACCELERATE_USE_DEEPSPEED": None, "ACCELERATE_DEEPSPEED_ZERO_STAGE": None}
-    for name, argv, env in (("reference", ["--output_dir", ref], None),
-                            ("ddp", ["--output_dir", ddp, "--max_train_steps", 1, "--checkpointing_steps", 1], ddp_env)):
+    runs = [("reference", ["--output_dir", ref], None),
+            ("ddp", ["--output_dir", ddp, "--max_train_steps", 1, "--checkpointing_steps", 1], ddp_env)]
+    runs += [(f"reference_zero{s}", ["--output_dir", out_dir / f"train_ref_zero{s}"],  # the fault launches' references
+              {"ACCELERATE_DEEPSPEED_ZERO_STAGE": str(s)}) for s in job.get("reference_stages", [])]
+    for name, argv, env in runs:
         results[name], err = _train_job([*job["argv"], *argv], env)
         (out_dir / f"train_{name}_rank{rank}.stderr").write_text(err)
     if rank == 0:  # a checkpoint saved by 4 processes (its loop state says so), one with a truncated ZeRO file,

@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 import job_helpers as jh  # noqa: E402
+from fault_launches import compare as _compare, kill_rank1_after_a_checkpoint, root_cause  # noqa: E402
 from accum_kit.core.checkpoint import CRASH_HOOK, complete_checkpoints, latest_checkpoint  # noqa: E402
 
 CONFIG = REPO / "accelerate_configs" / "cpu_deepspeed.yaml"
@@ -72,52 +72,12 @@ def launch(work: Path, stage: int, name: str, corpus: Path, env: dict, *launcher
     return jh.start([str(c) for c in cmd], {**env, **extra_env}, root / "logs", name)
 
 
-def kill_rank1_after_a_checkpoint(started, out: Path, timeout: float) -> dict:
-    """SIGKILL the rank-1 worker as soon as ``out`` holds a complete checkpoint; what was seen then."""
-    proc = started[1]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return {"error": f"ended (rc {proc.returncode}) before its signal"}
-        if (ckpt := latest_checkpoint(out)) and (pid := jh.worker_pid(proc.pid, 1)):
-            os.kill(pid, signal.SIGKILL)
-            return {"pid": pid, "checkpoint_then": ckpt.name, "signalled_at": time.monotonic()}
-        time.sleep(0.1)
-    return {"error": f"no checkpoint within {timeout} s"}
-
-
-def root_cause(stderr: str) -> dict:
-    """torchrun's failure report: the rank, exit code and signal of the first observed failure."""
-    report = stderr[stderr.rfind("Root Cause"):] if "Root Cause" in stderr else ""
-    rank = re.search(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)", report)
-    code = re.search(r"exitcode\s*:\s*(-?\d+)", report)
-    sig = re.search(r"Signal (\d+) \((\w+)\)", report)
-    return {"rank": int(rank.group(1)) if rank else None, "exitcode": int(code.group(1)) if code else None,
-            "signal": sig.group(2) if sig else None}
-
-
 def error_lines(stderr: str) -> list[str]:
     return re.findall(r"^error: .*$", stderr, re.M)
 
 
 def compare(out: Path, reference: Path) -> dict:
-    """The run in ``out`` against the uninterrupted one: losses, evaluation loss, saved parameters, bitwise."""
-    from safetensors.torch import load_file
-
-    if not (out / "train_summary.json").exists():
-        return {"finished": False}
-    got = json.loads((out / "train_summary.json").read_text())
-    ref = json.loads((reference / "train_summary.json").read_text())
-    a, b = load_file(out / "model.safetensors"), load_file(reference / "model.safetensors")
-    differing = {k: (a[k].double() - b[k].double()).abs().max().item() for k in a.keys() & b.keys()
-                 if not a[k].equal(b[k])}
-    equal = (got["train_loss"] == ref["train_loss"] and got.get("eval_loss_after") == ref.get("eval_loss_after")
-             and a.keys() == b.keys() and not differing and len(got["train_loss"]) == jh.FSDP_JOB_STEPS)
-    return {"finished": True, "bitwise_equal": equal, "train_loss_equal": got["train_loss"] == ref["train_loss"],
-            "eval_loss_equal": got.get("eval_loss_after") == ref.get("eval_loss_after"),
-            "losses": len(got["train_loss"]), "tensors": len(a), "tensor_keys_equal": a.keys() == b.keys(),
-            "tensors_differing": len(differing), "max_abs_difference": max(differing.values(), default=0.0),
-            "resumed_from_step": got.get("resumed_from_step"), "zero_stage": got.get("deepspeed", {}).get("zero_stage")}
+    return _compare(out, reference, jh.FSDP_JOB_STEPS)
 
 
 def finished(started, timeout: float) -> tuple:
