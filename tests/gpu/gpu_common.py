@@ -58,6 +58,15 @@ MEMORY_MODEL = dict(vocab_size=1024, n_embd=256, n_layer=2, n_head=4, n_position
 K, B, LR = 3, 2, 0.5  # 20 examples: 10 micro-batches per process at W = 1, windows of 3, 3, 3 and a partial 1
 FP16_K, FP16_B, FP16_LR = 2, 2, 0.1  # 32 examples: 8 windows of 2
 MEMORY_K, MEMORY_B = 3, 2
+#: Activation checkpointing's memory: 4 blocks and micro-batches of 4 x 256 tokens, so that activations (about
+#: 160 MB predicted without checkpointing, 75 MB with it) outweigh the model's state (3.4M parameters, about 55 MB
+#: with AdamW); fixed-length examples (no padding, so the peak's sequence length is known); fp32 (the activation
+#: count's element size is the compute precision's, and bf16 autocast keeps some activations in fp32).
+CKPT_MODEL = {**MEMORY_MODEL, "n_layer": 4, "n_positions": 256}
+CKPT_K, CKPT_B, CKPT_SEQ = 2, 4, 256
+#: measured peak and checkpointing's saving against the prediction: the calibration of the backward's transient
+#: gradients was fitted on CPU (docs/memory.md); a first bound for CUDA, to tighten with measurements
+CKPT_REL = 0.2
 FSDP_POLICIES = ("no_sync", "sync_each_batch", "no_sync_no_reshard_after_backward", "no_sync_no_reshard")
 
 ROUNDINGS = 64  # m of accum_kit's derivation: sqrt(m) u, see accum_kit/verify/compare.py
@@ -93,6 +102,8 @@ EXAMPLES = make_examples()
 PAD_TO = max(len(e["input_ids"]) for e in EXAMPLES)  # the compiled run: one static shape
 FP16_EXAMPLES = make_long_examples()
 MEMORY_EXAMPLES = make_examples(n=MEMORY_K * MEMORY_B * 2, seed=77, vocab=MEMORY_MODEL["vocab_size"])
+CKPT_EXAMPLES = make_long_examples(n=CKPT_K * CKPT_B * 2, low=CKPT_SEQ, high=CKPT_SEQ, seed=78,
+                                   vocab=CKPT_MODEL["vocab_size"])
 
 
 def pad_collate(pad_id=PAD_ID, width=None):

@@ -542,6 +542,32 @@ def fsdp_policy_part(out: Path, policy: str) -> dict:
     return info
 
 
+def fsdp_checkpointing_part(out: Path, checkpointing: bool) -> dict:
+    """FSDP2 in fp32 with or without ``gradient_checkpointing``, AdamW, 2 windows of K = 2 (the second measured):
+    ``max_memory_allocated`` over the window since before the model existed, and accum_kit's predicted peak by
+    part (``predicted_peak``: the cost table's row, FSDP2's buffers and a micro-batch's activations; baseline 0,
+    since the measurement starts before the model)."""
+    fresh_state()
+    from accum_kit.profiler.held_memory import predicted_peak
+    sync()
+    base = torch.cuda.memory_allocated()
+    acc = accum_kit.build_accelerator(common.CKPT_K, mixed_precision="no", gradient_checkpointing=checkpointing)
+    probe = MemoryProbe(base)
+    run = train(acc, common.CKPT_MODEL, common.CKPT_EXAMPLES, common.CKPT_K, common.CKPT_B, 1e-3,
+                optimizer="adamw", max_steps=2, extra=lambda a, m: [probe], read=lambda: {})
+    pmodel = run["pmodel"]
+    predict = predicted_peak(acc, pmodel, common.CKPT_K, common.CKPT_B, common.CKPT_SEQ, checkpointing)
+    info = {"checkpointing": checkpointing, "in_force": bool(acc.run_plan.gradient_checkpointing),
+            "is_fsdp2": bool(getattr(acc, "is_fsdp2", False)), "mixed_precision": acc.mixed_precision,
+            "parameters": sum(p.numel() for p in pmodel.parameters()), "peak_bytes": probe.peak,
+            "start_bytes": probe.start, "base_bytes": base,
+            "predicted_parts": predict(None) if predict is not None else None,
+            "s_per_step": statistics.median(run["result"].step_seconds)}
+    acc.free_memory()
+    del run, pmodel
+    return info
+
+
 def warm_up_cuda(out: Path) -> dict:
     """One bf16-autocast forward and backward of the memory model before anything is measured.
 
@@ -577,6 +603,8 @@ def fsdp_bf16_part(out: Path) -> dict:
 def fsdp_task(out: Path) -> int:
     return run_parts(out, [("warm_up", warm_up_cuda),
                            *[(f"fsdp_{p}", (lambda o, p=p: fsdp_policy_part(o, p))) for p in common.FSDP_POLICIES],
+                           *[(f"fsdp_checkpointing_{on}", (lambda o, on=on: fsdp_checkpointing_part(o, on == "on")))
+                             for on in ("off", "on")],
                            ("fsdp_bf16", fsdp_bf16_part)])
 
 
