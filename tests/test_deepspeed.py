@@ -15,9 +15,11 @@ norm, and bf16's own floor), the train job uninterrupted (the reference) and
 with bad ``--resume_from_checkpoint`` inputs, and ends with ``accum-kit bench``'s
 DeepSpeed sweep run in-process on the tiny preset (:data:`BENCH`); its schedule,
 rows, per-window collectives (against the documented formulas, P counted on the
-plain model) and memory are checked below. Beside it, the only other launches:
-the train job under ``accelerate launch``, preempted by a real SIGTERM, then
-resumed from ``latest``.
+plain model) and memory are checked below. Beside it, the only other launches,
+three sequences side by side, real signals on the train job under ``accelerate
+launch``: ZeRO-2 preempted by SIGTERM, then resumed from ``latest``; ZeRO-1
+with a worker SIGKILLed under ``--max_restarts 1``; ZeRO-3 crashing mid-save,
+then resumed from ``latest`` (about 37 s more than the worker alone).
 
 The refusals (missing package, contradicting config, policies, schedules, the
 bench's flags) are checked in-process.
@@ -735,8 +737,9 @@ def test_sigterm_saves_at_the_next_window_and_latest_resumes_equal_to_the_uninte
 
 # The fault launches beside the worker, one stage each (the SIGTERM one above is ZeRO-2); each is compared with
 # the worker's uninterrupted run of its stage (train_ref_zero<s>: the stages are not bitwise equal to each other).
-# The kill under --max_restarts runs on ZeRO-1: a restarted ZeRO-3 worker aborted at exit in 2 of 25 launches by
-# hand (docs/faults.md), which would make this test flaky; benchmarks/deepspeed/faults.py runs every stage x fault.
+# The kill under --max_restarts runs on ZeRO-1: a ZeRO-3 worker sometimes aborts as the interpreter exits (1 of 24
+# restarted launches two at a time; docs/faults.md), which would make this test flaky; benchmarks/deepspeed/faults.py
+# runs every stage x fault.
 RESTART_STAGE, CRASH_STAGE, CRASH_AT = 1, 3, f"step_{2 * JOB_EVERY}"
 
 
