@@ -101,6 +101,8 @@ def assert_each_refused(table: dict[str, dict]) -> None:
     """Every planted kind refused by a UsageError that names ``--resume_from_checkpoint``, the planted file and
     that nothing in it ran, with a fix; no marker."""
     assert table, "no file to plant into"
+    for kind, row in table.items():  # the figures, printed under -s
+        print(f"\nplanted {kind}: ran {row['ran']}; {row['error'] or 'accepted'}"[:220])
     for kind, row in table.items():
         err = row["error"]
         assert err is not None, f"{kind}: the pre-check accepted a planted pickle"
