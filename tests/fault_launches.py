@@ -1,8 +1,8 @@
 """What the fault launches share: kill a worker once a checkpoint exists, read torchrun's failure report,
 compare a resumed run with the uninterrupted one.
 
-Used by tests/test_deepspeed.py (the DeepSpeed fault launches beside its worker) and by
-benchmarks/deepspeed/faults.py (every stage and fault, by hand).
+Used by tests/test_deepspeed.py (the DeepSpeed fault launches beside its worker), tests/test_fsdp_faults.py (the
+comparison) and benchmarks/deepspeed/faults.py (every stage and fault, by hand).
 """
 
 from __future__ import annotations
@@ -64,4 +64,4 @@ def compare(out: Path, reference: Path, steps: int) -> dict:
             "eval_loss_equal": got.get("eval_loss_after") == ref.get("eval_loss_after"),
             "losses": len(got["train_loss"]), "tensors": len(a), "tensor_keys_equal": a.keys() == b.keys(),
             "tensors_differing": len(differing), "max_abs_difference": max(differing.values(), default=0.0),
-            "resumed_from_step": got.get("resumed_from_step"), "zero_stage": got.get("deepspeed", {}).get("zero_stage")}
+            "resumed_from_step": got.get("resumed_from_step"), "zero_stage": (got.get("deepspeed") or {}).get("zero_stage")}

@@ -8,7 +8,7 @@ same window as K micro-batches through ``accum_kit.train_loop`` with :class:`Rou
 
 from __future__ import annotations
 
-import copy
+import json
 
 import pytest
 import torch
@@ -128,7 +128,7 @@ def pooled(tmp_path_factory, ddp_pool, fsdp_pool):
     for kind, pool, scenarios in (("ddp", ddp_pool, TWO_PROCESS), ("fsdp", fsdp_pool, TWO_PROCESS + FSDP_ONLY)):
         spec = {"model_class": "mixtral", "model_config": MOE, "seed": 0, "lr": LR, "pad_id": ex.PAD_ID,
                 "examples": ex.EXAMPLES, "scenarios": scenarios}
-        (root / f"{kind}.json").write_text(__import__("json").dumps(spec))
+        (root / f"{kind}.json").write_text(json.dumps(spec))
         submitted[kind] = (pool.submit("mesh_worker", [root / f"{kind}.json", root / kind],
                                        script=jh.REPO / "tests" / "mesh_worker.py"), scenarios)
     verify = ddp_pool.submit("verify", ["--model_preset", "moe_tiny", "--gradient_accumulation_steps", "2",
@@ -140,12 +140,12 @@ def pooled(tmp_path_factory, ddp_pool, fsdp_pool):
             pytest.fail(f"{kind} worker failed\n{res.describe()}", pytrace=False)
         out[kind] = {sc["name"]: {"init": torch.load(root / kind / sc["name"] / "init.pt", weights_only=True),
                                   "steps": torch.load(root / kind / sc["name"] / "steps.pt", weights_only=True),
-                                  "ranks": [__import__("json").loads((root / kind / sc["name"] / f"rank{r}.json")
+                                  "ranks": [json.loads((root / kind / sc["name"] / f"rank{r}.json")
                                                                      .read_text()) for r in range(2)]}
                      for sc in scenarios}
     res = verify.result(POOL_TIMEOUT_S)
     assert res.returncode == 0, res.describe()
-    out["verify"] = (__import__("json").loads((root / "verify.json").read_text()), res.stdout)
+    out["verify"] = (json.loads((root / "verify.json").read_text()), res.stdout)
     return out
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import sys
 import time
@@ -46,6 +45,7 @@ sys.path.insert(0, str(REPO))
 import job_helpers as jh  # noqa: E402
 from fault_launches import compare as _compare, kill_rank1_after_a_checkpoint, root_cause  # noqa: E402
 from accum_kit.core.checkpoint import CRASH_HOOK, complete_checkpoints, latest_checkpoint  # noqa: E402
+from accum_kit.outputs import atomic_write_json, library_versions  # noqa: E402
 
 CONFIG = REPO / "accelerate_configs" / "cpu_deepspeed.yaml"
 EVERY = 2  # --checkpointing_steps, as in tests/test_fsdp_faults.py
@@ -212,20 +212,16 @@ def main(argv=None) -> int:
     for stage in args.stages:
         stages[str(stage)] = run_stage(args.work, stage, corpus, env, args.timeout)
     table = [row for stage in args.stages for row in verdicts(stage, stages[str(stage)])]
-    import accelerate
     import deepspeed
-    import torch
 
     result = {"command": "python benchmarks/deepspeed/faults.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "config": str(CONFIG.relative_to(REPO)), "processes": 2, "job": job_argv(Path("CORPUS"), Path("OUT"))[3:],
               "checkpointing_steps": EVERY, "crash_at": CRASH_AT,
-              "versions": {"torch": torch.__version__, "accelerate": accelerate.__version__,
-                           "deepspeed": deepspeed.__version__, "python": platform.python_version()},
+              "versions": {**library_versions(), "deepspeed": deepspeed.__version__},
               "cpus": os.cpu_count(), "load_average_end": os.getloadavg(),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "seconds": round(time.time() - t0, 1),
               "table": table, "stages": stages}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write_json(args.out, result)
     for row in table:
         print(f"ZeRO-{row['stage']} ({row['fault']}) {'ok  ' if row['ok'] else 'FAIL'} {row['result']}")
     return 0 if all(row["ok"] for row in table) else 1

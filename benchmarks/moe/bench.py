@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 import job_helpers as jh  # noqa: E402
+from accum_kit.outputs import atomic_write_json  # noqa: E402
 from accum_kit.stats import median, ratio_interval  # noqa: E402
 
 
@@ -120,9 +121,7 @@ def main(argv=None) -> int:
     if not args.skip_cost:
         result["cost"] = cost(args)
         print(result["cost"]["window_over_micro_batch"])
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.out)
+    atomic_write_json(args.out, result)
     return 0
 
 

@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
 import job_helpers as jh  # noqa: E402
+from accum_kit.outputs import atomic_write_json  # noqa: E402
 
 FSDP = ("no_sync", "no_sync_no_reshard_after_backward", "no_sync_no_reshard", "sync_each_batch")
 CELLS = [("ddp", "cpu_ddp.yaml", None, [])] + \
@@ -41,12 +42,12 @@ def main(argv=None) -> int:
             name = f"{engine}_{policy or 'default'}_{precision}"
             out = args.work / name
             flags = ["--accumulation_policy", policy] if policy else []
-            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(REPO / "accelerate_configs" / config), "--mixed_precision", precision, *launcher,
-                   "--main_process_port", str(jh.free_port()), "-m", "accum_kit", "train", "--train_file", str(corpus),
-                   "--model_preset", "moe_tiny", "--block_size", "64", "--max_train_steps", "4",
-                   "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-                   "--max_eval_samples", "8", "--router_aux_loss_scope", "window", "--output_dir", str(out), *flags]
+            cmd = jh.accelerate_launch_cmd(
+                "--mixed_precision", precision, *launcher, "-m", "accum_kit", "train", "--train_file", corpus,
+                "--model_preset", "moe_tiny", "--block_size", "64", "--max_train_steps", "4",
+                "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                "--max_eval_samples", "8", "--router_aux_loss_scope", "window", "--output_dir", out, *flags,
+                config=REPO / "accelerate_configs" / config, num_processes=4 if engine == "hsdp" else 2)
             res = jh.run(cmd, jh.clean_env(HF_DATASETS_CACHE=str(args.work / "hf_cache")), args.work / "logs", name,
                          timeout=600)
             row = {"engine": engine, "policy": policy, "precision": precision, "exit_code": res.returncode}
@@ -64,9 +65,7 @@ def main(argv=None) -> int:
         if ref is not None and row.get("train_loss"):
             row["max_rel_diff_from_reference"] = max(abs(a - b) / abs(b) for a, b in zip(row["train_loss"], ref["train_loss"]))
             row["reference"] = f"{ref['engine']} {ref['policy'] or ''}".strip()
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rows, indent=1))
-    tmp.replace(args.out)
+    atomic_write_json(args.out, rows)
     return 0
 
 
