@@ -43,6 +43,12 @@ SEED = 0
 PAD_ID = 0
 IGNORE = -100
 NO_CUDA = "needs a CUDA GPU (tests/gpu runs on a GPU machine; docs/gpu_tests.md)"
+#: ``GPU_TESTS_DRY_RUN=1``: the tests that support it (the ``compile`` and ``auto_batch`` launches and the checks
+#: computed in the test) run on the CPU, the launches with CUDA hidden and the CUDA allocator's cap stood in for
+#: (tests/gpu/memory_cap/sitecustomize.py), to exercise the workers' and tests' code before a GPU is at hand. Every
+#: other test stays skipped; figures from a dry run say nothing about a GPU.
+DRY_RUN = os.environ.get("GPU_TESTS_DRY_RUN") == "1"
+DEVICE = "cpu" if DRY_RUN else "cuda"  # the device type the launches' runs must report
 
 # ---------------------------------------------------------------- workloads
 
@@ -187,14 +193,15 @@ def mean_of_means_gradient(model, examples, k, b) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def sgd_trajectory(config: dict, init: dict, wins: list, lr: float) -> list[dict]:
-    """Parameters (float64) after each window's SGD step of the exact big-batch gradient, from ``init``."""
+def sgd_trajectory(config: dict, init: dict, wins: list, lr: float, gradient=None) -> list[dict]:
+    """Parameters (float64) after each window's SGD step of the exact big-batch gradient, from ``init``
+    (``gradient(model, window)``: another gradient, for negative controls)."""
     import torch
 
     model = oracle_model(config, init)
     out = []
     for w in wins:
-        grads = window_gradient(model, w)
+        grads = (gradient or window_gradient)(model, w)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p -= lr * grads[n]
@@ -328,6 +335,8 @@ def worker_env() -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1", GPU_TESTS_WORKER_ALARM_S=str(WORKER_ALARM_S))
+    if DRY_RUN:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 

@@ -37,7 +37,8 @@ from accum_kit.compat import reset_accelerate_state
 
 
 def env_info() -> dict:
-    """Versions and the settings that change fp32 results (TF32); never raises."""
+    """Versions and the settings that change fp32 results (TF32), as the process started (each run records the TF32
+    switch at every step: ``tf32_matmul_per_step``); never raises."""
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
             "cuda_available": torch.cuda.is_available()}
     for key, get in (("accelerate", lambda: __import__("accelerate").__version__),
@@ -79,9 +80,24 @@ def run_parts(out: Path, parts) -> int:
     return failed
 
 
+def tf32_matmul() -> bool:
+    """Whether cuBLAS may round fp32 matmul inputs to TF32 (10-bit mantissa) now: torch's process-wide switch."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+#: the switch as this process started (torch's default: off); every part starts from it again (:func:`fresh_state`)
+TF32_AT_START = tf32_matmul()
+
+
 def fresh_state() -> None:
-    """Forget Accelerate's singletons (a new mixed precision or plugin needs it); the process group stays."""
+    """Forget Accelerate's singletons (a new mixed precision or plugin needs it); the process group stays.
+
+    Also puts the TF32 switch back as the process started: Accelerate turns it on when it builds the state of a
+    compiled fp32 run on CUDA (``AcceleratorState.__init__``: a dynamo backend, mixed precision "no", a CUDA
+    device) and never off again, so without this a compiled part would leave every later fp32 part in TF32.
+    """
     reset_accelerate_state()
+    torch.backends.cuda.matmul.allow_tf32 = TF32_AT_START
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -106,14 +122,16 @@ def new_model(config: dict):
 
 
 class StepParams(accum_kit.LoopCallback):
-    """Parameters (float64, CPU) after every optimizer step, and the optimizer's skip flag and the scaler's scale."""
+    """Parameters (float64, CPU) after every optimizer step, the optimizer's skip flag and the scaler's scale, and
+    the TF32 switch at every step's end (an fp32 run's figures mean fp32 only if it stayed off)."""
 
     def __init__(self, read, optimizer=None, scaler=None):
         self.read, self.optimizer, self.scaler = read, optimizer, scaler
-        self.after, self.skipped, self.scales = [], [], []
+        self.after, self.skipped, self.scales, self.tf32 = [], [], [], []
 
     def on_step_end(self, state):
         self.after.append(self.read())
+        self.tf32.append(tf32_matmul())
         if self.scaler is not None:
             self.skipped.append(bool(self.optimizer.step_was_skipped))
             self.scales.append(float(self.scaler.get_scale()))
@@ -152,7 +170,7 @@ def run_info(acc, run) -> dict:
             "optimizer_steps": r.optimizer_steps, "micro_batches": r.micro_batches, "train_loss": r.train_loss,
             "step_tokens": r.step_tokens, "step_seconds": secs,
             "s_per_step_after_first": statistics.median(secs[1:]) if len(secs) > 1 else (secs[0] if secs else None),
-            "loop_wall_seconds": run["wall"]}
+            "loop_wall_seconds": run["wall"], "tf32_matmul_per_step": run["steps"].tf32}
 
 
 def save_params(out: Path, key: str, run) -> str:
@@ -437,10 +455,15 @@ def compile_floor(run) -> dict:
 
 
 def compiled_part(out: Path) -> dict:
+    """The inductor-compiled fp32 run. Accelerate turns TF32 on when it builds this Accelerator on CUDA (see
+    :func:`fresh_state`); it is turned off again before anything is compiled, so that the run, its compiled code
+    and the floor are fp32 as the test's tolerance assumes (dynamo guards on the switch: no recompile follows)."""
     fresh_state()
     import accum_kit.engines.compiling as compiling
     acc = accum_kit.build_accelerator(common.K, mixed_precision="no", torch_compile=True,
                                       torch_compile_backend="inductor", torch_compile_dynamic=False)
+    tf32_by_accelerate = tf32_matmul() and not TF32_AT_START
+    torch.backends.cuda.matmul.allow_tf32 = TF32_AT_START
     watch = compiling.CompileWatch(warmup_steps=1)
     counts = DynamoCounts()
     before = DynamoCounts.snapshot()
@@ -451,7 +474,8 @@ def compiled_part(out: Path) -> dict:
         watch.close()
     info = {**run_info(acc, run), "params": save_params(out, "compiled", run),
             "compile_settings": compiling.compile_settings(acc), "compile_watch": watch.summary(),
-            "dynamo_before": before, "dynamo_after_warmup": counts.after_warmup, "dynamo_end": DynamoCounts.snapshot()}
+            "dynamo_before": before, "dynamo_after_warmup": counts.after_warmup, "dynamo_end": DynamoCounts.snapshot(),
+            "tf32_switched_on_by_accelerate": tf32_by_accelerate}
     try:
         info["floor"] = compile_floor(run)
     except Exception:
