@@ -74,6 +74,15 @@ CKPT_K, CKPT_B, CKPT_SEQ = 2, 4, 256
 #: gradients was fitted on CPU (docs/memory.md); a first bound for CUDA, to tighten with measurements
 CKPT_REL = 0.2
 FSDP_POLICIES = ("no_sync", "sync_each_batch", "no_sync_no_reshard_after_backward", "no_sync_no_reshard")
+#: --auto_find_batch_size under a CUDA memory cap (tests/gpu/auto_batch_runs.py): the train job started at
+#: AUTO_CHAIN[0] x 1, the cap set between what the last micro-batch and the one before it need, so that it must
+#: settle on the last after two re-executions. fp32, the `mini` preset, blocks of 1024 tokens: activations (about
+#: 66 MB per sequence) outweigh the model and AdamW (53 MB) and cuBLAS's workspaces, so that the peaks of 8 and 16
+#: sequences lie far apart. The dry run: the `tiny` preset on 64-token blocks, 4 -> 2 -> 1.
+AUTO_CHAIN = (4, 2, 1) if DRY_RUN else (32, 16, 8)
+AUTO_WORKLOAD = dict(preset="tiny", block_size=64) if DRY_RUN else dict(preset="mini", block_size=1024)
+AUTO_STEPS = 3
+AUTO_LOSS_RTOL = 1e-6  # the settled run's losses against the uncapped run's: the same windows, summed in another order
 
 ROUNDINGS = 64  # m of accum_kit's derivation: sqrt(m) u, see accum_kit/verify/compare.py
 BF16_RTOL = math.sqrt(ROUNDINGS) * 2.0 ** -8  # 3.1e-2: normwise, per update
@@ -314,8 +323,10 @@ def _plain(x):
 LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
-#: worker name -> accelerate config (each launch: one process on the one GPU; see gpu_worker.py)
-LAUNCHES = {"ddp": "gpu_ddp.yaml", "compile": "gpu_ddp.yaml", "fsdp": "gpu_fsdp.yaml", "zero": "gpu_deepspeed.yaml"}
+#: worker name -> accelerate config (each launch: one process on the one GPU; see gpu_worker.py); None: the worker
+#: runs as a plain process (``auto_batch``: it starts one-process train jobs of its own)
+LAUNCHES = {"ddp": "gpu_ddp.yaml", "compile": "gpu_ddp.yaml", "fsdp": "gpu_fsdp.yaml", "zero": "gpu_deepspeed.yaml",
+            "auto_batch": None}
 #: all launches run at once and must have ended this many seconds after they started (pytest's limit is 180 s);
 #: a worker also ends itself (SIGALRM) a little later, should this process be killed before it could stop them
 DEADLINE_S = float(os.environ.get("GPU_TESTS_DEADLINE_S", "140"))
@@ -341,6 +352,8 @@ def worker_env() -> dict:
 
 
 def launch_cmd(name: str, out_dir: Path) -> list[str]:
+    if LAUNCHES[name] is None:
+        return [sys.executable, str(WORKER), name, str(out_dir)]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / LAUNCHES[name]),
             "--num_processes", "1", "--num_machines", "1", "--main_process_port", str(free_port()),
             str(WORKER), name, str(out_dir)]

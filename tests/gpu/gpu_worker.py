@@ -6,7 +6,8 @@ tests/gpu/conftest.py, all at once::
     python3 -m accelerate.commands.launch --config_file accelerate_configs/gpu_ddp.yaml --num_processes 1 \
         tests/gpu/gpu_worker.py ddp OUT_DIR
 
-Tasks (``ddp``, ``compile``, ``fsdp``, ``zero``) run their parts one after another in the same process,
+Tasks (``ddp``, ``compile``, ``fsdp``, ``zero``; ``auto_batch`` runs without the launcher and starts train jobs
+of its own, tests/gpu/auto_batch_runs.py) run their parts one after another in the same process,
 Accelerate's state reset between them (the process group stays); each part's figures, or its traceback,
 go into ``OUT_DIR/result.json``, rewritten after every part, so one failure loses nothing else. Parameters
 go into ``.pt`` files beside it (float64, CPU). Expected values are computed by the tests, from plain
@@ -676,7 +677,17 @@ def zero_task(out: Path) -> int:
                            ("zero2_bf16", lambda o: zero_part(o, "bf16"))])
 
 
-TASKS = {"ddp": ddp_task, "compile": compile_task, "fsdp": fsdp_task, "zero": zero_task}
+# ---------------------------------------------------------------- auto_batch: --auto_find_batch_size under a cap
+
+
+def auto_batch_task(out: Path) -> int:
+    """tests/gpu/auto_batch_runs.py's train jobs, within what is left of the launches' deadline."""
+    import auto_batch_runs
+
+    return run_parts(out, [("auto_batch", lambda o: auto_batch_runs.run(o, common.DEADLINE_S - 15))])
+
+
+TASKS = {"ddp": ddp_task, "compile": compile_task, "fsdp": fsdp_task, "zero": zero_task, "auto_batch": auto_batch_task}
 
 
 def main() -> int:
