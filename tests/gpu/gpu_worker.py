@@ -639,6 +639,7 @@ def fsdp_task(out: Path) -> int:
 def zero_part(out: Path, precision: str) -> dict:
     fresh_state()
     import deepspeed
+    import accum_kit.profiler.held_memory as held_memory
     from accelerate.utils import DeepSpeedPlugin
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -657,11 +658,16 @@ def zero_part(out: Path, precision: str) -> dict:
 
     def extra(a, m):
         holder["engine"] = m
-        return []
+        holder["held"] = held_memory.HeldMemory(a, m)
+        return [holder["held"]]
 
     run = train(acc, common.MODEL, common.EXAMPLES, common.K, common.B, common.LR, extra=extra, read=master)
     engine = run["pmodel"]
     info = {**run_info(acc, run), "params": save_params(out, f"zero2_{precision}", run),
+            "held_gradient_bytes": holder["held"].local()["gradient_bytes"],
+            "held_by_kind": holder["held"].local()["by_kind"],
+            "predicted": held_memory.predicted_memory(acc, engine, common.K).get("zero2"),
+            "unique_parameters": sum(p.numel() for p in run["model"].parameters()),
             "deepspeed_version": deepspeed.__version__,
             "model_class": type(engine).__name__, "zero_stage": acc.deepspeed_plugin.zero_stage,
             "engine_gradient_accumulation_steps": engine.gradient_accumulation_steps(),
