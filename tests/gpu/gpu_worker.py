@@ -90,6 +90,13 @@ def tf32_matmul() -> bool:
 TF32_AT_START = tf32_matmul()
 
 
+def restore_tf32() -> None:
+    """Put the switch back as the process started, through the flag Accelerate sets (torch >= 2.9 refuses a mix of
+    its legacy and new TF32 settings), and only when it changed (the legacy setter warns of its deprecation)."""
+    if tf32_matmul() != TF32_AT_START:
+        torch.backends.cuda.matmul.allow_tf32 = TF32_AT_START
+
+
 def fresh_state() -> None:
     """Forget Accelerate's singletons (a new mixed precision or plugin needs it); the process group stays.
 
@@ -98,7 +105,7 @@ def fresh_state() -> None:
     device) and never off again, so without this a compiled part would leave every later fp32 part in TF32.
     """
     reset_accelerate_state()
-    torch.backends.cuda.matmul.allow_tf32 = TF32_AT_START
+    restore_tf32()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -464,7 +471,7 @@ def compiled_part(out: Path) -> dict:
     acc = accum_kit.build_accelerator(common.K, mixed_precision="no", torch_compile=True,
                                       torch_compile_backend="inductor", torch_compile_dynamic=False)
     tf32_by_accelerate = tf32_matmul() and not TF32_AT_START
-    torch.backends.cuda.matmul.allow_tf32 = TF32_AT_START
+    restore_tf32()
     watch = compiling.CompileWatch(warmup_steps=1)
     counts = DynamoCounts()
     before = DynamoCounts.snapshot()
