@@ -77,8 +77,9 @@ FSDP_POLICIES = ("no_sync", "sync_each_batch", "no_sync_no_reshard_after_backwar
 #: --auto_find_batch_size under a CUDA memory cap (tests/gpu/auto_batch_runs.py): the train job started at
 #: AUTO_CHAIN[0] x 1, the cap set between what the last micro-batch and the one before it need, so that it must
 #: settle on the last after two re-executions. fp32, the `mini` preset, blocks of 1024 tokens: activations (about
-#: 66 MB per sequence) outweigh the model and AdamW (53 MB) and cuBLAS's workspaces, so that the peaks of 8 and 16
-#: sequences lie far apart. The dry run: the `tiny` preset on 64-token blocks, 4 -> 2 -> 1.
+#: 150 MB per sequence by accum_kit's activation model, an estimate: the test measures) outweigh the model with its
+#: gradients and AdamW state (54 MB) and cuBLAS's workspaces, so that the peaks of 8 and 16 sequences lie far apart
+#: (32 sequences uncapped: about 5 GB). The dry run: the `tiny` preset on 64-token blocks, 4 -> 2 -> 1.
 AUTO_CHAIN = (4, 2, 1) if DRY_RUN else (32, 16, 8)
 AUTO_WORKLOAD = dict(preset="tiny", block_size=64) if DRY_RUN else dict(preset="mini", block_size=1024)
 AUTO_STEPS = 3
