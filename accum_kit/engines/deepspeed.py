@@ -249,13 +249,18 @@ class ZeroEngine(Engine):
 
     def window_costs(self, accelerator, model, accumulation_steps, policy):
         """:func:`accum_kit.engines.costs.zero_costs` of the engine's stage (``policy`` is its name, ``zero2``...;
-        ZeRO-3's ``ds_numel``: the unpartitioned size)."""
+        ZeRO-3's ``ds_numel``: the unpartitioned size), b_p the element size of the module's parameters: DeepSpeed
+        casts the module to its config's bf16 / fp16, and its gradients, their reduction and the partitions it holds
+        between micro-batches are in that dtype (DeepSpeed 0.19.8; 2 bytes under bf16, where 4 predicted twice the
+        held gradient bytes)."""
         from .costs import zero_costs
 
-        P = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        P = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
         groups = len(getattr(getattr(model, "optimizer", None), "param_groups", None) or [None])
         return zero_costs(f"zero{self.stage}", P, world_size=accelerator.num_processes,
-                          accumulation_steps=accumulation_steps, param_groups=groups)
+                          accumulation_steps=accumulation_steps, param_groups=groups,
+                          param_bytes=trainable[0].element_size() if trainable else 4)
 
     def predicted_memory(self, accelerator, model, accumulation_steps, policies) -> dict:
         """One entry, the stage (``"zero2"``...): :meth:`window_costs`; the stage is the run's only policy."""

@@ -43,6 +43,12 @@ SEED = 0
 PAD_ID = 0
 IGNORE = -100
 NO_CUDA = "needs a CUDA GPU (tests/gpu runs on a GPU machine; docs/gpu_tests.md)"
+#: ``GPU_TESTS_DRY_RUN=1``: the tests that support it (the ``compile`` and ``auto_batch`` launches and the checks
+#: computed in the test) run on the CPU, the launches with CUDA hidden and the CUDA allocator's cap stood in for
+#: (tests/gpu/memory_cap/sitecustomize.py), to exercise the workers' and tests' code before a GPU is at hand. Every
+#: other test stays skipped; figures from a dry run say nothing about a GPU.
+DRY_RUN = os.environ.get("GPU_TESTS_DRY_RUN") == "1"
+DEVICE = "cpu" if DRY_RUN else "cuda"  # the device type the launches' runs must report
 
 # ---------------------------------------------------------------- workloads
 
@@ -68,6 +74,16 @@ CKPT_K, CKPT_B, CKPT_SEQ = 2, 4, 256
 #: gradients was fitted on CPU (docs/memory.md); a first bound for CUDA, to tighten with measurements
 CKPT_REL = 0.2
 FSDP_POLICIES = ("no_sync", "sync_each_batch", "no_sync_no_reshard_after_backward", "no_sync_no_reshard")
+#: --auto_find_batch_size under a CUDA memory cap (tests/gpu/auto_batch_runs.py): the train job started at
+#: AUTO_CHAIN[0] x 1, the cap set between what the last micro-batch and the one before it need, so that it must
+#: settle on the last after two re-executions. fp32, the `mini` preset, blocks of 1024 tokens: activations (about
+#: 150 MB per sequence by accum_kit's activation model, an estimate: the test measures) outweigh the model with its
+#: gradients and AdamW state (54 MB) and cuBLAS's workspaces, so that the peaks of 8 and 16 sequences lie far apart
+#: (32 sequences uncapped: about 5 GB). The dry run: the `tiny` preset on 64-token blocks, 4 -> 2 -> 1.
+AUTO_CHAIN = (4, 2, 1) if DRY_RUN else (32, 16, 8)
+AUTO_WORKLOAD = dict(preset="tiny", block_size=64) if DRY_RUN else dict(preset="mini", block_size=1024)
+AUTO_STEPS = 3
+AUTO_LOSS_RTOL = 1e-6  # the settled run's losses against the uncapped run's: the same windows, summed in another order
 
 ROUNDINGS = 64  # m of accum_kit's derivation: sqrt(m) u, see accum_kit/verify/compare.py
 BF16_RTOL = math.sqrt(ROUNDINGS) * 2.0 ** -8  # 3.1e-2: normwise, per update
@@ -187,14 +203,15 @@ def mean_of_means_gradient(model, examples, k, b) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def sgd_trajectory(config: dict, init: dict, wins: list, lr: float) -> list[dict]:
-    """Parameters (float64) after each window's SGD step of the exact big-batch gradient, from ``init``."""
+def sgd_trajectory(config: dict, init: dict, wins: list, lr: float, gradient=None) -> list[dict]:
+    """Parameters (float64) after each window's SGD step of the exact big-batch gradient, from ``init``
+    (``gradient(model, window)``: another gradient, for negative controls)."""
     import torch
 
     model = oracle_model(config, init)
     out = []
     for w in wins:
-        grads = window_gradient(model, w)
+        grads = (gradient or window_gradient)(model, w)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p -= lr * grads[n]
@@ -307,8 +324,10 @@ def _plain(x):
 LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
-#: worker name -> accelerate config (each launch: one process on the one GPU; see gpu_worker.py)
-LAUNCHES = {"ddp": "gpu_ddp.yaml", "compile": "gpu_ddp.yaml", "fsdp": "gpu_fsdp.yaml", "zero": "gpu_deepspeed.yaml"}
+#: worker name -> accelerate config (each launch: one process on the one GPU; see gpu_worker.py); None: the worker
+#: runs as a plain process (``auto_batch``: it starts one-process train jobs of its own)
+LAUNCHES = {"ddp": "gpu_ddp.yaml", "compile": "gpu_ddp.yaml", "fsdp": "gpu_fsdp.yaml", "zero": "gpu_deepspeed.yaml",
+            "auto_batch": None}
 #: all launches run at once and must have ended this many seconds after they started (pytest's limit is 180 s);
 #: a worker also ends itself (SIGALRM) a little later, should this process be killed before it could stop them
 DEADLINE_S = float(os.environ.get("GPU_TESTS_DEADLINE_S", "140"))
@@ -328,10 +347,14 @@ def worker_env() -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1", GPU_TESTS_WORKER_ALARM_S=str(WORKER_ALARM_S))
+    if DRY_RUN:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
 def launch_cmd(name: str, out_dir: Path) -> list[str]:
+    if LAUNCHES[name] is None:
+        return [sys.executable, str(WORKER), name, str(out_dir)]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / LAUNCHES[name]),
             "--num_processes", "1", "--num_machines", "1", "--main_process_port", str(free_port()),
             str(WORKER), name, str(out_dir)]

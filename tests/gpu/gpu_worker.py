@@ -6,7 +6,8 @@ tests/gpu/conftest.py, all at once::
     python3 -m accelerate.commands.launch --config_file accelerate_configs/gpu_ddp.yaml --num_processes 1 \
         tests/gpu/gpu_worker.py ddp OUT_DIR
 
-Tasks (``ddp``, ``compile``, ``fsdp``, ``zero``) run their parts one after another in the same process,
+Tasks (``ddp``, ``compile``, ``fsdp``, ``zero``; ``auto_batch`` runs without the launcher and starts train jobs
+of its own, tests/gpu/auto_batch_runs.py) run their parts one after another in the same process,
 Accelerate's state reset between them (the process group stays); each part's figures, or its traceback,
 go into ``OUT_DIR/result.json``, rewritten after every part, so one failure loses nothing else. Parameters
 go into ``.pt`` files beside it (float64, CPU). Expected values are computed by the tests, from plain
@@ -37,7 +38,8 @@ from accum_kit.compat import reset_accelerate_state
 
 
 def env_info() -> dict:
-    """Versions and the settings that change fp32 results (TF32); never raises."""
+    """Versions and the settings that change fp32 results (TF32), as the process started (each run records the TF32
+    switch at every step: ``tf32_matmul_per_step``); never raises."""
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
             "cuda_available": torch.cuda.is_available()}
     for key, get in (("accelerate", lambda: __import__("accelerate").__version__),
@@ -79,9 +81,31 @@ def run_parts(out: Path, parts) -> int:
     return failed
 
 
+def tf32_matmul() -> bool:
+    """Whether cuBLAS may round fp32 matmul inputs to TF32 (10-bit mantissa) now: torch's process-wide switch."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+#: the switch as this process started (torch's default: off); every part starts from it again (:func:`fresh_state`)
+TF32_AT_START = tf32_matmul()
+
+
+def restore_tf32() -> None:
+    """Put the switch back as the process started, through the flag Accelerate sets (torch >= 2.9 refuses a mix of
+    its legacy and new TF32 settings), and only when it changed (the legacy setter warns of its deprecation)."""
+    if tf32_matmul() != TF32_AT_START:
+        torch.backends.cuda.matmul.allow_tf32 = TF32_AT_START
+
+
 def fresh_state() -> None:
-    """Forget Accelerate's singletons (a new mixed precision or plugin needs it); the process group stays."""
+    """Forget Accelerate's singletons (a new mixed precision or plugin needs it); the process group stays.
+
+    Also puts the TF32 switch back as the process started: Accelerate turns it on when it builds the state of a
+    compiled fp32 run on CUDA (``AcceleratorState.__init__``: a dynamo backend, mixed precision "no", a CUDA
+    device) and never off again, so without this a compiled part would leave every later fp32 part in TF32.
+    """
     reset_accelerate_state()
+    restore_tf32()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -106,14 +130,16 @@ def new_model(config: dict):
 
 
 class StepParams(accum_kit.LoopCallback):
-    """Parameters (float64, CPU) after every optimizer step, and the optimizer's skip flag and the scaler's scale."""
+    """Parameters (float64, CPU) after every optimizer step, the optimizer's skip flag and the scaler's scale, and
+    the TF32 switch at every step's end (an fp32 run's figures mean fp32 only if it stayed off)."""
 
     def __init__(self, read, optimizer=None, scaler=None):
         self.read, self.optimizer, self.scaler = read, optimizer, scaler
-        self.after, self.skipped, self.scales = [], [], []
+        self.after, self.skipped, self.scales, self.tf32 = [], [], [], []
 
     def on_step_end(self, state):
         self.after.append(self.read())
+        self.tf32.append(tf32_matmul())
         if self.scaler is not None:
             self.skipped.append(bool(self.optimizer.step_was_skipped))
             self.scales.append(float(self.scaler.get_scale()))
@@ -152,7 +178,7 @@ def run_info(acc, run) -> dict:
             "optimizer_steps": r.optimizer_steps, "micro_batches": r.micro_batches, "train_loss": r.train_loss,
             "step_tokens": r.step_tokens, "step_seconds": secs,
             "s_per_step_after_first": statistics.median(secs[1:]) if len(secs) > 1 else (secs[0] if secs else None),
-            "loop_wall_seconds": run["wall"]}
+            "loop_wall_seconds": run["wall"], "tf32_matmul_per_step": run["steps"].tf32}
 
 
 def save_params(out: Path, key: str, run) -> str:
@@ -437,10 +463,15 @@ def compile_floor(run) -> dict:
 
 
 def compiled_part(out: Path) -> dict:
+    """The inductor-compiled fp32 run. Accelerate turns TF32 on when it builds this Accelerator on CUDA (see
+    :func:`fresh_state`); it is turned off again before anything is compiled, so that the run, its compiled code
+    and the floor are fp32 as the test's tolerance assumes (dynamo guards on the switch: no recompile follows)."""
     fresh_state()
     import accum_kit.engines.compiling as compiling
     acc = accum_kit.build_accelerator(common.K, mixed_precision="no", torch_compile=True,
                                       torch_compile_backend="inductor", torch_compile_dynamic=False)
+    tf32_by_accelerate = tf32_matmul() and not TF32_AT_START
+    restore_tf32()
     watch = compiling.CompileWatch(warmup_steps=1)
     counts = DynamoCounts()
     before = DynamoCounts.snapshot()
@@ -451,7 +482,8 @@ def compiled_part(out: Path) -> dict:
         watch.close()
     info = {**run_info(acc, run), "params": save_params(out, "compiled", run),
             "compile_settings": compiling.compile_settings(acc), "compile_watch": watch.summary(),
-            "dynamo_before": before, "dynamo_after_warmup": counts.after_warmup, "dynamo_end": DynamoCounts.snapshot()}
+            "dynamo_before": before, "dynamo_after_warmup": counts.after_warmup, "dynamo_end": DynamoCounts.snapshot(),
+            "tf32_switched_on_by_accelerate": tf32_by_accelerate}
     try:
         info["floor"] = compile_floor(run)
     except Exception:
@@ -614,6 +646,7 @@ def fsdp_task(out: Path) -> int:
 def zero_part(out: Path, precision: str) -> dict:
     fresh_state()
     import deepspeed
+    import accum_kit.profiler.held_memory as held_memory
     from accelerate.utils import DeepSpeedPlugin
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -632,11 +665,16 @@ def zero_part(out: Path, precision: str) -> dict:
 
     def extra(a, m):
         holder["engine"] = m
-        return []
+        holder["held"] = held_memory.HeldMemory(a, m)
+        return [holder["held"]]
 
     run = train(acc, common.MODEL, common.EXAMPLES, common.K, common.B, common.LR, extra=extra, read=master)
     engine = run["pmodel"]
     info = {**run_info(acc, run), "params": save_params(out, f"zero2_{precision}", run),
+            "held_gradient_bytes": holder["held"].local()["gradient_bytes"],
+            "held_by_kind": holder["held"].local()["by_kind"],
+            "predicted": held_memory.predicted_memory(acc, engine, common.K).get("zero2"),
+            "unique_parameters": sum(p.numel() for p in run["model"].parameters()),
             "deepspeed_version": deepspeed.__version__,
             "model_class": type(engine).__name__, "zero_stage": acc.deepspeed_plugin.zero_stage,
             "engine_gradient_accumulation_steps": engine.gradient_accumulation_steps(),
@@ -652,7 +690,17 @@ def zero_task(out: Path) -> int:
                            ("zero2_bf16", lambda o: zero_part(o, "bf16"))])
 
 
-TASKS = {"ddp": ddp_task, "compile": compile_task, "fsdp": fsdp_task, "zero": zero_task}
+# ---------------------------------------------------------------- auto_batch: --auto_find_batch_size under a cap
+
+
+def auto_batch_task(out: Path) -> int:
+    """tests/gpu/auto_batch_runs.py's train jobs, within what is left of the launches' deadline."""
+    import auto_batch_runs
+
+    return run_parts(out, [("auto_batch", lambda o: auto_batch_runs.run(o, common.DEADLINE_S - 15))])
+
+
+TASKS = {"ddp": ddp_task, "compile": compile_task, "fsdp": fsdp_task, "zero": zero_task, "auto_batch": auto_batch_task}
 
 
 def main() -> int:

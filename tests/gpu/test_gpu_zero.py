@@ -9,6 +9,11 @@ which the engine still divides by its K), twice:
   plain float64 SGD trajectory, within tests/test_exactness.py's fp32 tolerance;
 - bf16 (the config's precision): each update, from the master weights before and after it, against the
   exact gradient at the master weights before it, normwise within sqrt(64) x 2^-8.
+
+And the gradient bytes held between micro-batches (accum_kit's ``HeldMemory``, which counts the ZeRO optimizer's
+partitions): at world size 1 the partition is every parameter's reduced gradient, in the module's dtype
+(DeepSpeed casts the module to bf16 under bf16): P x 4 bytes in fp32, P x 2 in bf16, P counted on the plain
+model; accum_kit's prediction must say the same (it said P x 4 under bf16 before it read the module's dtype).
 """
 
 from __future__ import annotations
@@ -56,6 +61,21 @@ def check_bf16(e: dict, saved: dict) -> dict:
                            "s_per_step": e["s_per_step_after_first"]})
     assert all(common.LOW_PRECISION_FLOOR < x <= common.BF16_RTOL for x in errors), figures
     return figures
+
+
+def check_held(e: dict, element_bytes: int) -> dict:
+    want = e["unique_parameters"] * element_bytes
+    figures = common.note({"held_gradient_bytes": e["held_gradient_bytes"], "by_kind": e["held_by_kind"],
+                           "predicted": (e["predicted"] or {}).get("gradient_bytes"), "P_times_element_bytes": want})
+    assert e["held_gradient_bytes"] == want, figures
+    assert figures["predicted"] == want, figures
+    return figures
+
+
+@pytest.mark.parametrize("precision,element_bytes", [("fp32", 4), ("bf16", 2)])
+def test_zero2_held_gradient_bytes_are_the_prediction(gpu_workers, precision, element_bytes):
+    with common.recording(f"zero2_held_{precision}"):
+        check_held(gpu_workers["zero"].task(f"zero2_{precision}"), element_bytes)
 
 
 def test_zero2_fp32_update_equals_the_big_batch(gpu_workers):
