@@ -18,6 +18,7 @@ attempt's keys (see :func:`init_restartable_process_group`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from datetime import timedelta
 
@@ -301,16 +302,38 @@ def build_accelerator(
         init_restartable_process_group(timeout)
     gradients = GradientAccumulationPlugin(num_steps=plan.first_accumulation_steps,
                                            sync_each_batch=plan.requested_policy.sync_each_batch)
+    tf32 = _matmul_tf32()
     with engine.constructing(cpu):
         accelerator = AccumulationAccelerator(cpu=cpu, gradient_accumulation_plugin=gradients,
                                               kwargs_handlers=handlers or None,
                                               parallelism_config=engine.parallelism_config(cpu), **accelerator_kwargs)
+    _restore_matmul_tf32(tf32)
     plan.bind(accelerator)
     check_process_count(accelerator)
     engine.bind(accelerator, cpu)
     if accelerator.num_processes > 1:
         install_collective_failure_hook()
     return accelerator
+
+
+def _matmul_tf32() -> bool:
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def _restore_matmul_tf32(before: bool) -> None:
+    """Put back the process's TF32 matmul setting if building the Accelerator changed it.
+
+    Accelerate 1.15 turns ``torch.backends.cuda.matmul.allow_tf32`` on, process-wide, when it builds its state for
+    a compiled run in fp32 on CUDA (``AcceleratorState.__init__``). TF32 rounds every matmul input to 10 mantissa
+    bits: a compiled fp32 run (and everything after it in the process) then left the float64 trajectory by 20 to
+    36 times the fp32 tolerance on an H200, while the same runs with the inputs rounded to TF32 by hand on CPU
+    came out alike. The user's own setting (``torch.backends.cuda.matmul.allow_tf32 = True`` before building the
+    Accelerator, or ``torch.set_float32_matmul_precision``) is kept.
+    """
+    if bool(torch.backends.cuda.matmul.allow_tf32) != before:
+        torch.backends.cuda.matmul.allow_tf32 = before
+        logging.getLogger(__name__).info("TF32 matmuls left %s as before the Accelerator (Accelerate switches them on for compiled fp32 "
+                    "runs on CUDA)", "on" if before else "off")
 
 
 def _with_compilation(accelerator_kwargs: dict, handlers: list, engine, torch_compile: bool, backend, mode,

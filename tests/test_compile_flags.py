@@ -115,3 +115,32 @@ def test_verify_compile_arguments_must_agree_with_a_given_accelerator(one_proces
     acc = build_accelerator(2)  # eager: nothing compiled, nothing run before the check
     with pytest.raises(UsageError, match="torch_compile: asked for, but the accelerator does not compile"):
         verify.verify_accumulation(acc, torch_compile_backend="eager")
+
+
+TF32_PROBE = """
+import sys, torch
+torch.backends.cuda.matmul.allow_tf32 = sys.argv[2] == "user_on"
+if sys.argv[1] == "accelerate":  # Accelerate alone: the positive control
+    from accelerate import Accelerator
+    Accelerator(dynamo_backend="aot_eager")
+else:
+    from accum_kit import build_accelerator
+    build_accelerator(gradient_accumulation_steps=2, torch_compile=True, torch_compile_backend="aot_eager")
+print(torch.backends.cuda.matmul.allow_tf32)
+"""
+
+
+@pytest.mark.parametrize("builder,user,expected", [("accelerate", "user_off", "True"), ("accum_kit", "user_off", "False"),
+                                                   ("accum_kit", "user_on", "True")])
+def test_a_compiled_fp32_accelerator_on_cuda_keeps_the_users_tf32_setting(tmp_path, builder, user, expected):
+    """Accelerate turns TF32 matmuls on for a compiled fp32 run on CUDA; build_accelerator puts the user's back.
+    CUDA is what Accelerate's state believes (ACCELERATE_TORCH_DEVICE); nothing runs on it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ACCELERATE_TORCH_DEVICE": "cuda", "ACCELERATE_MIXED_PRECISION": "no"}
+    out = subprocess.run([sys.executable, "-c", TF32_PROBE, builder, user], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == expected
