@@ -10,7 +10,9 @@ measured steps. Expected values come from:
 - the plain loop and the kit doing the same update on this fixed-length data: equal losses at every step;
 - the flags (rows, runs, steps per run), the model's parameter count (counted here) and the JSON's own records:
   tokens/s, MFU, medians, and every ratio's 95 % interval recomputed with the textbook t quantile for 2 degrees
-  of freedom (4.3027).
+  of freedom (4.3027);
+- the parameter count again for the tensor memory: every arm holds all gradients at once (4 bytes per parameter),
+  and Trainer, with a new AdamW every run, also its two moments (8 bytes per parameter) more than the plain loop.
 
 No timing is asserted. Cost: one in-process sweep of a few seconds (Trainer builds a new Trainer every run).
 """
@@ -148,6 +150,12 @@ def test_throughput_mfu_ratios_and_intervals_from_the_records(one):
             assert (row[f"{prefix}_ci_low"], row[f"{prefix}_ci_high"]) == pytest.approx((lo, hi), rel=1e-4)
     kit = next(r for r in js["rows"] if r["mode"] == "kit")
     targets = {t["target"]: t for t in js["targets"]}
+    # tensor memory (one untimed run per arm): every arm holds every gradient at once (4 bytes per parameter),
+    # and Trainer, whose AdamW is new every run, also makes its two moments (8 bytes per parameter)
+    tensors = info["tensor_peak"]["mb"][str(K)]
+    assert set(tensors) == set(ARMS) and all(v >= 4 * parameters / 2**20 for v in tensors.values())
+    assert tensors["trainer"] - tensors["plain"] == pytest.approx(8 * parameters / 2**20, rel=0.1)
+    assert kit["tensor_peak_minus_plain_mb"] == pytest.approx(tensors["kit"] - tensors["plain"])
     assert {f"K={K} kit_over_plain", f"K={K} kit_peak_below_plain"} == set(targets)
     assert targets[f"K={K} kit_over_plain"]["status"] == (
         "PASS" if kit["over_plain_ci_high"] <= 1.02 else "FAIL" if kit["over_plain_ci_low"] > 1.02 else "UNRESOLVED")

@@ -146,7 +146,7 @@ def format_one_process_table(preset: str, info: dict, rows: list[dict], modes: l
             f"{info['vocab_size']}, one process on {info['device']}, mixed precision {info['mixed_precision']}, "
             f"{info['optim']}, {clip}; MFU peak {peak['flops_per_s'] / 1e12:.4g} TFLOP/s ({peak['source']})")
     headers = ["K", "arm", "s/step [q1-q3]", "/ plain [95% CI]", "/ plain, CPU s", "tokens/s", "MFU", "peak MB",
-               "+MB in run", "+MB - plain", "loss - plain: max |d|"]
+               "+MB in run", "tensors +MB", "tensors - plain", "loss - plain: max |d|"]
     table = []
     for r in sorted(rows, key=lambda r: (r["K"], modes.index(r["mode"]))):
         plain = r["mode"] == "plain"
@@ -157,16 +157,18 @@ def format_one_process_table(preset: str, info: dict, rows: list[dict], modes: l
                       "1" if plain else fmt_ratio(r.get("over_plain_cpu"), r.get("over_plain_cpu_ci_low"),
                                                   r.get("over_plain_cpu_ci_high")),
                       _f(r["tokens_per_s"], "{:.0f}"), _f(r["mfu"], "{:.1%}"), _f(r["peak_mb"], "{:.0f}"),
-                      _f(r["peak_increase_mb"], "{:.1f}"),
-                      "-" if plain else _f(r.get("peak_increase_minus_plain_mb"), "{:+.1f}"),
+                      _f(r["peak_increase_mb"], "{:.1f}"), _f(r["tensor_peak_increase_mb"], "{:.1f}"),
+                      "-" if plain else _f(r.get("tensor_peak_minus_plain_mb"), "{:+.1f}"),
                       "-" if plain else _f(r.get("loss_max_abs_diff_vs_plain"), "{:.2e}")])
     text = _table(table, headers, ("right", "left") + ("right",) * (len(headers) - 2))
+    tensors = ((info.get("tensor_peak") or {}).get("method") or
+               ("the same rise (CUDA counts tensors)" if str(info["device"]).startswith("cuda") else "not measured"))
     note = ("(s/step: median [quartiles] over repeats x measured steps; / plain: median over repeats of the ratio of "
             "the two arms' runs within each repeat [95% t-interval on the log ratios], "
             f"'{NOT_RESOLVED}' when it contains 1, also in the process's CPU seconds per step; tokens: input tokens, "
             "K x batch x block; MFU: 6 x parameters x tokens/s / the peak above; peak MB: "
-            f"{info['memory_method']}; +MB: its rise over the run's start (what the run itself holds), and that "
-            f"minus plain's in the same repeat; one float32 copy of the logits is "
+            f"{info['memory_method']}, median over runs; +MB in run: its rise over the run's start; tensors +MB: "
+            f"{tensors}, and that minus plain's; one float32 copy of the logits is "
             f"{info['logits_fp32_bytes'] / 2**20:.1f} MB; loss: per-step loss minus plain's, nats)")
     return "\n".join([head, textwrap.indent(text + "\n" + textwrap.fill(note, 118), "  ")])
 

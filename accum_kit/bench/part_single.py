@@ -27,8 +27,10 @@ optimizer step in every arm, so a step's time is the device's, and a host read i
 what it costs. CPU seconds per step (``time.process_time``) are kept too: on a loaded machine they show extra
 work that wall-clock noise hides. Peak memory per run: CUDA's ``max_memory_allocated`` after a reset, or on
 CPU the resident-set high-water mark after freed heap memory is handed back
-(:class:`accum_kit.bench.checkpointing_ab.TrimmedPeakMemory`); the report compares the rise over the run's
-start, which leaves out what every arm holds alike (the model copies, the optimizer states).
+(:class:`accum_kit.bench.checkpointing_ab.TrimmedPeakMemory`). The comparison of arms is the rise over the run's
+start, which leaves out what every arm holds alike (the model copies, the optimizer states), of the tensors
+alone: on CUDA the timed runs' ``max_memory_allocated`` rise, on the CPU, where the resident set scatters by tens
+of MB, the peak of the tensors one extra untimed run per arm makes (:mod:`.tensor_memory`).
 
 Throughput and utilisation: tokens per step are the input tokens (K x batch x ``--block_size``); model FLOPs
 utilisation is 6 x parameters x tokens/s over the device's peak (:mod:`.peak_flops`: a datasheet table for
@@ -65,6 +67,8 @@ from .peak_flops import peak_flops
 from .peers import TrainerLosses, constant_schedule, train_accelerate_guide, train_trainer
 from .report_single import KIT, ONE_PROCESS_CSV_FIELDS, PLAIN, evaluate_one_process_targets, summarize_one_process
 from .runs import load_average, reset_training_state, reset_weights
+from .tensor_memory import METHOD as TENSOR_METHOD
+from .tensor_memory import tensor_peak
 
 #: The kit's arms: name -> the ``loss_fn`` :func:`accum_kit.train_loop` gets (None: its default). One entry per
 #: loss to compare; the first is the kit every other arm's ``over_kit`` ratio divides by.
@@ -242,49 +246,71 @@ class SingleSession:
                      "memory_method": self.memory.method, "peak_flops": peak,
                      "targets_per_micro_batch": float((labels[:, 1:] != -100).sum()) / (self.run_steps * K_max)}
 
-    def one_run(self, arm: str, K: int) -> dict:
-        """One run of ``arm`` at ``K`` from the initial weights and a zeroed optimizer state; its record."""
-        cfg, acc, data, clock = self.cfg, self.accelerator, self.data[K], StepClock(self.device)
+    def train(self, arm: str, K: int, clock: StepClock) -> list[float]:
+        """Run ``arm`` at ``K`` (``--warmup_steps`` + ``--steps`` optimizer steps, timed by ``clock``); its losses."""
+        cfg, acc, data = self.cfg, self.accelerator, self.data[K]
         clip = cfg.max_grad_norm or None
+        if arm in self.kit_arms:
+            run_plan_of(acc).set_accumulation_steps(K)
+            return train_loop(acc, self.kit_model, self.kit_opt, data["kit"], max_train_steps=self.run_steps,
+                              max_grad_norm=clip, loss_fn=self.kit_arms[arm], callbacks=[clock],
+                              progress=False).train_loss
+        if arm == "accelerate_guide":
+            return train_accelerate_guide(acc, self.kit_model, self.kit_opt, self.sched, data["kit"], K, [clock],
+                                          max_grad_norm=clip)
+        if arm == PLAIN:
+            scaler = torch.amp.GradScaler(self.device.type) if self.mixed_precision == "fp16" else None
+            return train_plain(self.plain_model, self.plain_opt, iter(data["plain"]), K, self.run_steps, self.device,
+                               autocast_dtype=AUTOCAST.get(self.mixed_precision), scaler=scaler, max_grad_norm=clip,
+                               callbacks=[clock])
+        return train_trainer(self.peer_model, data["rows"], cfg, K, self.run_steps, acc, TrainerClock(clock),
+                             optimizer=make_optimizer(cfg, self.peer_model.parameters()),
+                             max_grad_norm=cfg.max_grad_norm, mixed_precision=self.mixed_precision)
+
+    def reset(self, arm: str) -> None:
+        """``arm``'s model back to the initial weights, its optimizer state zeroed (Trainer's: a fresh one per run)."""
         if arm == "trainer":
-            reset_weights(self.peer_model, self.initial)  # a fresh optimizer below
+            reset_weights(self.peer_model, self.initial)
         elif arm == PLAIN:
             reset_training_state(self.plain_model, self.initial, self.plain_opt)
         else:
             reset_training_state(self.kit_model, self.initial, self.kit_opt)
         gc.collect()
+
+    def one_run(self, arm: str, K: int) -> dict:
+        """One timed run of ``arm`` at ``K`` from the initial weights and a zeroed optimizer state; its record."""
+        clock = StepClock(self.device)
+        self.reset(arm)
         self.memory.reset()
         t0 = time.perf_counter()
-        if arm in self.kit_arms:
-            run_plan_of(acc).set_accumulation_steps(K)
-            losses = train_loop(acc, self.kit_model, self.kit_opt, data["kit"], max_train_steps=self.run_steps,
-                                max_grad_norm=clip, loss_fn=self.kit_arms[arm], callbacks=[clock],
-                                progress=False).train_loss
-        elif arm == "accelerate_guide":
-            losses = train_accelerate_guide(acc, self.kit_model, self.kit_opt, self.sched, data["kit"], K, [clock],
-                                            max_grad_norm=clip)
-        elif arm == PLAIN:
-            scaler = torch.amp.GradScaler(self.device.type) if self.mixed_precision == "fp16" else None
-            losses = train_plain(self.plain_model, self.plain_opt, iter(data["plain"]), K, self.run_steps, self.device,
-                                 autocast_dtype=AUTOCAST.get(self.mixed_precision), scaler=scaler,
-                                 max_grad_norm=clip, callbacks=[clock])
-        else:
-            losses = train_trainer(self.peer_model, data["rows"], cfg, K, self.run_steps, acc, TrainerClock(clock),
-                                   optimizer=make_optimizer(cfg, self.peer_model.parameters()),
-                                   max_grad_norm=cfg.max_grad_norm, mixed_precision=self.mixed_precision)
+        losses = self.train(arm, K, clock)
         wall = time.perf_counter() - t0
         peak, increase = self.memory.peak()
-        w = cfg.warmup_steps
+        w = self.cfg.warmup_steps
         return {"preset": self.preset, "K": K, "mode": arm, "wall_seconds": wall, "losses": losses,
                 "load_average_1min": load_average(), "peak_mb": peak, "peak_increase_mb": increase,
                 "step_seconds": clock.seconds[w:], "step_cpu_seconds": clock.cpu_seconds[w:],
                 "warmup_step_seconds": clock.seconds[:w]}
 
+    def tensor_peaks(self) -> dict | None:
+        """On the CPU, per K and arm, the peak of the tensors one untimed run makes (:mod:`.tensor_memory`), MB;
+        None on CUDA, whose timed runs measure that already (``max_memory_allocated``)."""
+        if self.device.type == "cuda":
+            return None
+        peaks = {}
+        for K in self.cfg.accumulation_steps:
+            for arm in self.cfg.modes:
+                self.reset(arm)
+                peaks.setdefault(str(K), {})[arm] = tensor_peak(lambda: self.train(arm, K, StepClock(self.device)))
+        return {"method": TENSOR_METHOD, "mb": peaks}
+
     def warm_up(self) -> None:
         """One unrecorded run per arm: a fresh model's first steps pay page faults, allocator growth and
-        (on a GPU) kernel selection that the per-run warm-up steps do not fully absorb."""
+        (on a GPU) kernel selection that the per-run warm-up steps do not fully absorb; then, on the CPU, the
+        tensor peaks (:meth:`tensor_peaks`)."""
         for arm in self.cfg.modes:
             self.one_run(arm, self.cfg.accumulation_steps[0])
+        self.info["tensor_peak"] = self.tensor_peaks()
 
     def run_block(self, K: int, repeat: int, order: list[str]) -> list[dict]:
         """One run of every arm at ``K``, in ``order``."""
