@@ -196,7 +196,7 @@ class SingleBench(BenchPart):
     def result(self, cfg, presets, collected, runs, world):
         rows = [r for c in collected.values() for r in c["rows"]]
         targets = evaluate_one_process_targets(rows, presets, kit=self.kit())
-        return {"presets": presets, "rows": rows, "targets": targets, "runs": runs}, format_targets(targets)
+        return {"presets": presets, "rows": rows, "targets": targets, "runs": runs}, format_targets(targets) or None
 
 
 class SingleSession:
