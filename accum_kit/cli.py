@@ -25,7 +25,7 @@ from .errors import AccumKitError
 COMMANDS = {
     "train": ("accum_kit.job.train", "train a causal LM with exact, no_sync gradient accumulation"),
     "plan": ("accum_kit.planning", "effective batch size, steps per epoch, learning-rate scaling, K for a target batch"),
-    "bench": ("accum_kit.bench", "step time, communication and memory of sync_each_batch vs no_sync vs raw DDP over K, with the ideal"),
+    "bench": ("accum_kit.bench", "step time, communication and memory of sync_each_batch vs no_sync vs raw DDP over K, with the ideal; on one process: accum-kit's loop vs a plain PyTorch loop and the peers"),
     "nodes": ("accum_kit.multinode", "print the accelerate launch line of every machine of a multi-node job (or this SLURM node's)"),
     "verify": ("accum_kit.verify", "check the accumulated gradient against one big batch on one process (tokens, mean-of-means, sum)"),
 }

@@ -219,6 +219,7 @@ def test_schedule_defaults_quick_and_tune(monkeypatch):
     from accum_kit.bench.bench_config import QUICK_SCHEDULE, BenchConfig
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a 2-process DDP launch: the DDP modes (one process: test_bench_one_process.py)
     d = BenchConfig()
     assert (d.steps, d.warmup_steps, d.repeats) == (1, 0, 24) and d.accumulation_steps == [1, 2, 4, 8, 16]
     q = BenchConfig(quick=True)
@@ -235,8 +236,10 @@ def test_schedule_defaults_quick_and_tune(monkeypatch):
     (["--ddp_bucket_cap_mb", "-1"], "--ddp_bucket_cap_mb"),
     (["--modes", "no_sync", "manual"], "--modes"),
 ])
-def test_bench_bad_input_exits_2(argv, flag, tmp_path, capsys):
+def test_bench_bad_input_exits_2(argv, flag, tmp_path, capsys, monkeypatch):
     from accum_kit.cli import run
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the flags of a 2-process DDP launch, refused before it is used
 
     out = tmp_path / "out"
     assert run("bench", [*argv, "--output_dir", str(out)]) == 2
@@ -260,7 +263,9 @@ def test_ddp_flags_reach_the_accelerators_ddp_kwargs(accelerator):
             "--ddp_find_unused_parameters", "true"]
     want = {"bucket_cap_mb": 5.0, "gradient_as_bucket_view": True, "static_graph": True, "find_unused_parameters": True}
     assert ddp_kwargs(parse(TrainConfig, argv)) == want
-    assert parse(BenchConfig, ["--bucket_cap_mb", "7"]).ddp_kwargs() == {"bucket_cap_mb": 7.0}
+    with pytest.MonkeyPatch.context() as mp:  # the bench takes DDP's settings under a launch of 2 or more processes
+        mp.setenv("WORLD_SIZE", "2")
+        assert parse(BenchConfig, ["--bucket_cap_mb", "7"]).ddp_kwargs() == {"bucket_cap_mb": 7.0}
     assert ddp_kwargs(parse(TrainConfig, [])) == {}
     acc = build_accelerator(2, cpu=True, ddp_kwargs=want)
     h = acc.ddp_handler

@@ -285,27 +285,31 @@ def check_launch(argv: list[str], tmp: Path) -> list[str]:
 
 @contextlib.contextmanager
 def launched_as(args):
-    """The variable ``accelerate launch`` sets for an FSDP or DeepSpeed config (the commands' flags depend on it:
-    the bench's ``--accumulation_policies`` needs FSDP2, ``--zero_stages`` DeepSpeed), set while checking."""
+    """The variables ``accelerate launch`` sets that the commands' flags depend on, set while checking: for an
+    FSDP or DeepSpeed config its engine's (the bench's ``--accumulation_policies`` needs FSDP2, ``--zero_stages``
+    DeepSpeed), and ``WORLD_SIZE``, the processes it starts (``--num_processes``, else the config's, else 1: the
+    bench compares DDP's modes on 2 or more, its one-process arms on 1)."""
     import yaml
 
     config = ROOT / args.config_file if args.config_file else None
-    kind = yaml.safe_load(config.read_text()).get("distributed_type") if config and config.is_file() else None
-    var = {"FSDP": "ACCELERATE_USE_FSDP", "DEEPSPEED": "ACCELERATE_USE_DEEPSPEED"}.get(kind)
+    settings = yaml.safe_load(config.read_text()) if config and config.is_file() else {}
+    var = {"FSDP": "ACCELERATE_USE_FSDP", "DEEPSPEED": "ACCELERATE_USE_DEEPSPEED"}.get(settings.get("distributed_type"))
     if args.use_fsdp:
         var = "ACCELERATE_USE_FSDP"
     if args.use_deepspeed:
         var = "ACCELERATE_USE_DEEPSPEED"
-    before = os.environ.get(var) if var else None
-    if var:
-        os.environ[var] = "true"
+    world = args.num_processes or settings.get("num_processes") or 1
+    changes = {"WORLD_SIZE": str(world), **({var: "true"} if var else {})}
+    before = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
     try:
         yield
     finally:
-        if var and before is None:
-            os.environ.pop(var, None)
-        elif var:
-            os.environ[var] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def check_pip(argv: list[str]) -> list[str]:

@@ -135,6 +135,18 @@ same processes, windows rotated across them: step time with a paired 95 % interv
 collectives per step, the time in the gradient reduction path, gradient and parameter memory held against
 their prediction, and the profiler's estimate of ZeRO-1's saving over ZeRO-2 (:mod:`.part_zero`; docs/deepspeed.md).
 
+On one process (``accelerate launch --config_file accelerate_configs/cpu_single.yaml -m accum_kit bench``, plain
+``python -m accum_kit bench``, or one GPU) there is no DDP wrapper, so no mode above means anything; the bench
+compares instead (:mod:`.part_single`, ``--modes``, default all) accum-kit's loop (``kit``), a plain PyTorch loop
+(``plain``: the model's own loss given ``labels``, ``torch.autocast``, :mod:`accum_kit.reference.plain_loop`) and
+the peers ``accelerate_guide`` and ``trainer``, on the same weights, data, optimizer (``--optim``), precision
+(``--mixed_precision``) and clipping (``--max_grad_norm``): per K and arm s/step with the paired ratio to
+``plain`` and its 95 % interval, tokens/s, model FLOPs utilisation (6 x parameters x tokens/s over a datasheet
+peak for H100 / H200 / A100, else a matmul measured here; :mod:`.peak_flops`), peak memory and the rise of
+tensor memory over the run's start, the loss difference from ``plain``, and two targets (kit / plain at most
+1.02; the kit's tensor peak below plain's by one float32 logits copy). ``--model_presets gpt2 --vocab_size 50257
+--block_size 1024`` is GPT-2 small's shape.
+
 ``--torch_compile`` (:mod:`.part_compiled`) runs instead the ``no_sync`` loop compiled against eager, paired and
 interleaved per K, with compile seconds and the break-even step count (``compile.json``; docs/compile.md).
 
@@ -155,7 +167,8 @@ resolvably faster than the base, or says none is (tune.json, tune.csv).
 
 Modules, one way: :mod:`.bench_config` (flags) -> :mod:`.sweep` (the one sweep, the same under every engine)
 with the run's part (:mod:`.parts`: the engine's, chosen by the launch's engine name; :mod:`.part_ddp` with
-:mod:`.peers`, :mod:`.part_tune`, :mod:`.part_fsdp2`, :mod:`.part_zero`, :mod:`.part_compiled`), using
+:mod:`.peers`, :mod:`.part_tune`, :mod:`.part_fsdp2`, :mod:`.part_zero`, :mod:`.part_compiled`, one process
+:mod:`.part_single`), using
 :mod:`.runs`, :mod:`.bench_data`, :mod:`.peak_memory`, :mod:`.run_records`, :mod:`.saving_parts` ->
 :mod:`.bench_report` (pairs, intervals, verdicts) and a ``report_<part>`` module per part (figures) -> :mod:`.bench_tables` (text) and
 :mod:`.bench_files` (the one writer: JSON, CSV, PNG); the report side imports nothing from the sweep.
@@ -181,13 +194,16 @@ DESCRIPTION = (
     "manual_allreduce_flat (gradients averaged by hand, no DDP), and the peers trainer (transformers' Trainer) "
     "and accelerate_guide (the loop of Accelerate's gradient accumulation guide), with their loss difference "
     "from accum-kit. --tune: DDP's settings at one K instead. Run under: accelerate launch --config_file "
-    "accelerate_configs/cpu_ddp.yaml -m accum_kit bench")
+    "accelerate_configs/cpu_ddp.yaml -m accum_kit bench. On one process (accelerate_configs/cpu_single.yaml, one "
+    "GPU, or python -m accum_kit bench): accum-kit's loop against a plain PyTorch loop, accelerate_guide and "
+    "trainer, with s/step and its interval, tokens/s, MFU and peak memory.")
 
 
 def run_command(cfg: BenchConfig) -> int:
     """``accum-kit bench``: run the sweep and write its files; 0 on success (bad input raises, the CLI exits 2).
 
-    The launch's engine picks the part that runs (:mod:`accum_kit.bench.parts`): under an FSDP2 launch
+    The launch's engine picks the part that runs (:mod:`accum_kit.bench.parts`): on one process the kit's loop
+    against a plain loop and the peers, under an FSDP2 launch
     (``accelerate_configs/cpu_fsdp.yaml``) the sweep compares the accumulation policies, under DeepSpeed the
     ZeRO stages, under DDP the modes (or ``--tune``'s settings, or ``--torch_compile``'s eager and compiled).
     """

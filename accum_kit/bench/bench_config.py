@@ -28,6 +28,12 @@ MANUAL = ("manual_allreduce", "manual_allreduce_flat")
 #: Trainer, Accelerator and DDP wrapper, which adds seconds per run on 2 CPU cores.
 PEERS = ("trainer", "accelerate_guide")
 ALL_MODES = MODES + MANUAL + PEERS
+#: The arms of the one-process bench (one process: no DDP wrapper, so neither ``no_sync`` nor raw DDP means
+#: anything): accum-kit's loop, a plain PyTorch loop and the peers (:mod:`accum_kit.bench.part_single`).
+ONE_PROCESS_ARMS = ("kit", "plain") + PEERS
+#: ``--mixed_precision`` values (Accelerate's), ``--optim`` values (transformers' ``TrainingArguments`` names).
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 #: ``--comm_hook`` values: DDP's plain all-reduce, or its fp16 / bf16 compression hooks.
 COMM_HOOKS = ("none", "fp16", "bf16")
 DEFAULT_PRESETS = ("comm_heavy", "small")
@@ -59,9 +65,10 @@ class BenchConfig:
     accumulation_steps: list[int] | None = field(default=None, metadata={
         "help": f"Gradient accumulation steps K to sweep (run in increasing order; default {list(DEFAULT_KS)}, "
                 f"with --tune {TUNE_K})."})
-    modes: list[str] = field(default_factory=lambda: list(MODES), metadata={
-        "help": f"Loops to run, any of {list(ALL_MODES)} (default: the first three; the manual all-reduce modes "
-                "and the peers trainer and accelerate_guide are opt-in)."})
+    modes: list[str] | None = field(default=None, metadata={
+        "help": f"Loops to run. Under DDP (2+ processes) any of {list(ALL_MODES)} (default: the first three; the "
+                "manual all-reduce modes and the peers trainer and accelerate_guide are opt-in); on one process any "
+                f"of {list(ONE_PROCESS_ARMS)} (default: all)."})
     accumulation_policies: list[str] | None = field(default=None, metadata={
         "help": f"Under an FSDP2 config (accelerate_configs/cpu_fsdp.yaml): the accumulation policies to sweep, any "
                 f"of {list(POLICIES)} (default: the four that apply to FSDP2; under an HSDP config, "
@@ -127,6 +134,15 @@ class BenchConfig:
                 "HSDP: each policy) also runs as a checkpointed twin (<arm>+gc, a second copy of the model, same "
                 "weights and data) in adjacent runs, and the report gives per arm and K step time with / without "
                 "checkpointing with its 95%% interval and the peak memory of each (docs/memory.md)."})
+    mixed_precision: str | None = field(default=None, metadata={
+        "help": f"One process only: the Accelerator's mixed precision, one of {list(MIXED_PRECISIONS)} (default: the "
+                "launch's, e.g. accelerate launch --mixed_precision bf16, else no); the plain loop runs under "
+                "torch.autocast in the same dtype (fp16: with a GradScaler), Trainer with bf16 / fp16."})
+    max_grad_norm: float = field(default=0.0, metadata={
+        "help": "One process only: clip the gradient norm to this in every arm; 0: no clipping (the default)."})
+    optim: str = field(default="adamw_torch", metadata={
+        "help": f"One process only: the optimizer of every arm, one of {list(OPTIMIZERS)} (torch.optim.AdamW, "
+                "without or with fused=True)."})
     output_dir: str = field(default="runs/bench", metadata={"help": "Where bench.json, bench.csv and bench.png go."})
 
     def __post_init__(self):
@@ -154,7 +170,9 @@ class BenchConfig:
         if len(set(ks)) != len(ks):
             raise UsageError("--accumulation_steps", f"repeated value in {ks}", "give each K once")
         self.accumulation_steps = sorted(ks)
-        checks.distinct_choices("--modes", self.modes, ALL_MODES)
+        if self.modes is None:
+            self.modes = part.default_modes()
+        checks.distinct_choices("--modes", self.modes, part.mode_choices())
         if "trainer" in self.modes and self.gradient_as_bucket_view:
             raise UsageError("--gradient_as_bucket_view", "transformers' Trainer has no such DDP setting, so the "
                              "trainer mode would run with other DDP settings", "drop it or remove trainer from --modes")
@@ -172,6 +190,12 @@ class BenchConfig:
         check_ddp_flags(self)
         checks.one_of("--comm_hook", self.comm_hook, COMM_HOOKS)
         checks.positive("--learning_rate", self.learning_rate, fix="pass a positive float")
+        if self.mixed_precision is not None:
+            checks.one_of("--mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        if not self.max_grad_norm >= 0:  # also refuses NaN
+            raise UsageError("--max_grad_norm", f"must be >= 0 (got {self.max_grad_norm})",
+                             "pass a positive norm, or 0 for no clipping")
+        checks.one_of("--optim", self.optim, OPTIMIZERS)
         if self.tune:
             if len(self.accumulation_steps) != 1:
                 raise UsageError("--accumulation_steps", f"--tune sweeps DDP settings at one K (got {self.accumulation_steps})",
@@ -182,6 +206,7 @@ class BenchConfig:
                 checks.positive("--tune_bucket_cap_mb", mb, fix="pass sizes in MB, e.g. 5 100")
         self._check_compile()
         part.check_flags(self, policies_given)
+        part.check_loop_flags(self)
         self._check_checkpointing_ab(part)
         if self.emulate_inter_node_GBps is not None:
             checks.positive("--emulate_inter_node_GBps", self.emulate_inter_node_GBps,

@@ -1,5 +1,6 @@
 """The text ``accum-kit bench`` prints: per part a table per preset, and the verdicts (from the rows of the parts' report modules).
 
+- one process: a table per preset of every arm against the plain loop, and one line per target;
 - the DDP modes: a table per preset, its phase profile, the peers' table, the bars' verdicts;
 - ``--tune``: a table per preset with its recommendation;
 - the FSDP2 / HSDP policies and the ZeRO stages: a table per preset and one line per target;
@@ -131,6 +132,45 @@ def format_peer_table(rows: list[dict], modes: list, variable_targets: bool) -> 
             "dist.all_reduce calls; the token-count / loss collectives not included; exposed comm / sync: median "
             "backward of the synchronising micro-batch minus no_sync's median backward without sync)")
     return textwrap.indent(text + "\n" + textwrap.fill(note, 118), "  ")
+
+
+# --------------------------------------------------------------------------- one process
+
+
+def format_one_process_table(preset: str, info: dict, rows: list[dict], modes: list) -> str:
+    """Per K and arm: s/step [quartiles], / plain and / plain in CPU seconds [95% CI], tokens/s, MFU, peak memory,
+    its rise over the run's start and that rise minus plain's, the loss difference from plain (one process)."""
+    peak = info["peak_flops"]
+    clip = f"clipping {info['max_grad_norm']:g}" if info["max_grad_norm"] else "no clipping"
+    head = (f"{preset}: {info['parameters'] / 1e6:.1f}M parameters, micro-batch {info['micro_batch']}, vocabulary "
+            f"{info['vocab_size']}, one process on {info['device']}, mixed precision {info['mixed_precision']}, "
+            f"{info['optim']}, {clip}; MFU peak {peak['flops_per_s'] / 1e12:.4g} TFLOP/s ({peak['source']})")
+    headers = ["K", "arm", "s/step [q1-q3]", "/ plain [95% CI]", "/ plain, CPU s", "tokens/s", "MFU", "peak MB",
+               "+MB in run", "tensors +MB", "tensors - plain", "loss - plain: max |d|"]
+    table = []
+    for r in sorted(rows, key=lambda r: (r["K"], modes.index(r["mode"]))):
+        plain = r["mode"] == "plain"
+        table.append([str(r["K"]), r["mode"], f"{_f(r['step_s_median'], '{:.4f}')} [{_f(r['step_s_q1'], '{:.4f}')}-"
+                      f"{_f(r['step_s_q3'], '{:.4f}')}]",
+                      "1 (reference)" if plain else fmt_ratio(r.get("over_plain"), r.get("over_plain_ci_low"),
+                                                              r.get("over_plain_ci_high")),
+                      "1" if plain else fmt_ratio(r.get("over_plain_cpu"), r.get("over_plain_cpu_ci_low"),
+                                                  r.get("over_plain_cpu_ci_high")),
+                      _f(r["tokens_per_s"], "{:.0f}"), _f(r["mfu"], "{:.1%}"), _f(r["peak_mb"], "{:.0f}"),
+                      _f(r["peak_increase_mb"], "{:.1f}"), _f(r["tensor_peak_increase_mb"], "{:.1f}"),
+                      "-" if plain else _f(r.get("tensor_peak_minus_plain_mb"), "{:+.1f}"),
+                      "-" if plain else _f(r.get("loss_max_abs_diff_vs_plain"), "{:.2e}")])
+    text = _table(table, headers, ("right", "left") + ("right",) * (len(headers) - 2))
+    tensors = ((info.get("tensor_peak") or {}).get("method") or
+               ("the same rise (CUDA counts tensors)" if str(info["device"]).startswith("cuda") else "not measured"))
+    note = ("(s/step: median [quartiles] over repeats x measured steps; / plain: median over repeats of the ratio of "
+            "the two arms' runs within each repeat [95% t-interval on the log ratios], "
+            f"'{NOT_RESOLVED}' when it contains 1, also in the process's CPU seconds per step; tokens: input tokens, "
+            "K x batch x block; MFU: 6 x parameters x tokens/s / the peak above; peak MB: "
+            f"{info['memory_method']}, median over runs; +MB in run: its rise over the run's start; tensors +MB: "
+            f"{tensors}, and that minus plain's; one float32 copy of the logits is "
+            f"{info['logits_fp32_bytes'] / 2**20:.1f} MB; loss: per-step loss minus plain's, nats)")
+    return "\n".join([head, textwrap.indent(text + "\n" + textwrap.fill(note, 118), "  ")])
 
 
 # --------------------------------------------------------------------------- --tune

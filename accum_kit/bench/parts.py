@@ -4,7 +4,8 @@ The sweep is the same under every engine: presets x K x arms, the arms rotated f
 to the next, repeats, paired ratios with 95 % intervals, one record per arm and block, one writer of the
 files. A *part* says the rest (:class:`BenchPart`):
 
-- its **arms** and how to switch between them: under DDP the modes (``sync_each_batch``, ``no_sync``,
+- its **arms** and how to switch between them: on one process (no DDP wrapper) accum-kit's loop, a plain
+  PyTorch loop and the peers (:mod:`.part_single`); under DDP the modes (``sync_each_batch``, ``no_sync``,
   ``raw_ddp``, the manual all-reduce modes, the peers; :mod:`.part_ddp`), with ``--tune`` DDP's constructor
   settings (:mod:`.part_tune`); under FSDP2 / HSDP the accumulation policies, switched between windows of
   one run (:mod:`.part_fsdp2`); under DeepSpeed the ZeRO stages, one engine each (:mod:`.part_zero`); with
@@ -15,7 +16,8 @@ files. A *part* says the rest (:class:`BenchPart`):
   its verdicts, its files (:mod:`.bench_files`).
 
 The engine's part is chosen by the launch's engine name (:func:`accum_kit.engines.requested_engine_name`)
-from :data:`PARTS`; nothing here or in the sweep asks which engine runs.
+from :data:`PARTS`, and a DDP launch of one process (``accelerate_configs/cpu_single.yaml``, one GPU, or plain
+``python -m accum_kit bench``) gets the one-process part; nothing here or in the sweep asks which engine runs.
 """
 
 from __future__ import annotations
@@ -23,23 +25,30 @@ from __future__ import annotations
 import importlib
 
 from ..errors import UsageError
-from .bench_config import DEFAULT_SCHEDULE, FSDP_SCHEDULE
+from .bench_config import ALL_MODES, DEFAULT_SCHEDULE, FSDP_SCHEDULE, MODES
 from .bench_files import csv_text
 from .bench_tables import format_targets
 
-#: The part of each engine (``Engine.name``): module and class in this package, imported when asked for.
-PARTS = {"ddp": ("part_ddp", "DDPBench"), "fsdp2": ("part_fsdp2", "FSDP2Bench"), "deepspeed": ("part_zero", "ZeroBench")}
+#: The part of each engine (``Engine.name``): module and class in this package, imported when asked for;
+#: ``one_process``: a DDP launch of one process, where there is no DDP wrapper to compare.
+PARTS = {"ddp": ("part_ddp", "DDPBench"), "fsdp2": ("part_fsdp2", "FSDP2Bench"), "deepspeed": ("part_zero", "ZeroBench"),
+         "one_process": ("part_single", "SingleBench")}
 
 
 def engine_part() -> "BenchPart":
-    """The part of the engine the launch asks for (its accelerate config; :func:`accum_kit.engines.requested_engine_name`).
+    """The part of the engine the launch asks for (its accelerate config; :func:`accum_kit.engines.requested_engine_name`);
+    a DDP launch of one process (:func:`accum_kit.launch.launcher_world_size`) gets the one-process part.
 
     Raises:
         UsageError: the launch asks for two engines.
     """
     from ..engines import requested_engine_name
+    from ..launch import launcher_world_size
 
-    module, name = PARTS[requested_engine_name()]
+    engine = requested_engine_name()
+    if engine == "ddp" and launcher_world_size() == 1:
+        engine = "one_process"
+    module, name = PARTS[engine]
     return getattr(importlib.import_module(f".{module}", __package__), name)()
 
 
@@ -102,6 +111,26 @@ class BenchPart:
         from ..engines.policies import policies_for
 
         return policies_for(self.hybrid())
+
+    def default_modes(self) -> list[str]:
+        """``--modes``' default: here the DDP modes :data:`~accum_kit.bench.bench_config.MODES`."""
+        return list(MODES)
+
+    def mode_choices(self) -> tuple:
+        """What ``--modes`` may name: here :data:`~accum_kit.bench.bench_config.ALL_MODES`."""
+        return ALL_MODES
+
+    def check_loop_flags(self, cfg) -> None:
+        """Refuse the one-process bench's loop flags (``--mixed_precision``, ``--max_grad_norm``, ``--optim``):
+        the multi-process arms (raw DDP, the hand-written all-reduce...) run AdamW in float32 without clipping.
+
+        Raises:
+            UsageError: naming the first one given.
+        """
+        self.refuse([("--mixed_precision", cfg.mixed_precision is not None), ("--max_grad_norm", cfg.max_grad_norm != 0),
+                     ("--optim", cfg.optim != "adamw_torch")], "applies to the one-process bench only (the arms "
+                    "compared across processes run AdamW in float32 without clipping)",
+                    "drop {flag}, or run the bench on one process (accelerate_configs/cpu_single.yaml)")
 
     def check_flags(self, cfg, policies_given: bool) -> None:
         """Refuse the flags that mean nothing under this part's engine (here: the policies and the stages).

@@ -64,7 +64,8 @@ def constant_schedule(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
 
 
-def train_accelerate_guide(accelerator, model, optimizer, scheduler, dataloader, K: int, callbacks) -> list[float]:
+def train_accelerate_guide(accelerator, model, optimizer, scheduler, dataloader, K: int, callbacks,
+                           max_grad_norm: float | None = None) -> list[float]:
     """Accelerate's gradient accumulation guide's loop over every batch of ``dataloader``; per-step losses.
 
     Args:
@@ -76,6 +77,8 @@ def train_accelerate_guide(accelerator, model, optimizer, scheduler, dataloader,
         K: gradient accumulation steps.
         callbacks: :class:`accum_kit.LoopCallback` instances (profiler first),
             called at the points :func:`accum_kit.train_loop` calls them.
+        max_grad_norm: clip the gradient norm to this on the window's last micro-batch, as the guide does
+            (``if accelerator.sync_gradients: accelerator.clip_grad_norm_(...)``); None or 0: no clipping.
 
     Returns:
         One loss per optimizer step: the mean over the window's micro-batches
@@ -99,6 +102,8 @@ def train_accelerate_guide(accelerator, model, optimizer, scheduler, dataloader,
             local.append(loss.detach())
             if st.boundary:
                 hooks("on_step_begin", st)
+                if max_grad_norm:
+                    accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
@@ -114,7 +119,23 @@ def train_accelerate_guide(accelerator, model, optimizer, scheduler, dataloader,
     return means.tolist()
 
 
-class TrainerHooks(TrainerCallback):
+class TrainerLosses(TrainerCallback):
+    """Trainer callback that keeps Trainer's logged loss of every optimizer step (``logging_steps=1``).
+
+    Attributes:
+        trainer: the ``transformers.Trainer`` it serves (set before ``trainer.train()``, cleared after).
+        losses: the logged loss of every optimizer step, nats.
+    """
+
+    def __init__(self):
+        self.trainer, self.losses = None, []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(float(logs["loss"]))
+
+
+class TrainerHooks(TrainerLosses):
     """Trainer callback that drives accum-kit loop callbacks (profiler, tags) from a Trainer run.
 
     See the module docstring for where each loop hook fires. Set
@@ -131,9 +152,9 @@ class TrainerHooks(TrainerCallback):
     """
 
     def __init__(self, accelerator, hook, make_callbacks):
+        super().__init__()
         self.accelerator, self.hook, self.make_callbacks = accelerator, hook, make_callbacks
-        self.trainer = None
-        self.profiler, self.losses, self.state = None, [], LoopState()
+        self.profiler, self.state = None, LoopState()
         self._loop, self._handles = None, []
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -169,10 +190,6 @@ class TrainerHooks(TrainerCallback):
         self.state.step += 1
         self._loop("on_step_end", self.state)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.losses.append(float(logs["loss"]))
-
     def on_train_end(self, args, state, control, **kwargs):
         self._loop("on_train_end", self.state)
         for h in self._handles:
@@ -182,7 +199,20 @@ class TrainerHooks(TrainerCallback):
 
 
 def run_trainer(model, dataset, cfg, K: int, steps: int, accelerator, hook, make_callbacks) -> tuple[list, CommProfiler]:
-    """One Trainer run of ``steps`` optimizer steps over ``dataset``; returns (per-step losses, its profiler).
+    """One Trainer run of ``steps`` optimizer steps over ``dataset`` under DDP, instrumented as the other modes
+    (:class:`TrainerHooks`); returns (per-step losses, its profiler). Arguments: see :func:`train_trainer`;
+    ``accelerator``, ``hook``, ``make_callbacks``: see :class:`TrainerHooks`.
+
+    Raises:
+        RuntimeError: Trainer logged a different number of losses than ``steps``.
+    """
+    hooks = TrainerHooks(accelerator, hook, make_callbacks)
+    return train_trainer(model, dataset, cfg, K, steps, accelerator, hooks), hooks.profiler
+
+
+def train_trainer(model, dataset, cfg, K: int, steps: int, accelerator, callback: TrainerLosses, *,
+                  optimizer=None, max_grad_norm: float = 0.0, mixed_precision: str = "no") -> list[float]:
+    """One Trainer run of ``steps`` optimizer steps over ``dataset``; returns its per-step losses.
 
     Args:
         model: the peer copy of the preset model, weights already reset.
@@ -190,7 +220,13 @@ def run_trainer(model, dataset, cfg, K: int, steps: int, accelerator, hook, make
             ``steps`` x K x world size x batch size of them, in the order the
             toolkit's prepared DataLoader shards them.
         cfg: the bench's :class:`~accum_kit.bench.bench_config.BenchConfig`.
-        accelerator, hook, make_callbacks: see :class:`TrainerHooks`.
+        accelerator: the bench's Accelerator (its gradient-accumulation state is restored after the run; its
+            device decides ``use_cpu``).
+        callback: a :class:`TrainerLosses` (it collects the losses; :attr:`TrainerLosses.trainer` is set for the run).
+        optimizer: the optimizer over ``model``'s parameters, fresh (zero state); None: ``torch.optim.AdamW``
+            at ``cfg.learning_rate``, as the other modes.
+        max_grad_norm: Trainer's ``max_grad_norm`` (0: no clipping).
+        mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"``: Trainer's ``bf16`` / ``fp16``.
 
     Raises:
         RuntimeError: Trainer logged a different number of losses than ``steps``.
@@ -198,28 +234,29 @@ def run_trainer(model, dataset, cfg, K: int, steps: int, accelerator, hook, make
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)  # as the other modes, zero state
-    hooks = TrainerHooks(accelerator, hook, make_callbacks)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)  # as the other modes, zero state
     with tempfile.TemporaryDirectory() as out, keep_gradient_plugin(accelerator):
         args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=cfg.per_device_train_batch_size,
             gradient_accumulation_steps=K, max_steps=steps, learning_rate=cfg.learning_rate,
-            lr_scheduler_type="constant", max_grad_norm=0.0, average_tokens_across_devices=True,
+            lr_scheduler_type="constant", max_grad_norm=max_grad_norm, average_tokens_across_devices=True,
             train_sampling_strategy="sequential", remove_unused_columns=False, report_to="none",
             save_strategy="no", logging_strategy="steps", logging_steps=1, disable_tqdm=True,
             dataloader_num_workers=0, dataloader_pin_memory=False, seed=cfg.seed,
             ddp_find_unused_parameters=cfg.ddp_find_unused_parameters, ddp_bucket_cap_mb=cfg.ddp_bucket_cap_mb,
             ddp_static_graph=True if cfg.ddp_static_graph else None,
+            bf16=mixed_precision == "bf16", fp16=mixed_precision == "fp16",
             use_cpu=accelerator.device.type == "cpu")
         trainer = Trainer(model=model, args=args, train_dataset=dataset,
-                          optimizers=(optimizer, constant_schedule(optimizer)), callbacks=[hooks])
+                          optimizers=(optimizer, constant_schedule(optimizer)), callbacks=[callback])
         trainer.remove_callback(PrinterCallback)
-        hooks.trainer = trainer
+        callback.trainer = trainer
         try:
             trainer.train()
         finally:
             trainer.accelerator.free_memory()
-            hooks.trainer = None  # break the trainer <-> callback cycle
-    if len(hooks.losses) != steps:
-        raise RuntimeError(f"Trainer logged {len(hooks.losses)} losses for {steps} steps")
-    return hooks.losses, hooks.profiler
+            callback.trainer = None  # break the trainer <-> callback cycle
+    if len(callback.losses) != steps:
+        raise RuntimeError(f"Trainer logged {len(callback.losses)} losses for {steps} steps")
+    return callback.losses

@@ -132,11 +132,12 @@ def run(cfg: BenchConfig) -> dict:
     """Run the sweep ``cfg`` describes under the launch's engine (see the module docstring); return the result.
 
     Process 0 also writes the part's files to ``cfg.output_dir`` (``bench.json``, ``bench.csv`` and for the
-    DDP modes and the FSDP2 policies ``bench.png``; ``--tune``: ``tune.json``, ``tune.csv``;
-    ``--torch_compile``: ``compile.json``) and prints the tables.
+    DDP modes and the FSDP2 policies ``bench.png``; one process: ``bench.json``, ``bench.csv``; ``--tune``:
+    ``tune.json``, ``tune.csv``; ``--torch_compile``: ``compile.json``) and prints the tables.
 
     Raises:
-        UsageError: fewer than 2 processes, an HSDP-only flag outside HSDP, or what the part refuses
+        UsageError: fewer than 2 processes for a part that needs them (``--torch_compile``, FSDP2, DeepSpeed; a DDP
+            launch of one process runs the one-process part), an HSDP-only flag outside HSDP, or what the part refuses
             (a DeepSpeed launch without the package, a compile backend that cannot run), before any output.
         ProcessCountError: launched and visible process counts differ.
     """

@@ -27,6 +27,9 @@ PRESETS: dict[str, dict] = {
     "small": dict(n_layer=9, n_embd=512, n_head=8),
     # ~25M parameters, little compute per micro-batch: `accum-kit bench`'s communication-heavy case.
     "comm_heavy": dict(n_layer=2, n_embd=1024, n_head=16),
+    # GPT-2 small's shape (Radford et al. 2019): 124M parameters at vocabulary 50257 and 1024 positions; the
+    # one-process bench on a GPU (--vocab_size 50257 --block_size 1024).
+    "gpt2": dict(n_layer=12, n_embd=768, n_head=12),
 }
 
 
