@@ -96,11 +96,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # in place: no second (V, h) tensor at the peak; a second backward through the same graph (retain_graph)
+        # then fails loudly in autograd's saved-tensor version check instead of reusing scaled values
         grad_h, grad_w, grad_b = ctx.saved_tensors
         h_dtype, w_dtype, b_dtype = ctx.dtypes
-        return (None if grad_h is None else (grad_h * grad_out).to(h_dtype),
-                None if grad_w is None else (grad_w * grad_out).to(w_dtype),
-                None if grad_b is None else (grad_b * grad_out).to(b_dtype), None, None)
+        return (None if grad_h is None else grad_h.mul_(grad_out).to(h_dtype),
+                None if grad_w is None else grad_w.mul_(grad_out).to(w_dtype),
+                None if grad_b is None else grad_b.mul_(grad_out).to(b_dtype), None, None)
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

@@ -222,7 +222,7 @@ def _prepare(cfg: TrainConfig, accelerator) -> _Prepared:
                      n_params)
 
 
-def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared, auto=None):
+def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared, auto=None, lm_loss=None):
     """The job's loop callbacks: logging, held memory (with its prediction), the profiler's switches, tracking, the
     compile watch, ``auto``'s phase watch. Returns ``(callbacks, profiler, switches, held, watch)`` (None: off)."""
     plan, k = accelerator.run_plan, accelerator.run_plan.first_accumulation_steps
@@ -231,7 +231,7 @@ def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared, auto=None):
     k_max = max(plan.schedule.values()) if plan.schedule else k  # a schedule's largest window holds the most
     held = HeldMemory(accelerator, run.model, lambda: predicted_memory(accelerator, run.model, k_max),
                       lambda: predicted_peak(accelerator, run.model, k_max, cfg.per_device_train_batch_size,
-                                             cfg.block_size, plan.gradient_checkpointing))
+                                             cfg.block_size, plan.gradient_checkpointing, loss=lm_loss))
     callbacks = [LogEvery(accelerator, run.lr_scheduler, cfg.logging_steps), held, *switches, *auto_batch.watch(auto)]
     if cfg.with_tracking:  # hyperparameters as the tracker's config; figures per step via TrackerLogger
         accelerator.init_trackers("accum_kit", config={
@@ -286,7 +286,7 @@ def run(cfg: TrainConfig) -> dict:
     lm_loss = CausalLMLoss(cfg.fused_linear_cross_entropy, cfg.fused_linear_cross_entropy_chunk)
     lm_loss.head(run.model)  # an explicit --fused_linear_cross_entropy the model cannot serve fails here, before any work
     router = moe.router_loss(cfg.router_aux_loss_scope, accelerator, run.model, lm_loss)  # None for a dense model
-    callbacks, profiler, switches, held, watch = _callbacks(cfg, accelerator, run, auto)
+    callbacks, profiler, switches, held, watch = _callbacks(cfg, accelerator, run, auto, lm_loss)
     callbacks.append(moe.router_records(router, accelerator))
     before = _evaluate(accelerator, run, "before", 0, lm_loss)
     checkpointer = Checkpointer(accelerator, cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit,
