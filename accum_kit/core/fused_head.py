@@ -14,10 +14,13 @@ The layer keeps its normal forward whenever no labels were handed to it (generat
 calls). The switch is an instance attribute ``forward`` (a bound method, so ``copy.deepcopy`` of the model
 binds it to the copy); parameters, state dict and module tree are unchanged. It runs outside
 ``torch.compile``'s graph (``torch.compiler.disable``): a compiled model breaks its graph there, and the
-loss runs eagerly.
+loss runs eagerly. That break is harmless for a model compiled alone or per block (FSDP2's regional
+compilation leaves the output layer out of the graphs), but inside DDP compiled as a whole it made
+non-boundary micro-batches all-reduce (torch 2.13, 2 gloo processes), so such a model keeps the logits.
 
 A model is served when its output layer is a ``torch.nn.Linear`` (tied to the input embedding or not,
-with or without bias) whose result the model returns unchanged: :func:`unsupported_reason` refuses the
+with or without bias) whose result the model returns unchanged, not inside DDP compiled as a whole
+(:func:`compiled_ddp`): :func:`unsupported_reason` refuses the
 config settings that change it (Gemma 2's ``final_logit_softcapping``, Cohere's ``logit_scale``,
 Granite's ``logits_scaling``), a weight sharded over the vocabulary (tensor parallel, whose plan gathers
 the logits), and the first forward of every model is checked: the scalar the model returned must equal
@@ -48,6 +51,10 @@ def inner_model(model):
 
 def output_layer(model):
     """``(layer, None)`` for a model whose output layer can compute the loss, else ``(None, why not)``."""
+    if compiled_ddp(model):
+        return None, ("the model is DDP compiled as a whole: the loss runs outside the graph (a graph break in the "
+                      "compiled DDP forward), and with that break DDP all-reduced on micro-batches inside no_sync "
+                      "(measured, torch 2.13)")
     inner = inner_model(model)
     get = getattr(inner, "get_output_embeddings", None)
     layer = get() if callable(get) else None
@@ -55,6 +62,12 @@ def output_layer(model):
         return None, f"{type(inner).__name__} has no output layer (get_output_embeddings() is None)"
     why = unsupported_reason(inner, layer)
     return (None, why) if why else (layer, None)
+
+
+def compiled_ddp(model) -> bool:
+    """Whether ``model`` is a ``torch.compile`` wrapper around a DistributedDataParallel module."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner is not None and isinstance(inner, torch.nn.parallel.DistributedDataParallel)
 
 
 def unsupported_reason(model, layer) -> str | None:
