@@ -79,12 +79,21 @@ def unsupported_reason(model, layer) -> str | None:
         value = getattr(config, name, None)
         if value not in (None, 0, 0.0, 1, 1.0, False):
             return f"its config sets {name}={value}: the model changes the logits after the output layer"
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(layer.weight, DTensor):
+    if split_over_tp(layer.weight):
         return ("its output layer is split over the vocabulary (tensor parallel): the tp plan gathers the logits, "
                 "and a loss over vocabulary shards would need the log-sum-exp reduced over the tp group")
     return None
+
+
+def split_over_tp(weight) -> bool:
+    """Whether ``weight`` is a DTensor sharded on a mesh dimension named ``tp`` (Accelerate's tensor-parallel mesh).
+    FSDP2's shards are DTensors too, on the data-parallel dimensions: the layer is whole again inside the forward."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(weight, DTensor):
+        return False
+    names = weight.device_mesh.mesh_dim_names or ()
+    return any(name == "tp" and isinstance(p, Shard) for name, p in zip(names, weight.placements))
 
 
 @torch.compiler.disable

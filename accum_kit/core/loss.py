@@ -87,24 +87,21 @@ def logits_causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tens
         model: a causal LM returning ``.logits`` of shape (batch, seq, vocab).
         batch: ``input_ids`` and ``labels`` of shape (batch, seq), optionally
             ``attention_mask``; labels equal to -100 are ignored. Labels are
-            shifted here (position t predicts token t+1), as transformers does;
-            a batch with ``shift_labels`` (already shifted, e.g. one slice of a
-            context-parallel split) uses them as they are.
+            shifted here (position t predicts token t+1, :func:`shifted_labels`),
+            as transformers' ``ForCausalLMLoss`` does; a batch with ``shift_labels``
+            (already shifted, e.g. one slice of a context-parallel split) uses
+            them as they are.
 
     Returns:
-        ``(summed_loss, num_tokens)``: a scalar float32 tensor in nats, summed
-        over target tokens, and a scalar int64 tensor with the number of
-        target tokens.
+        ``(summed_loss, num_tokens)``: a scalar tensor in nats (float32, float64
+        for a float64 model), summed over target tokens, and a scalar int64
+        tensor with the number of target tokens.
     """
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-    logits = model(**inputs).logits
-    if "shift_labels" in batch:  # shifted before a context-parallel cut (accum_kit.engines.sequence_split)
-        logits, labels = logits.float(), batch["shift_labels"]
-    else:
-        logits, labels = logits[:, :-1, :].float(), batch["labels"][:, 1:]
-    summed = F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    logits = _at_least_float32(model(**inputs).logits)  # float32 already under Accelerate's autocast: no copy
+    labels = shifted_labels(batch)  # the labels move, not the logits: a view, no copy of the (batch, seq, V) tensor
+    summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                             reduction="sum")
     return summed, (labels != IGNORE_INDEX).sum()
 
 

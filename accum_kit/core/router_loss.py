@@ -164,17 +164,13 @@ class RouterAuxLoss:
             raise RuntimeError("RouterAuxLoss needs its window read ahead: iterate the batches through "
                                "window_batches (accum_kit.train_loop does)")
         head = self.lm_loss.head(model)  # the output layer computes the LM loss where it can (no logits)
+        labels = shifted_labels(batch)
         if head is not None:
-            labels = shifted_labels(batch)
             lm, out = head.loss(model, self._inputs(batch), labels, output_router_logits=True)
         else:
             out = model(**self._inputs(batch), output_router_logits=True)
-            if "shift_labels" in batch:
-                logits, labels = out.logits.float(), batch["shift_labels"]
-            else:
-                logits, labels = out.logits[:, :-1, :].float(), batch["labels"][:, 1:]
-            lm = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                                 reduction="sum")
+            lm = F.cross_entropy(out.logits.float().reshape(-1, out.logits.size(-1)), labels.reshape(-1),
+                                 ignore_index=IGNORE_INDEX, reduction="sum")
         n = (labels != IGNORE_INDEX).sum()
         mask = _rows_mask(batch).to(lm.device)
         probs = sum((torch.softmax(l.float(), dim=-1) * mask[:, None]).sum(dim=0) for l in out.router_logits)
