@@ -6,7 +6,9 @@ Public entry points:
   cannot silently train each process alone on CPU-only machines.
 - :func:`train_loop`: the accumulation loop (no_sync on non-boundary
   micro-batches, exact token-count normalisation); :class:`LoopCallback` for hooks.
-- :class:`WindowNormalizer`, :func:`causal_lm_loss`: the normalisation on its own;
+- :class:`WindowNormalizer`, :func:`causal_lm_loss`: the normalisation on its own; :class:`CausalLMLoss`
+  (the causal-LM loss from the last hidden states in chunks, no full-vocabulary logits) and
+  :func:`logits_causal_lm_loss` (the same from the logits);
   :func:`classification_loss`, :func:`seq2seq_loss`: ``loss_fn`` for classifiers and encoder-decoders.
 - :func:`optimizer_steps_per_epoch`: the ``ceil(M / K)`` step count of an epoch.
 
@@ -29,6 +31,7 @@ __version__ = "0.1.0"
 #: Public name -> the submodule that defines it.
 _EXPORTS = {
     "AccumKitError": "errors",
+    "CausalLMLoss": "core.loss",
     "LoopCallback": "core.callbacks",
     "LoopResult": "core.loop",
     "LoopState": "core.callbacks",
@@ -38,6 +41,7 @@ _EXPORTS = {
     "build_accelerator": "launch",
     "causal_lm_loss": "core.loss",
     "classification_loss": "core.loss",
+    "logits_causal_lm_loss": "core.loss",
     "check_process_count": "launch",
     "optimizer_steps_per_epoch": "core.accumulation_schedule",
     "seq2seq_loss": "core.loss",
@@ -129,7 +133,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from .errors import AccumKitError, ProcessCountError, UsageError
     from .launch import build_accelerator, check_process_count
     from .core.loop import LoopResult, train_loop
-    from .core.loss import WindowNormalizer, causal_lm_loss, classification_loss, seq2seq_loss
+    from .core.loss import (CausalLMLoss, WindowNormalizer, causal_lm_loss, classification_loss, logits_causal_lm_loss,
+                            seq2seq_loss)
     from .core.accumulation_schedule import optimizer_steps_per_epoch
 
 

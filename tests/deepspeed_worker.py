@@ -167,7 +167,7 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
         "engine_gradient_clipping": model.gradient_clipping(),
         "train_loss": result.train_loss, "step_tokens": result.step_tokens,
         "optimizer_steps": result.optimizer_steps, "micro_batches": result.micro_batches,
-        "resumed_from_step": result.resumed_from_step,
+        "resumed_from_step": result.resumed_from_step, "loss": accum_kit.causal_lm_loss.used,
         "micro": counter.micro, "outside_micro_batches": counter.outside,
         "parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.module.parameters()),
     }

@@ -298,6 +298,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         "micro": rec.micro,
         "stray_allreduce_calls": rec.stray_calls,
         "collective_groups": rec.groups,
+        "loss": accum_kit.causal_lm_loss.used,  # which causal-LM loss ran (the default: in the output layer)
     }
     if watch is not None:
         info["compile"] = watch.summary()

@@ -108,6 +108,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
     info = {"rank": accelerator.process_index, "num_processes": accelerator.num_processes,
             "mesh": {n: mesh.get_local_rank(n) for n in mesh.mesh_dim_names} if mesh is not None else None,
             "router_windows": loss_fn.windows if loss_fn is not None else None,
+            "loss": (loss_fn.lm_loss if loss_fn is not None else accum_kit.causal_lm_loss).used,
             "label": engine.label, "train_loss": result.train_loss, "step_tokens": result.step_tokens,
             "grad_norms": rec.norms, "len_dataloader": len(loader), "resumed_from_step": result.resumed_from_step,
             "dtensor_parameters": sum(isinstance(p, DTensor) for p in model.parameters()),

@@ -71,14 +71,26 @@ def test_korthikanti_count_for_other_families():
     assert not got.measured
 
 
-def hand_peak(P, L, h, a, b, s, *, ckpt, baseline, buckets=False):
+def hand_peak(P, L, h, a, b, s, *, ckpt, baseline, buckets=False, logits=False):
     """The DDP row's peak by hand: parameters, gradients, AdamW's two moments, with several processes DDP's
-    buckets (a copy of the gradient), activations and logits (4 copies), and the stated calibration's share of
-    one layer (the backward's transient gradients)."""
+    buckets (a copy of the gradient), activations, the stated calibration's share of one layer (the backward's
+    transient gradients) and the loss: by default computed in the output layer (its gradients of the b s hidden
+    states and of the V x h weight, and the logits of one chunk, here the whole micro-batch: V = 384 allows
+    43690 tokens per chunk); with ``logits`` 4 float32 copies of the logits."""
     layer = 30 * h + a + 4
+    T = b * s
     per_token = (L * h + layer) if ckpt else L * layer
-    per_token += 2 * h + 2 + 4 * V + CALIBRATION * layer
-    return baseline + 4 * P + 4 * P + 8 * P + (4 * P if buckets else 0) + b * s * per_token * 4
+    per_token += 2 * h + 2 + CALIBRATION * layer
+    loss = T * 4 * V * 4 if logits else 4 * (T * h + V * h) + T * V * 4
+    return baseline + 4 * P + 4 * P + 8 * P + (4 * P if buckets else 0) + T * per_token * 4 + loss
+
+
+def test_the_plan_prices_the_full_logits_with_fused_loss_off():
+    s, P = 32, tiny_parameters(32)
+    for flag, logits in (("off", True), ("auto", False)):
+        plan = plan_by_memory("10GB", 4, model_preset="tiny", block_size=s, fused_linear_cross_entropy=flag)
+        row = next(r for r in plan.rows if r.micro_batch == 4 and not r.checkpointing)
+        assert row.peak_bytes == pytest.approx(hand_peak(P, 2, 64, 2, 4, s, ckpt=False, baseline=0, logits=logits))
 
 
 def tiny_parameters(s):

@@ -254,7 +254,7 @@ def test_compiled_ddp_all_reduces_where_eager_does(runs, compiled, eager):
         assert got["comm_hook_registered"] and want["comm_hook_registered"]
         calls = [m["allreduce_calls"] for m in got["micro"]]
         assert calls == [m["allreduce_calls"] for m in want["micro"]], f"rank {got['rank']}: {calls}"
-        assert [c > 0 for c in calls] == [m["sync"] for m in got["micro"]]
+        assert [c > 0 for c in calls] == [m["sync"] for m in got["micro"]], (calls, [m["sync"] for m in got["micro"]], [m["boundary"] for m in got["micro"]])
         assert got["stray_allreduce_calls"] == 0
 
 

@@ -508,6 +508,7 @@ def test_tokens_mode_matches_big_batch_each_step(runs, world, name):
     assert_params_match(run["steps"], params, label)
     for info in run["ranks"]:
         assert info["num_processes"] == world, f"{label}: rank {info['rank']} trained alone"
+        assert info["loss"]["implementation"] == "chunked", f"{label}: {info['loss']}"  # the output layer's loss ran
         assert info["step_tokens"] == [l["tokens_count"] for l in losses], f"{label}: window token counts"
         assert info["train_loss"] == pytest.approx([l["tokens"] for l in losses], rel=LOSS_RTOL), (
             f"{label} rank {info['rank']}: logged loss is not the window token-mean at pre-step params"

@@ -110,6 +110,7 @@ def test_reduce_scatters_only_where_the_policy_says(runs, policy):
         assert [m["sync"] for m in micro] == expect_sync, "LoopState.sync disagrees with the reduce-scatters"
         assert info["stray_allreduce_calls"] == 0, "reduce-scatters outside any micro-batch"
         assert all(m["allreduce_calls"] == 0 for m in micro)
+        assert info["loss"]["implementation"] == "chunked", info["loss"]  # computed in the gathered output layer
         per_rank.append(calls)
     assert per_rank[0] == per_rank[1]
     windows = jh.windows_of(run["ranks"][0]["micro"])

@@ -107,6 +107,7 @@ def test_collectives_per_group_follow_the_policy(runs, policy):
     run = runs[f"tok_k3_{policy}"]
     for info in run["ranks"]:
         micro = info["micro"]
+        assert info["loss"]["implementation"] == "chunked", info["loss"]  # computed in the gathered output layer
         rs_every = policy in ("sync_each_batch", NEW)
         ar_every = policy == "sync_each_batch"
         assert [m["reduce_scatter_calls"] > 0 for m in micro] == [rs_every or m["boundary"] for m in micro]

@@ -146,6 +146,8 @@ def _check(run, label, **kw):
     ex.assert_params_match(run["steps"], params, label)
     for info in run["ranks"]:
         assert info["num_processes"] == 4
+        # cp: the loss in the output layer; tp: from the gathered logits (a vocabulary-split layer cannot)
+        assert info["loss"]["implementation"] == ("logits" if "tp" in label else "chunked"), (label, info["loss"])
         assert info["step_tokens"] == [n for _, n in windows], f"{label} rank {info['rank']}: tokens counted"
         assert info["train_loss"] == pytest.approx([l for l, _ in windows], rel=ex.LOSS_RTOL), label
     return params, windows

@@ -77,32 +77,132 @@ def power_of_two(x: float) -> float:
     return 2.0 ** round(math.log2(x)) if x > 1.0 else 1.0
 
 
-def causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy of one micro-batch and its target-token count.
+def logits_causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy of one micro-batch from the model's logits, and its target-token count.
+
+    The plain formula: the reference path of :class:`CausalLMLoss` (``fused="off"``), the raw DDP baseline's
+    loss, and the one for models whose output layer cannot compute the loss itself.
 
     Args:
         model: a causal LM returning ``.logits`` of shape (batch, seq, vocab).
         batch: ``input_ids`` and ``labels`` of shape (batch, seq), optionally
             ``attention_mask``; labels equal to -100 are ignored. Labels are
-            shifted here (position t predicts token t+1), as transformers does;
-            a batch with ``shift_labels`` (already shifted, e.g. one slice of a
-            context-parallel split) uses them as they are.
+            shifted here (position t predicts token t+1, :func:`shifted_labels`),
+            as transformers' ``ForCausalLMLoss`` does; a batch with ``shift_labels``
+            (already shifted, e.g. one slice of a context-parallel split) uses
+            them as they are.
 
     Returns:
-        ``(summed_loss, num_tokens)``: a scalar float32 tensor in nats, summed
-        over target tokens, and a scalar int64 tensor with the number of
-        target tokens.
+        ``(summed_loss, num_tokens)``: a scalar tensor in nats (float32, float64
+        for a float64 model), summed over target tokens, and a scalar int64
+        tensor with the number of target tokens.
     """
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-    logits = model(**inputs).logits
-    if "shift_labels" in batch:  # shifted before a context-parallel cut (accum_kit.engines.sequence_split)
-        logits, labels = logits.float(), batch["shift_labels"]
-    else:
-        logits, labels = logits[:, :-1, :].float(), batch["labels"][:, 1:]
-    summed = F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    logits = _at_least_float32(model(**inputs).logits)  # float32 already under Accelerate's autocast: no copy
+    labels = shifted_labels(batch)  # the labels move, not the logits: a view, no copy of the (batch, seq, V) tensor
+    summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                             reduction="sum")
     return summed, (labels != IGNORE_INDEX).sum()
+
+
+def shifted_labels(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """(batch, seq) targets aligned with the positions: ``shift_labels`` as given (context parallel), else
+    ``labels`` moved one position left with -100 at the end, so position t's target is token t+1 and the
+    hidden states need no slicing (as transformers' ``ForCausalLMLoss`` pads the labels)."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    labels = batch["labels"]
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+FUSED_CHOICES = ("auto", "chunked", "torch", "off")
+
+
+class CausalLMLoss:
+    """The causal-LM ``loss_fn``: summed next-token cross-entropy and target tokens, by default without logits.
+
+    ``loss(model, batch) -> (summed_loss, num_tokens)``, with the batch and the result as
+    :func:`logits_causal_lm_loss`. Where the model's output layer allows it
+    (:func:`accum_kit.core.fused_head.output_layer`: a ``torch.nn.Linear`` whose result the model returns
+    unchanged, not split by tensor parallel), the layer computes the loss from the last hidden states in
+    chunks of tokens (:mod:`accum_kit.core.linear_cross_entropy`) inside the model's own forward, so no
+    (batch, seq, V) tensor is ever made; otherwise the logits' formula runs.
+
+    Args:
+        fused: ``"auto"`` (the chunked path where the model allows it, the logits otherwise), ``"chunked"`` or
+            ``"torch"`` (that fused implementation, or an error), ``"off"`` (always the logits).
+        chunk: tokens per chunk (None: a chunk's float32 logits take at most 64 MiB).
+
+    Attributes:
+        used: what the last call ran: ``{"fused_linear_cross_entropy": fused, "implementation": "chunked" |
+            "torch" | "logits", "reason": why not fused (None when fused), "chunk_tokens": int | None}``
+            (None before the first call); the train job writes it to ``train_summary.json``.
+
+    Raises:
+        UsageError (``--fused_linear_cross_entropy``): unknown ``fused``; a fused implementation asked for by
+            name on a model whose output layer cannot serve it, or ``torch`` on a torch without
+            ``linear_cross_entropy``.
+    """
+
+    def __init__(self, fused: str = "auto", chunk: int | None = None):
+        from ..errors import UsageError
+
+        if fused not in FUSED_CHOICES:
+            raise UsageError("--fused_linear_cross_entropy", f"unknown value {fused!r}", f"use one of {FUSED_CHOICES}")
+        if chunk is not None and int(chunk) < 1:
+            raise UsageError("--fused_linear_cross_entropy_chunk", f"must be >= 1 token (got {chunk})",
+                             "pass a positive token count or omit it")
+        self.fused, self.chunk = fused, chunk
+        self.used: dict | None = None
+
+    def head(self, model):
+        """The model's :class:`accum_kit.core.fused_head.FusedHead` when this loss fuses on it, else None (the reason
+        goes to :attr:`used`)."""
+        from ..errors import UsageError
+        from .fused_head import FLAG, fused_head
+        from .linear_cross_entropy import IMPLEMENTATIONS, chunk_tokens
+
+        if self.fused == "off":
+            self._record("logits", "off")
+            return None
+        name = "chunked" if self.fused == "auto" else self.fused
+        if name == "torch" and not hasattr(F, "linear_cross_entropy"):
+            raise UsageError(FLAG, f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy",
+                             "use chunked (or auto), or torch >= 2.13")
+        head, why = fused_head(model, IMPLEMENTATIONS[name], self.chunk)
+        if head is None:
+            if self.fused != "auto":
+                raise UsageError(FLAG, f"{self.fused} cannot run on this model: {why}", f"pass {FLAG} off (or auto)")
+            self._record("logits", why)
+            return None
+        self._record(name, None, self.chunk or chunk_tokens(head.vocab))
+        return head
+
+    def _record(self, implementation: str, reason, chunk: int | None = None):
+        if self.used is None or self.used["implementation"] != implementation:
+            self.used = {"fused_linear_cross_entropy": self.fused, "implementation": implementation, "reason": reason,
+                         "chunk_tokens": chunk}
+
+    def __call__(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        head = self.head(model)
+        if head is None:
+            return logits_causal_lm_loss(model, batch)
+        target = shifted_labels(batch)
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+        summed, _ = head.loss(model, inputs, target)
+        return summed, (target != IGNORE_INDEX).sum()
+
+    @staticmethod
+    def count_items(batch) -> torch.Tensor:
+        """Target tokens of ``batch``, readable before the forward (DeepSpeed counts a window ahead)."""
+        return _causal_lm_items(batch)
+
+    def __repr__(self) -> str:
+        return f"CausalLMLoss(fused={self.fused!r}, chunk={self.chunk})"
+
+
+#: The default ``loss_fn`` of :func:`accum_kit.train_loop`: :class:`CausalLMLoss` with ``fused="auto"``.
+causal_lm_loss = CausalLMLoss()
 
 
 def check_supported(accelerator, mode: str) -> None:
@@ -187,7 +287,7 @@ def seq2seq_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> t
 
 
 # What each loss counts, readable before the forward (DeepSpeed counts a window ahead: accum_kit.engines.deepspeed).
-causal_lm_loss.count_items = _causal_lm_items
+logits_causal_lm_loss.count_items = _causal_lm_items
 classification_loss.count_items = _labelled_items
 seq2seq_loss.count_items = _labelled_items
 

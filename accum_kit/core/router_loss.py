@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
-from .loss import IGNORE_INDEX
+from .loss import IGNORE_INDEX, CausalLMLoss, shifted_labels
 from .read_ahead import read_ahead
 
 SCOPES = ("window", "micro_batch")
@@ -90,6 +90,8 @@ class RouterAuxLoss:
         model: the prepared model (read-ahead routing runs it without gradients, ``scope="window"``).
         scope: ``"window"`` (the big batch's definition, exact) or ``"micro_batch"`` (see the module docstring).
         ranks: the :class:`accum_kit.core.token_ranks.TokenRanks` to sum over (None: the run's engine's).
+        lm_loss: the :class:`accum_kit.core.loss.CausalLMLoss` whose setting the LM part follows (None: the default,
+            the output layer computing the loss in chunks where the model allows it).
 
     Attributes:
         windows: one record per closed window (:meth:`close_window`): ``lm_loss`` (nats, token mean),
@@ -101,10 +103,11 @@ class RouterAuxLoss:
         UsageError (``--router_aux_loss_scope``): an unknown scope, or a model that is not a mixture of experts.
     """
 
-    def __init__(self, accelerator, model, scope: str = "window", ranks=None):
+    def __init__(self, accelerator, model, scope: str = "window", ranks=None, lm_loss=None):
         if scope not in SCOPES:
             raise UsageError(FLAG, f"unknown value {scope!r}", f"use one of {SCOPES}")
         self.accelerator, self.model, self.scope = accelerator, model, scope
+        self.lm_loss = lm_loss if lm_loss is not None else CausalLMLoss()
         self.experts, self.top_k, self.coef, self.layers = moe_settings(model)
         if ranks is None:
             from ..engines import engine_of
@@ -132,8 +135,8 @@ class RouterAuxLoss:
             part = self.ranks.part(batch)
             mask = _rows_mask(part).to(acc.device)
             if self.scope == "window":
-                with torch.no_grad():
-                    out = self.model(**self._inputs(part), output_router_logits=True)
+                with torch.no_grad():  # only the routing is read: logits for one position, not (batch, seq, V)
+                    out = self.model(**self._inputs(part), output_router_logits=True, logits_to_keep=1)
                 totals[: self.experts] += route_counts(out.router_logits, mask, self.experts, self.top_k)
             totals[self.experts] += float(mask.sum()) * self.layers
             totals[self.experts + 1] += float(self._targets(part))
@@ -160,13 +163,14 @@ class RouterAuxLoss:
         if self._ahead is None:
             raise RuntimeError("RouterAuxLoss needs its window read ahead: iterate the batches through "
                                "window_batches (accum_kit.train_loop does)")
-        out = model(**self._inputs(batch), output_router_logits=True)
-        if "shift_labels" in batch:
-            logits, labels = out.logits.float(), batch["shift_labels"]
+        head = self.lm_loss.head(model)  # the output layer computes the LM loss where it can (no logits)
+        labels = shifted_labels(batch)
+        if head is not None:
+            lm, out = head.loss(model, self._inputs(batch), labels, output_router_logits=True)
         else:
-            logits, labels = out.logits[:, :-1, :].float(), batch["labels"][:, 1:]
-        lm = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                             reduction="sum")
+            out = model(**self._inputs(batch), output_router_logits=True)
+            lm = F.cross_entropy(out.logits.float().reshape(-1, out.logits.size(-1)), labels.reshape(-1),
+                                 ignore_index=IGNORE_INDEX, reduction="sum")
         n = (labels != IGNORE_INDEX).sum()
         mask = _rows_mask(batch).to(lm.device)
         probs = sum((torch.softmax(l.float(), dim=-1) * mask[:, None]).sum(dim=0) for l in out.router_logits)

@@ -29,9 +29,13 @@ i.e. ``30 h + a + 4`` for GPT-2 (f = 4h, ``gelu_new``). Eager attention (``attn_
 not measured here). Families other than GPT-2 (Llama...) use Korthikanti's count converted to
 elements (``(34 + 5 a s / h) / 2`` per h; its dropout masks included), marked ``measured=False``.
 
-The head and the loss: the final LayerNorm (``2 h + 2``) and ``LOGIT_COPIES`` copies of the b s V
-logits (the logits, the log-softmax result the loss saves, and their two gradients at the start of
-the backward).
+The head and the loss (``loss="logits"``): the final LayerNorm (``2 h + 2``) and ``LOGIT_COPIES`` copies
+of the b s V logits (the logits, the log-softmax result the loss saves, and their two gradients at the
+start of the backward), in float32 whatever the compute precision (under autocast Accelerate returns
+float32 logits and the cross-entropy runs in float32). With the loss computed inside the output layer in
+chunks of C tokens (``loss="fused"``, :mod:`accum_kit.core.linear_cross_entropy`): the final LayerNorm,
+the gradients that layer keeps for its backward (``b s h + V h (+ V)`` in float32) and one chunk's
+logits during its forward (``C V`` float32, plus two ``C V`` copies in the compute dtype under autocast).
 
 With activation checkpointing (``gradient_checkpointing``: each block's forward is run again in
 its backward, torch's non-reentrant ``torch.utils.checkpoint``) a block keeps only its input
@@ -71,6 +75,9 @@ class TransformerShape:
         attention: ``sdpa`` (no a s^2 term; what CPU's flash kernel saves) or ``eager`` (adds ``2 a s``).
         family: ``gpt2`` (the measured count) or another model type (Korthikanti's count).
         element_bytes: e, bytes per activation element (4: fp32; 2: bf16 / fp16 autocast).
+        loss: ``logits`` (the cross-entropy of the full logits) or ``fused`` (computed in the output layer in
+            chunks of ``loss_chunk`` tokens; None: :func:`accum_kit.core.linear_cross_entropy.chunk_tokens`).
+        head_bias: the output layer has a bias (its gradient is kept too under ``fused``).
     """
 
     layers: int
@@ -82,6 +89,9 @@ class TransformerShape:
     attention: str = "sdpa"
     family: str = "gpt2"
     element_bytes: int = 4
+    loss: str = "logits"
+    loss_chunk: int | None = None
+    head_bias: bool = False
 
     @classmethod
     def from_config(cls, config: dict, element_bytes: int = 4) -> "TransformerShape":
@@ -135,9 +145,36 @@ class TransformerShape:
         eager = 2 * a * seq if self.attention == "eager" else 0
         return 4 * h + 4 + 6 * h + a + mlp + eager
 
-    def head_elements_per_token(self) -> float:
-        """The final LayerNorm's saved tensors (2 h + 2) and :data:`LOGIT_COPIES` copies of the logits (V each)."""
-        return 2 * self.hidden + 2 + LOGIT_COPIES * self.vocab
+    def with_loss(self, loss: dict | str | None) -> "TransformerShape":
+        """This shape with the loss that ran or will run: a :class:`accum_kit.core.loss.CausalLMLoss`'s ``used``
+        record (``implementation`` ``chunked`` / ``torch`` -> ``fused`` with its ``chunk_tokens``; ``logits``), or
+        ``"fused"`` / ``"logits"``; None: unchanged."""
+        from dataclasses import replace
+
+        if loss is None:
+            return self
+        if isinstance(loss, str):
+            return replace(self, loss=loss)
+        fused = loss.get("implementation") in ("chunked", "torch")
+        return replace(self, loss="fused" if fused else "logits", loss_chunk=loss.get("chunk_tokens") if fused else None)
+
+    def head_bytes(self, tokens: int) -> tuple[float, str]:
+        """``(bytes, formula)`` the final LayerNorm and the loss hold at a micro-batch's peak (module docstring)."""
+        from ..core.linear_cross_entropy import chunk_tokens, held_bytes, transient_bytes
+
+        T, h, V, e = tokens, self.hidden, self.vocab, self.element_bytes
+        norm = T * (2 * h + 2) * e
+        if self.loss != "fused":
+            logit = max(4, e)  # float32 logits whatever the compute precision
+            return (float(norm + T * LOGIT_COPIES * V * logit),
+                    f"b s (2 h + 2) e + b s {LOGIT_COPIES} V x {logit} = {T} x (2 x {h} + 2) x {e} + {T} x "
+                    f"{LOGIT_COPIES} x {V} x {logit}")
+        C = min(T, self.loss_chunk or chunk_tokens(V))
+        acc = max(4, e)
+        held, transient = held_bytes(T, h, V, self.head_bias, acc), transient_bytes(V, C, e)
+        return (float(norm + held + transient),
+                f"b s (2 h + 2) e + {acc} (b s h + V h{' + V' if self.head_bias else ''}) + one chunk C V (4"
+                f"{' + 2 e' if e < 4 else ''}) = {T} x (2 x {h} + 2) x {e} + {held} + {transient} (C = {C})")
 
 
 def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int) -> float:
@@ -152,7 +189,8 @@ class ActivationBytes:
     Attributes:
         blocks: what the transformer blocks keep (all of it without checkpointing; their inputs with it).
         recompute: one block's activations recomputed during its backward (checkpointing only; else 0).
-        head: the final LayerNorm and the logits' copies (:data:`LOGIT_COPIES`).
+        head: the final LayerNorm and the loss: the logits' copies (:data:`LOGIT_COPIES`), or what the fused loss
+            keeps and one chunk (:meth:`TransformerShape.head_bytes`).
         transient: the backward's transient gradients, ``calibration`` x one layer's activations.
         counted: blocks + recompute + head, as counted; total: ``counted + transient``.
         calibration: :data:`CALIBRATION` (0: the count as is).
@@ -201,15 +239,14 @@ def activation_bytes(shape: TransformerShape, micro_batch: int, seq: int, *, che
     else:
         blocks, recompute = float(T * L * layer * e), 0.0
         bf, rf = f"b s L x one layer x e = {T} x {L} x {layer:g} x {e}", "0 (no checkpointing)"
-    head = float(T * shape.head_elements_per_token() * e)
+    head, head_formula = shape.head_bytes(T)
     counted, transient = blocks + recompute + head, calibration * T * layer * e
     return ActivationBytes(
         blocks=blocks, recompute=recompute, head=head, transient=transient, counted=counted,
         total=counted + transient,
         calibration=calibration, tokens=T, checkpointing=checkpointing, measured=shape.measured,
         formulas={"blocks": bf, "recompute": rf,
-                  "head": f"b s (2 h + 2 + {LOGIT_COPIES} V) e = {T} x (2 x {h} + 2 + {LOGIT_COPIES} x {shape.vocab})"
-                          f" x {e}",
+                  "head": head_formula,
                   "one_layer": ("30 h + a + 4 (GPT-2, SDPA, gelu_new)" if shape.measured else
                                 "Korthikanti et al. 2022: (34 + 5 a s / h) h / 2") + f" = {layer:g} elements per token",
                   "transient": f"{calibration:g} x b s x one layer x e (fitted, CALIBRATION)"})

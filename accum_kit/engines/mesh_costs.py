@@ -57,8 +57,11 @@ Activations per micro-batch per process (what autograd keeps until the backward)
 ``(2 h + 2 a_kv d + a + 4 f) / tp`` inside it (SDPA's q, k, v, output and log-sum-exp; gate, up, SiLU
 and product), counted per storage on eager Llama with SDPA, torch 2.13 / transformers 5.24, at tp 1
 and 2; with cp the output all-to-all's result is a tensor of its own (``+ h / tp``, an estimate: not
-measured); the head keeps ``3 h + 1 + LOGIT_COPIES V`` per token whatever tp (the logits are
-gathered). All on ``T = b s / cp`` tokens. The backward's transient gradients
+measured); the head keeps ``3 h + 1`` per token in the compute dtype and, under tp (the logits are gathered:
+the loss cannot be computed in the vocabulary-split output layer, :mod:`accum_kit.core.fused_head`),
+``LOGIT_COPIES V`` float32 logits per token; without tp the train job's default loss computes the cross-entropy
+in the output layer in chunks (``fused=True``): ``T h + V h`` float32 gradients and one chunk's logits instead
+(:meth:`accum_kit.engines.activation_memory.TransformerShape.head_bytes`). All on ``T = b s / cp`` tokens. The backward's transient gradients
 (:data:`accum_kit.engines.activation_memory.CALIBRATION`) are not included. Activation checkpointing is not
 modelled here (its recompute would run the forward's tp all-reduces and cp all-to-alls again in backward).
 
@@ -315,20 +318,30 @@ def cp_collectives(model: DenseTransformer, cp: int, tp: int, tokens: int, K: in
                        True)]
 
 
-def activation_bytes_per_process(model: DenseTransformer, tp: int, cp: int, tokens: int, e: int) -> tuple[float, str]:
-    """One micro-batch's saved activations per process (module docstring), bytes, and the formula."""
-    L, h, a, f, kvw = model.layers, model.hidden, model.heads, model.ffn, model.kv_width
+def activation_bytes_per_process(model: DenseTransformer, tp: int, cp: int, tokens: int, e: int,
+                                 fused: bool = False) -> tuple[float, str]:
+    """One micro-batch's saved activations per process (module docstring), bytes, and the formula.
+
+    ``fused``: the loss is computed in the output layer in chunks where it can be (tp = 1); else the logits."""
+    from ..core.linear_cross_entropy import chunk_tokens, held_bytes, transient_bytes
+
+    L, h, a, f, kvw, V = model.layers, model.hidden, model.heads, model.ffn, model.kv_width, model.vocab
     sharded = 2 * h + 2 * kvw + a + 4 * f + (h if cp > 1 else 0)
     layer = 6 * h + 2 + sharded / tp
-    head = 3 * h + 1 + LOGIT_COPIES * model.vocab
-    return float(tokens * (L * layer + head) * e), (
-        f"T (L (6 h + 2 + (2 h + 2 a_kv d + a + 4 f{' + h' if cp > 1 else ''}) / tp) + 3 h + 1 + {LOGIT_COPIES} V) e"
-        f" = {tokens} x ({L} x ({6 * h + 2} + {sharded} / {tp}) + {head}) x {e}")
+    body = float(tokens * (L * layer + 3 * h + 1) * e)
+    lead = (f"T (L (6 h + 2 + (2 h + 2 a_kv d + a + 4 f{' + h' if cp > 1 else ''}) / tp) + 3 h + 1) e"
+            f" = {tokens} x ({L} x ({6 * h + 2} + {sharded} / {tp}) + {3 * h + 1}) x {e}")
+    if fused and tp == 1:
+        C, acc = min(tokens, chunk_tokens(V)), max(4, e)
+        loss = held_bytes(tokens, h, V, False, acc) + transient_bytes(V, C, e)
+        return body + loss, f"{lead} + {acc} (T h + V h) + one chunk of {C} tokens' logits = {loss:g} (fused loss)"
+    logit = max(4, e)  # float32 logits whatever the compute precision
+    return body + tokens * LOGIT_COPIES * V * logit, f"{lead} + T {LOGIT_COPIES} V x {logit} = {tokens} x {LOGIT_COPIES} x {V} x {logit}"
 
 
 def mesh_costs(model: DenseTransformer, mesh, *, policy: str, accumulation_steps: int, micro_batch: int, seq: int,
                param_bytes: int = 4, compute_bytes: int | None = None, reduce_bytes: int | None = None,
-               optimizer_bytes: int = ADAMW_STATE_BYTES) -> MeshCosts:
+               optimizer_bytes: int = ADAMW_STATE_BYTES, fused: bool = False) -> MeshCosts:
     """The costs of ``policy`` on ``mesh`` per window (collectives by group) and per process (memory).
 
     Args:
@@ -340,6 +353,8 @@ def mesh_costs(model: DenseTransformer, mesh, *, policy: str, accumulation_steps
         seq: s, tokens per example (cp ranks hold s / cp each).
         param_bytes, compute_bytes, reduce_bytes, optimizer_bytes: b_p, b_c (also the activations' and tp/cp
             collectives' bytes per element), b_r, b_o, as in :func:`accum_kit.engines.costs.policy_costs`.
+        fused: price the head as the loss computed in the output layer in chunks where there is no tp (the train
+            job's default), else as the full float32 logits.
 
     Raises:
         UsageError: :func:`check_mesh`'s; b or s below 1; the policy's (unknown, HSDP-only with R = 1).
@@ -357,7 +372,7 @@ def mesh_costs(model: DenseTransformer, mesh, *, policy: str, accumulation_steps
     dp = policy_costs(policy, units, accumulation_steps=K, **kw)
     held = policy_costs(policy, units, accumulation_steps=max(K, 2), **kw)  # a window of one holds them in backward
     tokens = micro_batch * seq // cp
-    acts, acts_f = activation_bytes_per_process(model, tp, cp, tokens, b_c)
+    acts, acts_f = activation_bytes_per_process(model, tp, cp, tokens, b_c, fused)
     memory = {"parameters": dp.parameter_shard_bytes, "gradients": held.gradient_bytes,
               "optimizer_state": dp.optimizer_state_bytes, "gathered_parameters": held.gathered_parameter_bytes,
               "activations": acts}

@@ -16,7 +16,7 @@ from ..engines.ddp import check_ddp_flags, ddp_field
 from ..engines.activation_checkpointing import (gradient_checkpointing_field, gradient_checkpointing_kwargs_field,
                                                 parse_checkpointing_kwargs, resolve_checkpointing)
 from ..errors import UsageError
-from ..core.loss import NORMALIZATIONS
+from ..core.loss import FUSED_CHOICES, NORMALIZATIONS
 from .models import LLAMA_PRESETS, MOE_PRESETS, PRESETS
 from ..core.lr_scaling import LR_RULES
 from ..core.accumulation_schedule import parse_accumulation_schedule
@@ -68,6 +68,8 @@ class TrainConfig:
     max_train_steps: int | None = field(default=None, metadata={"help": "Optimizer steps to run (overrides --num_train_epochs); 0 or less: use epochs; None: 100 unless --num_train_epochs is given."})
     num_train_epochs: int | None = field(default=None, metadata={"help": "Passes over the train split when --max_train_steps is not set; None: 1."})
     max_grad_norm: float | None = field(default=1.0, metadata={"help": "Clip the gradient norm to this; 0 or less: no clipping."})
+    fused_linear_cross_entropy: str = field(default="auto", metadata={"help": "The causal-LM loss from the last hidden states in chunks of tokens, inside the output layer's forward, so no (batch, seq, vocab) float32 logits exist: 'auto' (where the model's output layer is a plain linear layer whose result the model returns unchanged, else the logits), 'chunked' or 'torch' (that implementation, or exit 2), 'off' (the logits, as transformers computes them). train_summary.json's 'loss' says which ran."})
+    fused_linear_cross_entropy_chunk: int | None = field(default=None, metadata={"help": "Tokens per chunk of --fused_linear_cross_entropy; None: a chunk's float32 logits take at most 64 MiB."})
     loss_normalization: str = field(default="tokens", metadata={"help": f"One of {NORMALIZATIONS}: exact token-mean over the window, or Accelerate's per-micro-batch mean / K."})
     sync_each_batch: bool = field(default=False, metadata={"help": "All-reduce gradients on every micro-batch (slower; for A/B comparisons); the same as --accumulation_policy sync_each_batch."})
     accumulation_policy: str | None = field(default=None, metadata={"help": f"What a window skips and keeps, one of {list(POLICIES)}; the two no_sync_no_reshard ones need FSDP2 (accelerate_configs/cpu_fsdp.yaml) and keep parameters gathered (docs/fsdp.md); reduce_scatter_each_batch needs HSDP (accelerate_configs/cpu_hsdp.yaml) and defers only the all-reduce across replicas (docs/hsdp.md). Default: no_sync."})
@@ -112,6 +114,10 @@ class TrainConfig:
             self.profile_comm = True
         checks.positive("--learning_rate", self.learning_rate, fix="pass e.g. 2e-3")
         checks.one_of("--loss_normalization", self.loss_normalization, NORMALIZATIONS)
+        checks.one_of("--fused_linear_cross_entropy", self.fused_linear_cross_entropy, FUSED_CHOICES)
+        if self.fused_linear_cross_entropy_chunk is not None:
+            checks.at_least("--fused_linear_cross_entropy_chunk", self.fused_linear_cross_entropy_chunk,
+                            fix="pass a token count >= 1 or omit it")
         checks.one_of("--lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
         checks.one_of("--report_to", self.report_to, TRACKERS)
         if self.model_name_or_path is None:

@@ -6,11 +6,12 @@ from ..core.router_loss import FLAG, RouterAuxLoss, RouterWindowRecords, moe_set
 from ..errors import UsageError
 
 
-def router_loss(scope: str | None, accelerator, model) -> RouterAuxLoss | None:
+def router_loss(scope: str | None, accelerator, model, lm_loss=None) -> RouterAuxLoss | None:
     """The job's ``loss_fn`` for a mixture-of-experts model (None for a dense one: the default causal-LM loss).
 
     Args:
         scope: ``--router_aux_loss_scope`` (None: ``"window"``, the big batch's definition).
+        lm_loss: the :class:`accum_kit.core.loss.CausalLMLoss` whose output-layer setting the LM part follows.
 
     Raises:
         UsageError (``--router_aux_loss_scope``): the flag given for a dense model, or an unknown scope.
@@ -21,7 +22,7 @@ def router_loss(scope: str | None, accelerator, model) -> RouterAuxLoss | None:
         if scope is not None:
             raise
         return None
-    return RouterAuxLoss(accelerator, model, scope=scope or "window")
+    return RouterAuxLoss(accelerator, model, scope=scope or "window", lm_loss=lm_loss)
 
 
 def router_records(loss: RouterAuxLoss | None, accelerator):

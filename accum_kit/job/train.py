@@ -30,7 +30,7 @@ from ..errors import UsageError
 from .evaluation import evaluate_loss
 from ..launch import build_accelerator
 from ..core.loop import train_loop
-from ..core.loss import check_supported
+from ..core.loss import CausalLMLoss, check_supported
 from .models import build_from_config, build_model, count_parameters, fit_embeddings, load_model, resolve_config
 from ..core.accumulation_schedule import optimizer_steps_per_epoch
 from ..core.accumulation_schedule import schedule_pairs, scheduled_steps
@@ -222,7 +222,7 @@ def _prepare(cfg: TrainConfig, accelerator) -> _Prepared:
                      n_params)
 
 
-def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared, auto=None):
+def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared, auto=None, lm_loss=None):
     """The job's loop callbacks: logging, held memory (with its prediction), the profiler's switches, tracking, the
     compile watch, ``auto``'s phase watch. Returns ``(callbacks, profiler, switches, held, watch)`` (None: off)."""
     plan, k = accelerator.run_plan, accelerator.run_plan.first_accumulation_steps
@@ -231,7 +231,7 @@ def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared, auto=None):
     k_max = max(plan.schedule.values()) if plan.schedule else k  # a schedule's largest window holds the most
     held = HeldMemory(accelerator, run.model, lambda: predicted_memory(accelerator, run.model, k_max),
                       lambda: predicted_peak(accelerator, run.model, k_max, cfg.per_device_train_batch_size,
-                                             cfg.block_size, plan.gradient_checkpointing))
+                                             cfg.block_size, plan.gradient_checkpointing, loss=lm_loss))
     callbacks = [LogEvery(accelerator, run.lr_scheduler, cfg.logging_steps), held, *switches, *auto_batch.watch(auto)]
     if cfg.with_tracking:  # hyperparameters as the tracker's config; figures per step via TrackerLogger
         accelerator.init_trackers("accum_kit", config={
@@ -250,9 +250,9 @@ def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared, auto=None):
     return callbacks, profiler, switches, held, watch
 
 
-def _evaluate(accelerator, run: _Prepared, when: str, step: int) -> tuple[float, float]:
+def _evaluate(accelerator, run: _Prepared, when: str, step: int, loss_fn=None) -> tuple[float, float]:
     """Validation loss and perplexity, logged (``when``: "before" or "after" training) at optimizer step ``step``."""
-    loss, ppl = evaluate_loss(accelerator, run.model, run.eval_dl)
+    loss, ppl = evaluate_loss(accelerator, run.model, run.eval_dl, loss_fn)
     logger.info("eval loss %s training: %.4f (perplexity %.2f)", when, loss, ppl)
     accelerator.log({"eval/loss": loss, "eval/perplexity": ppl}, step=step)
     return loss, ppl
@@ -283,23 +283,25 @@ def run(cfg: TrainConfig) -> dict:
         check_state_files(resume, schedulers=1)  # the job's one scheduler, no registered objects
     set_seed(cfg.seed)
     run = _prepare(cfg, accelerator)
-    router = moe.router_loss(cfg.router_aux_loss_scope, accelerator, run.model)  # None for a dense model
-    callbacks, profiler, switches, held, watch = _callbacks(cfg, accelerator, run, auto)
+    lm_loss = CausalLMLoss(cfg.fused_linear_cross_entropy, cfg.fused_linear_cross_entropy_chunk)
+    lm_loss.head(run.model)  # an explicit --fused_linear_cross_entropy the model cannot serve fails here, before any work
+    router = moe.router_loss(cfg.router_aux_loss_scope, accelerator, run.model, lm_loss)  # None for a dense model
+    callbacks, profiler, switches, held, watch = _callbacks(cfg, accelerator, run, auto, lm_loss)
     callbacks.append(moe.router_records(router, accelerator))
-    before = _evaluate(accelerator, run, "before", 0)
+    before = _evaluate(accelerator, run, "before", 0, lm_loss)
     checkpointer = Checkpointer(accelerator, cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit,
                                 resplit=auto is not None)
     try:
         with auto_batch.on_failure(auto, accelerator.process_index, checkpointer):  # ends this process, no collective
             result = train_loop(accelerator, run.model, run.optimizer, run.train_dl, lr_scheduler=run.lr_scheduler,
                                 max_train_steps=run.steps, max_grad_norm=cfg.max_grad_norm,
-                                loss_normalization=cfg.loss_normalization, loss_fn=router, callbacks=callbacks,
+                                loss_normalization=cfg.loss_normalization, loss_fn=router or lm_loss, callbacks=callbacks,
                                 profiler=profiler,
                                 checkpointer=checkpointer, resume_from=resume, lr_scaling=cfg.lr_scaling)
     except Preempted:
         accelerator.end_training()
         raise
-    after = _evaluate(accelerator, run, "after", result.optimizer_steps)
+    after = _evaluate(accelerator, run, "after", result.optimizer_steps, lm_loss)
     comm = _comm_block(profiler, switches, optimizer_steps_per_epoch(len(run.train_dl), k), accelerator)
     if comm is not None and "speedup" in comm:
         accelerator.log({"comm/ab_speedup": comm["speedup"]}, step=result.optimizer_steps)
@@ -309,6 +311,7 @@ def run(cfg: TrainConfig) -> dict:
         summary["comm"] = comm
     summary["auto_find_batch_size"] = auto.summary() if auto is not None else None
     summary["router"] = moe.router_summary(router)
+    summary["loss"] = lm_loss.used  # which causal-LM loss ran (fused or the logits), and why
     summary["compile"] = {**compile_settings(accelerator), **watch.summary()} if watch is not None else None
     if watch is not None:  # the last evaluation counted too
         watch.close()

@@ -116,7 +116,8 @@ def _buffers(units, policy: str, shard_size: int, world: int, b_c: int, b_r: int
 
 def plan_by_memory(memory_per_process, target_effective_batch: int, *, model_preset: str, block_size: int,
                    num_processes: int = 1, vocab_size: int = 384, baseline_memory=0, mixed_precision: str = "no",
-                   compute_TFLOPS: float | None = None, profile=None, busbw_GBps: float | None = None) -> MemoryPlan:
+                   compute_TFLOPS: float | None = None, profile=None, busbw_GBps: float | None = None,
+                   fused_linear_cross_entropy: str = "auto") -> MemoryPlan:
     """The plan of the module docstring.
 
     Args:
@@ -129,6 +130,8 @@ def plan_by_memory(memory_per_process, target_effective_batch: int, *, model_pre
         compute_TFLOPS: achieved FLOP rate for c when no profile is given (default :data:`DEFAULT_TFLOPS`).
         profile: a :class:`accum_kit.planning.measured_profile.MeasuredProfile` (DDP) for c per token.
         busbw_GBps: bus bandwidth of the collectives, GB/s (None: communication unpriced).
+        fused_linear_cross_entropy: the train job's flag: anything but ``off`` prices the head as the loss computed
+            in the output layer in chunks (the presets' output layer allows it), ``off`` as the full logits.
 
     Raises:
         UsageError: a bad size, E not divisible by W, E or W or s below 1, or no row fits.
@@ -147,10 +150,11 @@ def plan_by_memory(memory_per_process, target_effective_batch: int, *, model_pre
         raise UsageError("--target_effective_batch", f"{target_effective_batch} examples do not split over "
                          f"{num_processes} processes", f"pass a multiple of {num_processes}")
     b_p, b_c, b_r = dtype_bytes(mixed_precision)
-    shape = TransformerShape.from_preset(model_preset, vocab_size, element_bytes=b_c)
+    shape = TransformerShape.from_preset(model_preset, vocab_size, element_bytes=b_c).with_loss(
+        "logits" if fused_linear_cross_entropy == "off" else "fused")
     units = gpt2_units(model_preset, vocab_size, block_size)
     W, E, s = num_processes, target_effective_batch, block_size
-    notes = []
+    notes = [f"loss: {'the full logits (--fused_linear_cross_entropy off)' if shape.loss == 'logits' else 'computed in the output layer in chunks of tokens (--fused_linear_cross_entropy; off: the full logits)'}"]
     if profile is not None:
         per_token = profile.compute_seconds / ((profile.per_device_train_batch_size or 1) * (profile.block_size or s))
         notes.append(f"c: {profile.path}'s compute per micro-batch over its tokens, {per_token * 1e3:.4g} ms per token")
@@ -226,7 +230,7 @@ def format_memory_plan(plan: MemoryPlan, limit: int = 40) -> str:
     return "\n".join(lines)
 
 
-MEMORY_ONLY = ("target_effective_batch", "baseline_memory", "compute_TFLOPS")
+MEMORY_ONLY = ("target_effective_batch", "baseline_memory", "compute_TFLOPS", "fused_linear_cross_entropy")
 
 
 def check_memory_flags(args) -> bool:
@@ -248,12 +252,17 @@ def check_memory_flags(args) -> bool:
     for flag in ("target_effective_batch", "model_preset"):
         if getattr(args, flag) is None:
             raise UsageError(f"--{flag}", "the plan by memory needs it", f"pass --{flag}")
+    if args.fused_linear_cross_entropy is not None:
+        from .. import checks
+
+        checks.one_of("--fused_linear_cross_entropy", args.fused_linear_cross_entropy, ("auto", "chunked", "torch", "off"))
     if args.compute_TFLOPS is not None and not args.compute_TFLOPS > 0:
         raise UsageError("--compute_TFLOPS", f"must be more than 0 (got {args.compute_TFLOPS})", "pass e.g. 100")
     plan_by_memory(args.memory_per_process, args.target_effective_batch, model_preset=args.model_preset,
                    block_size=args.block_size or 128, num_processes=args.num_processes or 1, vocab_size=args.vocab_size,
                    baseline_memory=args.baseline_memory or 0, mixed_precision=args.mixed_precision,
-                   compute_TFLOPS=args.compute_TFLOPS)  # every other check, and none fits
+                   compute_TFLOPS=args.compute_TFLOPS,
+                   fused_linear_cross_entropy=args.fused_linear_cross_entropy or "auto")  # every other check, none fits
     return True
 
 
@@ -271,4 +280,4 @@ def memory_plan_of(args) -> MemoryPlan:
                           block_size=args.block_size or 128, num_processes=args.num_processes or 1,
                           vocab_size=args.vocab_size, baseline_memory=args.baseline_memory or 0,
                           mixed_precision=args.mixed_precision, compute_TFLOPS=args.compute_TFLOPS, profile=profile,
-                          busbw_GBps=busbw)
+                          busbw_GBps=busbw, fused_linear_cross_entropy=args.fused_linear_cross_entropy or "auto")

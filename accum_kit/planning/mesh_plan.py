@@ -93,10 +93,12 @@ def plan_mesh(*, num_processes: int, tp_size: int = 1, cp_size: int = 1, replica
     b_p, b_c, b_r = dtype_bytes(mixed_precision)
     layouts = {name: mesh_costs(model, mesh, policy=policy, accumulation_steps=K,
                                 micro_batch=per_device_train_batch_size, seq=block_size, param_bytes=b_p,
-                                compute_bytes=b_c, reduce_bytes=b_r)
+                                compute_bytes=b_c, reduce_bytes=b_r, fused=True)
                for name, mesh in layout_meshes(num_processes, replicate_size, tp_size, cp_size).items()}
     notes = [f"every layout: {per_device_train_batch_size} x {block_size} tokens per micro-batch per data-parallel "
              f"rank, K = {K}; tp and cp ranks share their data-parallel rank's micro-batch"]
+    notes.append("loss: without tp computed in the output layer in chunks (the train job's default); under tp from "
+                 "the gathered float32 logits (a vocabulary-split output layer cannot compute it)")
     if num_processes < 2:
         notes.append("1 process: nothing to shard or communicate")
     notes += sorted({e for c in layouts.values() for e in c.estimates})

@@ -118,6 +118,9 @@ class PlanArguments:
     baseline_memory: str | None = field(default=None, metadata={
         "help": "With --memory_per_process: what each process holds besides the model and training (Python, "
                 "libraries, data; about 0.6GB on CPU, the train job's resident set before its model); default 0."})
+    fused_linear_cross_entropy: str | None = field(default=None, metadata={
+        "help": "With --memory_per_process: the train job's --fused_linear_cross_entropy (default auto: the loss "
+                "computed in the output layer in chunks, no full-vocabulary logits; off: the logits priced)."})
     compute_TFLOPS: float | None = field(default=None, metadata={
         "help": "With --memory_per_process and no --from_profile: achieved FLOP rate per process, for the step "
                 "time (default 1; the ranking does not depend on it)."})

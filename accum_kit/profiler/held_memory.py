@@ -231,19 +231,28 @@ def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
     return plan.engine.predicted_memory(accelerator, model, accumulation_steps, names)
 
 
-def predicted_peak(accelerator, model, accumulation_steps: int, micro_batch: int, seq: int, checkpointing: bool):
+def predicted_peak(accelerator, model, accumulation_steps: int, micro_batch: int, seq: int, checkpointing: bool,
+                   loss=None):
     """``f(resident before training) -> {part: bytes}``: the run policy's peak per process by part
     (:func:`accum_kit.engines.activation_memory.peak_parts`): the engine's cost-table row
     (:meth:`accum_kit.engines.base.Engine.window_costs`; K of at least 2, since a window of one still holds
     its gradients during the backward), its persistent communication buffers
     (:meth:`accum_kit.engines.base.Engine.communication_buffer_bytes`) and a micro-batch's activations from the
     model's config
-    (:func:`accum_kit.engines.activation_memory.activation_bytes`, the element size of the compute precision).
+    (:func:`accum_kit.engines.activation_memory.activation_bytes`, the element size of the compute precision),
+    with the head priced for ``loss``: a :class:`accum_kit.core.loss.CausalLMLoss` (what it ran, read when the
+    prediction is made) or its ``used`` record; None: the logits' cross-entropy.
     None when the model has no transformer config it can read.
     """
     from ..core.run_plan import run_plan_of
+    from dataclasses import replace
+
     from ..engines.activation_memory import TransformerShape, activation_bytes, peak_parts
     from ..errors import UsageError
+
+    def inner_output_layer(m):
+        get = getattr(accelerator.unwrap_model(m), "get_output_embeddings", None)
+        return get() if callable(get) else None
 
     plan = run_plan_of(accelerator)
     config = getattr(accelerator.unwrap_model(model), "config", None)
@@ -253,6 +262,10 @@ def predicted_peak(accelerator, model, accumulation_steps: int, micro_batch: int
                                              ("bf16", "fp16") else 4)
     except UsageError:
         return None
+    head = inner_output_layer(model)
+    shape = shape.with_loss(getattr(loss, "used", loss))
+    if head is not None and getattr(head, "bias", None) is not None:
+        shape = replace(shape, head_bias=True)
     acts = activation_bytes(shape, micro_batch, seq, checkpointing=checkpointing)
     costs = plan.engine.window_costs(accelerator, model, max(2, accumulation_steps), plan.requested_policy.name)
     row = costs.to_dict()

@@ -34,7 +34,8 @@ pair of all-reduces and ``CommDebugMode``; DDP's gradient all-reduces against th
 hook). On the train job with ``--profile_comm`` (4 gloo processes, ``--model_preset llama_tiny``,
 L = 2 layers) it counted, per micro-batch, 17 collectives on ``tp`` under accelerate_configs/cpu_tp.yaml
 (forward 2 L + 1 all-reduces and the logits' all-gather, backward 5 L + 1 all-reduces: the formulas
-of :mod:`accum_kit.engines.mesh_costs`) and 16 = 8 L all-to-alls on ``cp`` under cpu_cp.yaml.
+of :mod:`accum_kit.engines.mesh_costs`; the logits' all-gather stays under tp because the loss is then
+computed from the gathered logits, not in the vocabulary-split output layer: :mod:`accum_kit.core.fused_head`) and 16 = 8 L all-to-alls on ``cp`` under cpu_cp.yaml.
 
 Cost: one Python call per op dispatched while the mode is on (see :func:`mesh_collective_counter`
 for the figures measured); nothing when the profiler is disabled (the mode is not entered),

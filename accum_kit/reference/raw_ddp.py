@@ -42,7 +42,7 @@ import torch.distributed as dist
 from .. import checks
 from ..core.callbacks import CallbackList, LoopCallback, LoopState
 from ..compat import ddp_static_graph_unprimed
-from ..core.loss import causal_lm_loss, scale_grads_
+from ..core.loss import logits_causal_lm_loss, scale_grads_
 
 
 def train_raw_ddp(model, optimizer, batches, gradient_accumulation_steps: int, max_train_steps: int, device,
@@ -98,7 +98,7 @@ def train_raw_ddp(model, optimizer, batches, gradient_accumulation_steps: int, m
                 state.sync = state.sync or ddp_static_graph_unprimed(model)
                 model.require_backward_grad_sync = state.sync
             hooks("on_micro_batch_begin", state)
-            summed_loss, n_tokens = causal_lm_loss(model, batch)
+            summed_loss, n_tokens = logits_causal_lm_loss(model, batch)  # the reference keeps the logits' formula
             hooks("on_forward_end", state)
             summed_loss.backward()  # .grad += grad S locally; on the last micro-batch DDP averages over W
             if state.sync and average_gradients is not None:
