@@ -48,6 +48,12 @@ SCENARIOS = [
 ]
 # activation checkpointing (Accelerate's FSDP2 wrapper around each block unit): every policy's twin of tok_k3_<policy>
 SCENARIOS += [{**_sc(f"tok_k3_{p}_gc", policy=p), "gradient_checkpointing": True} for p in POLICIES]
+# LoRA adapters (peft) on a frozen model, every policy (tests/lora_oracle.py): each block's unit mixes frozen weights and
+# adapters, the root and output-head units hold frozen weights only
+LORA_SCENARIOS = [{**_sc(f"lora_k3_{p}", policy=p), "lora": jh.LORA, "momentum": jh.LORA_MOMENTUM} for p in POLICIES]
+LORA_SCENARIOS.append({**_sc("lora_k3_no_sync_gc"), "lora": jh.LORA, "momentum": jh.LORA_MOMENTUM,
+                       "gradient_checkpointing": True})
+SCENARIOS += LORA_SCENARIOS
 BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
 # `accum-kit bench` under FSDP2, last in the same launch: every policy at two K, two passes
 BENCH_KS, BENCH_BLOCK, BENCH_VOCAB = (2, 3), 32, 384
@@ -532,3 +538,23 @@ def test_bf16_gets_an_fp32_reduction_and_the_gathered_policy_its_reshard_setting
     kept = fsdp_plugin_for(P["no_sync"], FullyShardedDataParallelPlugin(fsdp_version=2), "no")
     assert kept.reshard_after_forward is True and kept.mixed_precision_policy is None
 
+
+
+# --------------------------------------------------------------------------- LoRA adapters on a frozen model
+
+
+@pytest.mark.parametrize("name", [sc["name"] for sc in LORA_SCENARIOS])
+def test_lora_run_is_the_float64_big_batch_of_the_same_peft_model(runs, name):
+    """Every policy (and checkpointing), units mixing frozen weights and adapters: each adapter parameter within the
+    fp32 criterion of the float64 single-process PeftModel after every step, each frozen one bitwise unchanged,
+    optimizer state for the adapters only (tests/lora_oracle.py); reduce-scatters only where the policy says."""
+    import lora_oracle
+
+    run = runs[name]
+    worst = lora_oracle.assert_lora_run(run, W, f"FSDP2 {name}")
+    policy = run["scenario"]["policy"]
+    for info in run["ranks"]:
+        syncs = [m["reduce_scatter_calls"] > 0 for m in info["micro"]]
+        assert syncs == [policy == "sync_each_batch" or m["boundary"] for m in info["micro"]], syncs
+        assert info["loss"]["implementation"] == "chunked", info["loss"]
+    print(f"\nFSDP2 {name}: largest |adapter - float64 oracle| {worst:.2e}")
