@@ -83,6 +83,7 @@ import accum_kit
 import accum_kit.engines.compiling
 import accum_kit.profiler.held_memory
 import accum_kit.profiler
+from host_reads import HostReads
 from job_helpers import fresh_process_group, pad_collate  # the worker runs as a script from tests/
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs
@@ -250,22 +251,24 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         from accum_kit.engines.compiling import CompileWatch
 
         watch = CompileWatch(warmup_steps=1)
-    result = accum_kit.train_loop(
-        accelerator,
-        model,
-        optimizer,
-        loader,
-        num_train_epochs=sc.get("epochs", 1),
-        max_train_steps=sc.get("max_train_steps"),
-        max_grad_norm=sc.get("max_grad_norm"),
-        loss_normalization=sc["mode"],
-        callbacks=[rec] + ([held] if held is not None else []) + ([watch] if watch is not None else []),
-        profiler=profiler,
-        progress=False,
-        accumulation_schedule={s: k for s, k in sc["schedule"]} if sc.get("schedule") else None,
-        checkpointer=checkpointer,
-        resume_from=out_dir / sc["name"] / "ckpts" / f"step_{resume_from}" if resume_from is not None else None,
-    )
+    reads = HostReads()
+    with reads:
+        result = accum_kit.train_loop(
+            accelerator,
+            model,
+            optimizer,
+            loader,
+            num_train_epochs=sc.get("epochs", 1),
+            max_train_steps=sc.get("max_train_steps"),
+            max_grad_norm=sc.get("max_grad_norm"),
+            loss_normalization=sc["mode"],
+            callbacks=[rec, reads] + ([held] if held is not None else []) + ([watch] if watch is not None else []),
+            profiler=profiler,
+            progress=False,
+            accumulation_schedule={s: k for s, k in sc["schedule"]} if sc.get("schedule") else None,
+            checkpointer=checkpointer,
+            resume_from=out_dir / sc["name"] / "ckpts" / f"step_{resume_from}" if resume_from is not None else None,
+        )
     restore()
 
     d.mkdir(parents=True, exist_ok=True)
@@ -297,6 +300,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         "epochs": result.epochs,
         "micro": rec.micro,
         "stray_allreduce_calls": rec.stray_calls,
+        "host_reads": reads.summary(),
         "collective_groups": rec.groups,
     }
     if watch is not None:
