@@ -37,6 +37,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import accum_kit
 import accum_kit.profiler.held_memory
 import accum_kit.profiler
+from host_reads import HostReads
 from job_helpers import pad_collate  # the worker runs as a script from tests/
 from accum_kit.core.checkpoint import Checkpointer
 
@@ -146,11 +147,13 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
     checkpointer = None
     if sc.get("resume_from") and resume_from is None:  # the uninterrupted run saves after every step
         checkpointer = Checkpointer(accelerator, ckpts, checkpointing_steps=1, signals=())
-    result = accum_kit.train_loop(
-        accelerator, model, optimizer, loader, num_train_epochs=sc.get("epochs", 1),
-        max_grad_norm=sc.get("max_grad_norm"), loss_normalization=sc["mode"], progress=False,
-        callbacks=[c for c in (counter, held, saver) if c is not None], profiler=profiler, checkpointer=checkpointer,
-        resume_from=ckpts / f"step_{resume_from}" if resume_from is not None else None)
+    reads = HostReads()
+    with reads:
+        result = accum_kit.train_loop(
+            accelerator, model, optimizer, loader, num_train_epochs=sc.get("epochs", 1),
+            max_grad_norm=sc.get("max_grad_norm"), loss_normalization=sc["mode"], progress=False,
+            callbacks=[c for c in (counter, reads, held, saver) if c is not None], profiler=profiler,
+            checkpointer=checkpointer, resume_from=ckpts / f"step_{resume_from}" if resume_from is not None else None)
     d.mkdir(parents=True, exist_ok=True)
     if accelerator.is_main_process:
         torch.save(init, d / "init.pt")
@@ -168,7 +171,7 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
         "train_loss": result.train_loss, "step_tokens": result.step_tokens,
         "optimizer_steps": result.optimizer_steps, "micro_batches": result.micro_batches,
         "resumed_from_step": result.resumed_from_step,
-        "micro": counter.micro, "outside_micro_batches": counter.outside,
+        "micro": counter.micro, "outside_micro_batches": counter.outside, "host_reads": reads.summary(),
         "parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.module.parameters()),
     }
     if profiler is not None:

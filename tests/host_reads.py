@@ -13,7 +13,8 @@ an operator (boolean-mask indexing, ``nonzero``); ``torch.cuda.set_sync_debug_mo
 
 What is not counted, because it reads no device memory on a GPU:
 
-- a read of a tensor that an earlier counted read already copied to the host (``t.cpu().tolist()`` is one read);
+- a read of a tensor that an earlier counted read copied to the host, or of a view of it (``t.cpu().tolist()``
+  is one read; a value computed from the copy is counted again: the counts are upper bounds there);
 - ``to`` with a ``torch.device`` (``to(accelerator.device)``, ``to(t.device)``): placement where the work runs,
   a host-to-device copy or nothing on a GPU; only ``to("cpu")`` by name counts;
 - reads inside the data pipeline (``torch.utils.data``, Accelerate's ``data_loader.py``: samplers, collation,
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -70,7 +70,7 @@ class HostReads:
         self.data_reads: Counter = Counter()
         self.boundary: dict[int, bool] = {}
         self.where = "start"
-        self._host: dict = {}  # id -> weakref of the tensors a counted read copied to the host
+        self._host: dict = {}  # storage address -> the host copy a counted read made (kept: a few small tensors)
         self._inside = threading.local()  # a read made inside another (item inside __format__) counts once
         self._originals: dict = {}
 
@@ -118,13 +118,20 @@ class HostReads:
         return True
 
     def _is_host(self, tensor) -> bool:
-        ref = self._host.get(id(tensor))  # by identity: a WeakSet would compare tensors with ==
-        return ref is not None and ref() is tensor
+        """A host copy a counted read made, or a view of one (same storage)."""
+        try:
+            return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in self._host
+        except (RuntimeError, NotImplementedError, AttributeError):  # no storage (a DTensor, a fake tensor)
+            return False
 
-    def _host_copy(self, out):
-        if _is_tensor(out) and not self._is_host(out):
-            key = id(out)
-            self._host[key] = weakref.ref(out, lambda _, key=key: self._host.pop(key, None))
+    def _host_copy(self, tensor, out):
+        """Remember ``out`` (the result of ``tensor.cpu()``) as a host copy; on a CPU, where ``cpu()`` returns
+        ``tensor`` itself, a clone of it, so that the device tensor is not taken for its copy."""
+        if not _is_tensor(out):
+            return out
+        if out is tensor:
+            out = out.clone()
+        self._host[out.untyped_storage().data_ptr()] = out
         return out
 
     def _wrap(self, name, original):
@@ -137,7 +144,7 @@ class HostReads:
                 out = original(tensor, *args, **kwargs)
             finally:
                 reads._inside.depth -= 1
-            return reads._host_copy(out) if counted and name == "cpu" else out
+            return reads._host_copy(tensor, out) if counted and name == "cpu" else out
 
         read.__name__ = getattr(original, "__name__", name)
         return read
@@ -148,7 +155,7 @@ class HostReads:
         def to(tensor, *args, **kwargs):
             counted = _names_cpu(args, kwargs) and reads._record("to(cpu)", tensor)
             out = original(tensor, *args, **kwargs)
-            return reads._host_copy(out) if counted else out
+            return reads._host_copy(tensor, out) if counted else out
 
         return to
 
@@ -189,3 +196,29 @@ def _names_cpu(args, kwargs) -> bool:
     """
     dests = [*args[:1], kwargs.get("device")]
     return any(isinstance(d, str) and d.split(":")[0] == "cpu" for d in dests)
+
+
+#: Owners whose reads count as the loop's: accum_kit and Accelerate (a model's own reads, e.g. transformers'
+#: attention-mask checks, are the same in any loop; DeepSpeed's engine reads for itself).
+LOOP_OWNERS = ("accum_kit/", "accelerate/")
+
+
+def owner_of(site: str) -> str:
+    """The owner ``file:function`` of a ``"kind owner <- reader"`` entry of :meth:`HostReads.summary`."""
+    return site.split(" ", 1)[1].split(" <- ")[0]
+
+
+def loop_reads(summary: dict, owners=LOOP_OWNERS) -> tuple[list[dict], list[dict]]:
+    """The loop's reads (those ``owners`` made) in a :meth:`HostReads.summary`: ``(per micro-batch that does
+    not end a window, per window)``, each a list of ``{site: count}``."""
+    inside, windows, current = [], [], {}
+    for m in summary["micro"]:
+        mine = {s: n for s, n in m["sites"].items() if owner_of(s).startswith(owners)}
+        for s, n in mine.items():
+            current[s] = current.get(s, 0) + n
+        if m["boundary"]:
+            windows.append(current)
+            current = {}
+        else:
+            inside.append(mine)
+    return inside, windows

@@ -138,6 +138,23 @@ def test_all_gathers_follow_the_policy(runs):
     print(f"\nall-gathers on a window's first micro-batch {first}, on the later ones {later}")
 
 
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_no_host_read_in_a_window(runs, name):
+    """Under FSDP2, every policy: accum_kit and Accelerate read no tensor's value on the host in a micro-batch
+    that does not end a window (tests/host_reads.py wraps every tensor read; the profiler and HeldMemory run
+    here too), and none at its end except where a checkpoint is saved (resume_2ep saves after every step: the
+    main process reads the steps' losses and tokens for the history then, one copy)."""
+    from host_reads import loop_reads
+
+    run = runs[name]
+    for info in [*run["ranks"], *(i for r in run["resumed"].values() for i in r["ranks"])]:
+        inside, windows = loop_reads(info["host_reads"])
+        saves = BY_NAME[name].get("resume_from") and info["resumed_from_step"] is None and info["rank"] == 0
+        label = f"{name} rank {info['rank']} (resumed from {info['resumed_from_step']})"
+        assert not any(inside), f"{label}: {inside}"
+        assert [sum(w.values()) for w in windows] == [1 if saves else 0] * len(windows), f"{label}: {windows}"
+
+
 # --------------------------------------------------------------------------- profiler, memory, cost formulas
 
 

@@ -59,10 +59,9 @@ def scale_grads_(parameters, scale) -> None:
     Args:
         parameters: iterable of tensors; those whose ``.grad`` is None are skipped.
         scale: the factor (dimensionless): a Python float, passed to the kernel as an argument, or a
-            one-element tensor on the gradients' device (float64), which stays there: no host read. A
-            tensor is handed to each group in the type the kernel computes in (float32 for float32, bfloat16
-            and float16 gradients, as ``scalar.to<opmath>()`` converts a Python float), so both give the
-            same bits. Gradients on another device (offloaded) get a copy of it, which reads it there.
+            one-element float64 tensor on the gradients' device, which stays there (no host read). The
+            tensor is handed to each group rounded as the kernel rounds a Python float (:func:`_factor_type`),
+            so both give the same bits. Gradients on another device (offloaded) get a copy, read there.
     """
     groups: dict = {}
     for p in parameters:
@@ -70,9 +69,20 @@ def scale_grads_(parameters, scale) -> None:
             groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
     for (device, dtype), grads in groups.items():
         if isinstance(scale, torch.Tensor):
-            torch._foreach_mul_(grads, scale.reshape(()).to(device=device, dtype=_math_dtype(dtype)))
+            torch._foreach_mul_(grads, scale.reshape(()).to(device=device, dtype=_factor_type(device, dtype)))
         else:
             torch._foreach_mul_(grads, scale)
+
+
+def _factor_type(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The type ``torch._foreach_mul_(grads, python_float)`` rounds the float to (torch 2.x kernels): the type it
+    computes in (``at::opmath_type``: float32 for 16-bit floats) on CUDA; on the CPU a 16-bit gradient's own type.
+    (Checked bit for bit on the CPU by tests/test_callbacks.py; on CUDA from the kernels' source: a float is
+    converted with ``to<opmath_t>``, and a tensor of another type than the gradients takes the per-tensor ``mul_``,
+    which loads it as that type.)"""
+    if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        return dtype
+    return _math_dtype(dtype)
 
 
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
