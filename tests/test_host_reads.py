@@ -74,9 +74,13 @@ def test_the_loop_reads_nothing_until_the_result_is_asked_for(accelerator, one_p
     inside, windows = loop_reads(reads.summary())
     assert len(windows) == 3 and not any(inside) and not any(windows), (inside, windows)
     assert result.log.reads == 0 and not any(f.is_read for f in result.figures)
-    losses = result.train_loss  # one copy for the three windows
+    import pickle
+
+    again = pickle.loads(pickle.dumps(result))  # how a notebook's worker returns it: read first, host numbers
+    assert result.log.reads == 1 and all(f.is_read and f.tensor is None for f in again.figures)
+    losses = result.train_loss  # that copy read the three windows
     assert result.log.reads == 1 and result.step_tokens == [2 * 2 * 2] * 3 and len(losses) == 3
-    assert all(math.isfinite(x) for x in losses)
+    assert again.train_loss == losses and all(math.isfinite(x) for x in losses)
 
 
 def test_the_figures_are_read_when_shown_all_unread_windows_in_one_copy(accelerator, one_process, capsys):
@@ -121,3 +125,35 @@ def test_the_divided_loss_and_its_gradient_are_the_python_floats(accelerator, on
         g_got, = torch.autograd.grad(got, x, torch.tensor(0.3, dtype=dtype))
         g_want, = torch.autograd.grad(want, x, torch.tensor(0.3, dtype=dtype))
         assert got.dtype == dtype and torch.equal(got, want) and torch.equal(g_got, g_want), (c, got, want)
+
+
+def test_the_tracker_logs_every_step_reading_once_per_logging_step():
+    """TrackerLogger(logging_steps=2) over 3 steps: nothing logged at step 1, steps 1-2 at step 2 in one copy
+    (losses, tokens and the gradient norms together), step 3 at the end; a norm given as a float (DeepSpeed's can
+    be) is logged as it is. Values from the figures and norms handed in."""
+    from types import SimpleNamespace
+
+    from accum_kit.core.callbacks import LoopState
+    from accum_kit.core.window_figures import FigureLog, WindowFigures
+    from accum_kit.job.tracking import TrackerLogger
+
+    logged = []
+    acc = SimpleNamespace(log=lambda values, step: logged.append((step, values)))
+    tracker = TrackerLogger(acc, SimpleNamespace(param_groups=[{"lr": 0.5}]), logging_steps=2)
+    log, state = FigureLog(), LoopState(accumulation_steps=4)
+    norms = [torch.tensor(1.5), torch.tensor(2.5), 3.5]
+    tracker.on_train_begin(state)
+    with HostReads() as reads:
+        for step in (1, 2, 3):
+            state.step, state.grad_norm = step, norms[step - 1]
+            state.figures = log.add(WindowFigures(torch.tensor([0.25 * step, 100.0 * step], dtype=torch.float64)))
+            tracker.on_step_begin(state)
+            tracker.on_step_end(state)
+            assert [s for s, _ in logged] == [[], [1, 2], [1, 2]][step - 1]
+            assert len(reads.reads) == [0, 1, 1][step - 1], reads.reads
+        tracker.on_train_end(state)
+    assert [s for s, _ in logged] == [1, 2, 3] and len(reads.reads) == 2
+    for step, values in logged:
+        assert values["train/loss"] == 0.25 * step and values["train/window_tokens"] == 100 * step
+        assert values["train/grad_norm"] == step + 0.5 and values["train/learning_rate"] == 0.5
+        assert values["train/gradient_accumulation_steps"] == 4 and values["train/tokens_per_second"] > 0

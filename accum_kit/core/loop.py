@@ -93,6 +93,11 @@ class LoopResult:
     def optimizer_steps(self) -> int:
         return len(self.step_seconds)
 
+    def __getstate__(self) -> dict:
+        """Pickled (a notebook's worker sends its result back) with every window's figures read: host numbers."""
+        self.log.read_all()
+        return dict(self.__dict__)
+
     @property
     def tokens_per_second(self) -> float:
         """Target tokens per second over all processes (0 before any step)."""

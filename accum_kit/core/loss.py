@@ -14,7 +14,8 @@ and DDP averages the gradients over the W processes. So backward of the plain
 multiplication of the gradients by ``K W / N`` makes it exact ("rescale after"
 the boundary all-reduce; docs/design.md compares it with look-ahead). ``N`` is summed over processes with one all-reduce of a
 3-element tensor (loss sum, tokens, micro-batches) per window, after the gradient all-reduce, so it needs no
-look-ahead and nothing blocks earlier micro-batches. A last partial window of
+look-ahead and nothing blocks earlier micro-batches; its result stays on the device (no host read: the
+rescale factor is a tensor). A last partial window of
 an epoch simply has a smaller ``N``: it is never divided by K.
 
 Loss-scale headroom (fp16 with a GradScaler): each summed loss is divided by
@@ -261,6 +262,11 @@ class WindowNormalizer:
     have the size of a mean loss's, and an fp16 GradScaler does not overflow
     where the summed loss would (tests/test_mixed_precision.py); in fp32 and
     bf16 the result is the same as without ``c`` (powers of two scale exactly).
+
+    Nothing is read on the host (no ``item``, ``float(t)``, ``.cpu()``): ``c``
+    (a 0-dim float64 tensor on the device), the window's sums, the rescale
+    factor and the logged figures stay on the device (docs/loop.md, "Host
+    reads"), so a GPU never waits for the host inside a window or at its end.
     """
 
     def __init__(self, accelerator, mode: str = "tokens", *, ranks=None, gradient_mean_size: int | None = None):

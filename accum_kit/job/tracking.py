@@ -118,16 +118,16 @@ class TrackerLogger(LoopCallback):
         """Read the pending steps' losses, tokens and gradient norms in one copy and log them, step by step.
         Every process calls it at the same steps (a sharded norm is gathered first)."""
         pending, self._pending = self._pending, []
-        norms = [_whole(g) for *_, g in pending if g is not None]
+        tensors = [_whole(g) for *_, g in pending if isinstance(g, torch.Tensor)]  # DeepSpeed's may be a float
         log = next((f.log for *_, f, _ in pending if f.log is not None), None)
-        norms = iter(log.read_all(extra=norms) if log is not None else [v[0] for v in read_together(
-            [g.reshape(1) for g in norms])])
+        norms = iter(log.read_all(extra=tensors) if log is not None else [v[0] for v in read_together(
+            [g.reshape(1) for g in tensors])])
         for step, seconds, values, figures, grad_norm in pending:
             loss, tokens = figures.read()
             values = {"train/loss": loss, **values, "train/window_tokens": tokens,
                       "train/tokens_per_second": tokens / seconds if seconds > 0 else math.nan}
             if grad_norm is not None:
-                values["train/grad_norm"] = next(norms)
+                values["train/grad_norm"] = next(norms) if isinstance(grad_norm, torch.Tensor) else float(grad_norm)
             self.accelerator.log(values, step=step)
 
     def _comm(self, step: int) -> dict:
