@@ -53,9 +53,9 @@ LossFn = Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], "tuple[torch.Te
 def scale_grads_(parameters, scale) -> None:
     """Multiply every existing ``.grad`` by ``scale`` in place.
 
-    One ``torch._foreach_mul_`` per (device, dtype) group of gradients, as
-    torchtune's ``scale_grads_`` does, instead of a Python loop of ``mul_``:
-    on GPU that is one fused kernel launch per group.
+    One ``torch._foreach_mul_`` per (device, dtype, device mesh) group of
+    gradients, as torchtune's ``scale_grads_`` does, instead of a Python loop
+    of ``mul_``: on GPU that is one fused kernel launch per group.
 
     Args:
         parameters: iterable of tensors; those whose ``.grad`` is None are skipped.
@@ -66,9 +66,9 @@ def scale_grads_(parameters, scale) -> None:
     """
     groups: dict = {}
     for p in parameters:
-        if p.grad is not None:
-            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    for (device, dtype), grads in groups.items():
+        if p.grad is not None:  # a sharded gradient's mesh too: DTensor takes a tensor factor on one mesh per call
+            groups.setdefault((p.grad.device, p.grad.dtype, getattr(p.grad, "device_mesh", None)), []).append(p.grad)
+    for (device, dtype, _), grads in groups.items():
         if isinstance(scale, torch.Tensor):
             torch._foreach_mul_(grads, scale.reshape(()).to(device=device, dtype=_factor_type(device, dtype)))
         else:
