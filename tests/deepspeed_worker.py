@@ -10,7 +10,8 @@ SPEC.json: as tests/dist_worker.py's, each scenario with ``"zero_stage": 1|2|3``
 (before DeepSpeed binds any of them) and counts, per micro-batch, the calls and bytes of each kind
 that run while the micro-batch's forward and backward run (on the boundary that includes the
 engine's step). It also runs accum_kit's CommProfiler and HeldMemory, whose records go into
-``rank<r>.json`` beside the count. Files per scenario, as dist_worker's: ``init.pt``,
+``rank<r>.json`` beside the count, and counts the host reads per micro-batch (``host_reads``,
+tests/host_reads.py). Files per scenario, as dist_worker's: ``init.pt``,
 ``steps.pt`` (full parameters after each step, gathered under ZeRO-3), ``rank<r>.json``.
 SPEC's ``verify`` entries (``name``, ``zero_stage``, ``mixed_precision``, ``K``, ``B``, ``seed``) each run
 ``accum_kit.verify_accumulation`` in the same processes; the report goes to ``verify/<name>.json``.

@@ -50,7 +50,8 @@ For every scenario it writes under OUT_DIR/<name>/:
 - ``rank<r>.json`` (every rank): the LoopResult numbers, and per micro-batch the
   loop's ``epoch`` / ``boundary`` / ``sync`` values and the number of DDP comm-hook calls
   (gradient bucket all-reduces) that happened while that micro-batch ran, or under
-  FSDP2 the reduce-scatter and all-gather calls.
+  FSDP2 the reduce-scatter and all-gather calls; ``host_reads``: every tensor value read
+  on the host during the loop, per micro-batch and by whom (tests/host_reads.py).
 
 ``cli_runs`` run accum-kit commands (``accum_kit.cli.run(command, argv)``, what
 ``accelerate launch -m accum_kit <command>`` runs) after the scenarios, in order, each
