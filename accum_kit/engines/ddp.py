@@ -229,11 +229,12 @@ class DDPEngine(Engine):
             return base_backward(loss, **kwargs)
         ran = watch.ran()
         sync = [m for m in ran if ddp_needs_every_parameter(m)]
-        experts = getattr(self, "expert_models", None) or {}
-        term = [] if reentrant_checkpointing(accelerator) else [m for m in sync if experts.get(m) is not None]
+        # prepared model -> ReachedParameters, for the models with experts under DDP without find_unused_parameters
+        masks = {} if reentrant_checkpointing(accelerator) else getattr(self, "expert_models", None) or {}
+        term = [m for m in sync if masks.get(m) is not None]
         for model in ran:
-            if experts.get(model) is not None and not reentrant_checkpointing(accelerator):
-                experts[model].observe(loss)  # before the term, which reaches every parameter
+            if masks.get(model) is not None:
+                masks[model].observe(loss)  # before the term, which reaches every parameter
         for model in term:
             loss = with_zero_gradients(loss, model.parameters())
         out = base_backward(loss, **kwargs)
@@ -241,10 +242,10 @@ class DDPEngine(Engine):
             if all(model is not m for m in term):
                 check_every_parameter_reduced(model)
         boundary = bool(accelerator.sync_gradients)
-        if boundary and not reentrant_checkpointing(accelerator):
+        if boundary:
             for model in watch.ran(boundary=True):
-                if experts.get(model) is not None:
-                    experts[model].drop_unreached(accelerator.device)
+                if masks.get(model) is not None:
+                    masks[model].drop_unreached(accelerator.device)
         watch.backward_done(boundary)
         return out
 

@@ -20,7 +20,8 @@ def reached_leaves(tensor) -> set[int]:
     """The ``id`` of every leaf tensor the autograd graph of ``tensor`` accumulates a gradient into (its
     ``AccumulateGrad`` nodes' ``variable``); empty when ``tensor`` has no ``grad_fn``.
 
-    Cost: one visit per graph node, in Python (about 10 us per 100 nodes on one CPU core).
+    Cost: one visit per graph node, in Python: 0.08 ms for the 458 nodes of the ``small`` preset's loss (9 layers,
+    1 x 64 tokens), 0.2 us a node, on one core of the 2-core CPU machine the benchmarks ran on.
     """
     root = getattr(tensor, "grad_fn", None)
     if root is None:
