@@ -956,7 +956,8 @@ def test_a_checkpoint_without_the_files_load_state_reads_is_refused_by_name(tmp_
 def test_experts_getting_tokens_late_or_on_one_rank_train_exactly(launched, c):
     """tests/test_moe.py's mixture of experts under ZeRO-1/2/3, fp32 and bf16: an expert with tokens only in a window's
     first / middle / last micro-batch, only on rank 0, or never: no crash, fp32 equals the big batch (ZeRO-2 too,
-    whose reduce buckets follow the gradient hooks' order), the never-used expert moves by weight decay alone,
+    whose reduce buckets follow the gradient hooks' order), the never-used expert moves by weight decay alone (ZeRO
+    steps flat partitions: a zero gradient, not none),
     bf16 follows fp32."""
     run = moe.load(launched[0] / "moe", [c])[c["name"]]
     assert len(run["steps"]) == moe.SPEC["windows"] + 1
