@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from ..core.run_plan import run_plan_of
-from ..job.models import PRESETS, build_model, count_parameters
+from ..job.models import PRESETS, count_parameters
 from ..profiler import CommProfiler
 from ..reference.manual_allreduce import MANUAL_MODES
 from ..reference.raw_ddp import train_raw_ddp
@@ -107,7 +107,7 @@ class DDPSession:
         self.cfg, self.preset, self.accelerator = cfg, preset, accelerator
         self.plan = run_plan_of(accelerator)
         world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-        model = build_model(preset, cfg.vocab_size, cfg.block_size, seed=cfg.seed)
+        model = cfg.build_model(preset)  # with --use_peft: a PeftModel, every weight frozen but the adapters
         if run_plan_of(accelerator).gradient_checkpointing:  # every arm's copy checkpoints, not only the prepared one
             model = run_plan_of(accelerator).engine.apply_activation_checkpointing(accelerator, model)
         modes = set(cfg.modes)
@@ -174,6 +174,7 @@ class DDPSession:
             }
         self.memory = (TrimmedPeakMemory if ab else PeakMemory)(device)  # A/B: each peak from the memory in use
         self.info = {"config": PRESETS[preset], "parameters": n_params, "gradient_bytes": grad_bytes,
+                     "all_parameters": count_parameters(model, trainable_only=False), "adapter": cfg.adapter_info(),
                      "micro_batch": f"{B}x{cfg.block_size} tokens", "memory_method": self.memory.method,
                      "ddp_kwargs": ddp_kw, "comm_hook": cfg.comm_hook,
                      # targets per micro-batch over all processes, averaged over the data of the largest K

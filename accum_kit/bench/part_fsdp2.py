@@ -228,8 +228,9 @@ class FSDP2Session:
     def __init__(self, cfg, preset: str, accelerator):
         self.cfg, self.preset, self.accelerator = cfg, preset, accelerator
         world, device = accelerator.num_processes, accelerator.device
-        model = build_model(preset, cfg.vocab_size, cfg.block_size, seed=cfg.seed)
+        model = cfg.build_model(preset)  # with --use_peft: a PeftModel, every weight frozen but the adapters
         self.n_params = count_parameters(model)
+        self.n_all = count_parameters(model, trainable_only=False)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
         self.model, self.opt = accelerator.prepare(model, opt)
         self.initial = [p.detach().clone() for p in self.model.parameters()]  # DTensor shards
@@ -354,6 +355,7 @@ class FSDP2Session:
         for counter in self.forwards.values():
             counter.remove()
         info = {"pooled": pooled_summaries(prof, cfg, self.order), "parameters": self.n_params,
+                "all_parameters": self.n_all, "adapter": cfg.adapter_info(),
                 "micro_batch": f"{cfg.per_device_train_batch_size}x{cfg.block_size} tokens",
                 "memory_method": self.memory.method,
                 "mesh": {"dp_replicate_size": prof.replicate_size, "dp_shard_size": prof.shard_size},
