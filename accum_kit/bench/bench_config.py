@@ -238,7 +238,7 @@ class BenchConfig:
             if given:
                 raise UsageError("--use_peft", f"adapters are measured in the DDP modes and FSDP2 policies, not with "
                                  f"{other}", f"drop {other} or --use_peft")
-        if part.name not in ("ddp", "fsdp2"):
+        if not part.measures_adapters:
             raise UsageError("--use_peft", f"adapters are measured under DDP and FSDP2, and this launch is {part.name}",
                              "launch with accelerate_configs/cpu_ddp.yaml or cpu_fsdp.yaml")
 

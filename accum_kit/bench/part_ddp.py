@@ -49,6 +49,8 @@ from .runs import (comm_hook, device_ids, gathered_peaks, load_average, reset_tr
 class DDPBench(BenchPart):
     """The DDP modes (see the module docstring); ``--tune`` hands over to :class:`accum_kit.bench.part_tune.TuneBench`."""
 
+    measures_adapters = True
+
     collects = ("rows", "per_k")
     csv_fields = DDP_CSV_FIELDS
     plot = staticmethod(plot_modes_png)

@@ -82,6 +82,7 @@ class FSDP2Bench(WindowedPart):
     """The accumulation policies under FSDP2 / HSDP (see the module docstring)."""
 
     name = "fsdp2"
+    measures_adapters = True
     schema = "accum_kit.bench.fsdp/1"
     progress = "bench runs (FSDP2)"
     arm_key = "policy"
