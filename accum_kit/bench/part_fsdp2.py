@@ -362,7 +362,9 @@ class FSDP2Session:
                 "mesh": {"dp_replicate_size": prof.replicate_size, "dp_shard_size": prof.shard_size},
                 "emulated_inter_node_GBps": cfg.emulate_inter_node_GBps,
                 "emulated_seconds_added": link.seconds_added if link is not None else 0.0,
-                "units": {"resharded": list(self.layout.resharded), "kept": list(self.layout.kept)},
+                "units": {"resharded": list(self.layout.resharded), "kept": list(self.layout.kept),
+                          # trainable elements per unit (resharded then kept; None: every parameter trains)
+                          "trainable": None if self.layout.trainable is None else list(self.layout.trainable)},
                 "element_bytes": {"b_p": b_p, "b_c": b_c, "b_r": b_r}}
         self.model = self.opt = self.loaders = self.prof = self.twin = self.forwards = None
         self.accelerator.free_memory()
