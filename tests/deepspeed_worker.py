@@ -10,7 +10,8 @@ SPEC.json: as tests/dist_worker.py's, each scenario with ``"zero_stage": 1|2|3``
 (before DeepSpeed binds any of them) and counts, per micro-batch, the calls and bytes of each kind
 that run while the micro-batch's forward and backward run (on the boundary that includes the
 engine's step). It also runs accum_kit's CommProfiler and HeldMemory, whose records go into
-``rank<r>.json`` beside the count. Files per scenario, as dist_worker's: ``init.pt``,
+``rank<r>.json`` beside the count, and counts the host reads per micro-batch (``host_reads``,
+tests/host_reads.py). Files per scenario, as dist_worker's: ``init.pt``,
 ``steps.pt`` (full parameters after each step, gathered under ZeRO-3), ``rank<r>.json``.
 SPEC's ``verify`` entries (``name``, ``zero_stage``, ``mixed_precision``, ``K``, ``B``, ``seed``) each run
 ``accum_kit.verify_accumulation`` in the same processes; the report goes to ``verify/<name>.json``.
@@ -37,6 +38,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import accum_kit
 import accum_kit.profiler.held_memory
 import accum_kit.profiler
+from host_reads import HostReads
 from job_helpers import pad_collate  # the worker runs as a script from tests/
 from accum_kit.core.checkpoint import Checkpointer
 
@@ -146,11 +148,13 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
     checkpointer = None
     if sc.get("resume_from") and resume_from is None:  # the uninterrupted run saves after every step
         checkpointer = Checkpointer(accelerator, ckpts, checkpointing_steps=1, signals=())
-    result = accum_kit.train_loop(
-        accelerator, model, optimizer, loader, num_train_epochs=sc.get("epochs", 1),
-        max_grad_norm=sc.get("max_grad_norm"), loss_normalization=sc["mode"], progress=False,
-        callbacks=[c for c in (counter, held, saver) if c is not None], profiler=profiler, checkpointer=checkpointer,
-        resume_from=ckpts / f"step_{resume_from}" if resume_from is not None else None)
+    reads = HostReads()
+    with reads:
+        result = accum_kit.train_loop(
+            accelerator, model, optimizer, loader, num_train_epochs=sc.get("epochs", 1),
+            max_grad_norm=sc.get("max_grad_norm"), loss_normalization=sc["mode"], progress=False,
+            callbacks=[c for c in (counter, reads, held, saver) if c is not None], profiler=profiler,
+            checkpointer=checkpointer, resume_from=ckpts / f"step_{resume_from}" if resume_from is not None else None)
     d.mkdir(parents=True, exist_ok=True)
     if accelerator.is_main_process:
         torch.save(init, d / "init.pt")
@@ -168,7 +172,7 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
         "train_loss": result.train_loss, "step_tokens": result.step_tokens,
         "optimizer_steps": result.optimizer_steps, "micro_batches": result.micro_batches,
         "resumed_from_step": result.resumed_from_step, "loss": accum_kit.causal_lm_loss.used,
-        "micro": counter.micro, "outside_micro_batches": counter.outside,
+        "micro": counter.micro, "outside_micro_batches": counter.outside, "host_reads": reads.summary(),
         "parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.module.parameters()),
     }
     if profiler is not None:

@@ -50,7 +50,8 @@ For every scenario it writes under OUT_DIR/<name>/:
 - ``rank<r>.json`` (every rank): the LoopResult numbers, and per micro-batch the
   loop's ``epoch`` / ``boundary`` / ``sync`` values and the number of DDP comm-hook calls
   (gradient bucket all-reduces) that happened while that micro-batch ran, or under
-  FSDP2 the reduce-scatter and all-gather calls.
+  FSDP2 the reduce-scatter and all-gather calls; ``host_reads``: every tensor value read
+  on the host during the loop, per micro-batch and by whom (tests/host_reads.py).
 
 ``cli_runs`` run accum-kit commands (``accum_kit.cli.run(command, argv)``, what
 ``accelerate launch -m accum_kit <command>`` runs) after the scenarios, in order, each
@@ -83,6 +84,7 @@ import accum_kit
 import accum_kit.engines.compiling
 import accum_kit.profiler.held_memory
 import accum_kit.profiler
+from host_reads import HostReads
 from job_helpers import fresh_process_group, pad_collate  # the worker runs as a script from tests/
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs
@@ -250,22 +252,24 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         from accum_kit.engines.compiling import CompileWatch
 
         watch = CompileWatch(warmup_steps=1)
-    result = accum_kit.train_loop(
-        accelerator,
-        model,
-        optimizer,
-        loader,
-        num_train_epochs=sc.get("epochs", 1),
-        max_train_steps=sc.get("max_train_steps"),
-        max_grad_norm=sc.get("max_grad_norm"),
-        loss_normalization=sc["mode"],
-        callbacks=[rec] + ([held] if held is not None else []) + ([watch] if watch is not None else []),
-        profiler=profiler,
-        progress=False,
-        accumulation_schedule={s: k for s, k in sc["schedule"]} if sc.get("schedule") else None,
-        checkpointer=checkpointer,
-        resume_from=out_dir / sc["name"] / "ckpts" / f"step_{resume_from}" if resume_from is not None else None,
-    )
+    reads = HostReads()
+    with reads:
+        result = accum_kit.train_loop(
+            accelerator,
+            model,
+            optimizer,
+            loader,
+            num_train_epochs=sc.get("epochs", 1),
+            max_train_steps=sc.get("max_train_steps"),
+            max_grad_norm=sc.get("max_grad_norm"),
+            loss_normalization=sc["mode"],
+            callbacks=[rec, reads] + ([held] if held is not None else []) + ([watch] if watch is not None else []),
+            profiler=profiler,
+            progress=False,
+            accumulation_schedule={s: k for s, k in sc["schedule"]} if sc.get("schedule") else None,
+            checkpointer=checkpointer,
+            resume_from=out_dir / sc["name"] / "ckpts" / f"step_{resume_from}" if resume_from is not None else None,
+        )
     restore()
 
     d.mkdir(parents=True, exist_ok=True)
@@ -297,6 +301,7 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         "epochs": result.epochs,
         "micro": rec.micro,
         "stray_allreduce_calls": rec.stray_calls,
+        "host_reads": reads.summary(),
         "collective_groups": rec.groups,
         "loss": accum_kit.causal_lm_loss.used,  # which causal-LM loss ran (the default: in the output layer)
     }

@@ -92,6 +92,28 @@ class TinyMoE(nn.Module):
         return CausalLMOutput(logits=self.head(h))  # a dict: DDP's find_unused_parameters finds its tensors
 
 
+class DenseWithUnused(nn.Module):
+    """A dense model (no experts) with a parameter the loss never uses: embedding, one residual linear layer, output
+    head, and ``unused`` (a linear layer no forward calls). ``.logits`` out."""
+
+    def __init__(self, top_k: int = 1):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.mix = nn.Linear(DIM, DIM)
+        self.unused = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, input_ids, attention_mask=None, **_):
+        h = self.embed(input_ids)
+        h = h + torch.tanh(self.mix(h))
+        return CausalLMOutput(logits=self.head(h))
+
+
+#: ``cell["model"]`` -> the model class (tests/moe_worker.py, tests/test_moe.py's oracle)
+MODELS = {"moe": TinyMoE, "dense": DenseWithUnused}
+UNUSED_NAMES = ["unused.weight", "unused.bias"]  # DenseWithUnused's parameters no token reaches
+
+
 def expert_names(index: int) -> list[str]:
     """The parameter names of expert ``index`` in :class:`TinyMoE`."""
     return [f"block.experts.{index}.{m}.{w}" for m in ("up", "down") for w in ("weight", "bias")]

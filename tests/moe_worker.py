@@ -5,13 +5,15 @@ Run as an example script (tests/examples_worker.py's ``main(argv) -> dict`` form
 ``argv = [SPEC.json, OUT_DIR]``. SPEC: ``{"cells": [...], "B", "windows", "tail", "lr", "weight_decay", "seed"}``,
 each cell ``{"name", "K", "policy", "precision" ("no" | "bf16"), "top_k", and optionally "patterns" (a list of
 tests/moe_model.py's PATTERNS; default all, one expert each), "user_loop" (bool), "ddp_kwargs" (DDP's names),
-"zero_stage" (DeepSpeed: then "policy" is not passed)}``.
+"zero_stage" (DeepSpeed: then "policy" is not passed), "model" (a key of tests/moe_model.py's ``MODELS``; default
+"moe"), "expect_usage_error" (bool: the run must raise ``accum_kit.UsageError``, which is then recorded)}``.
 
 Each cell builds the Accelerator with accum_kit (the launch's engine, the cell's policy and precision), a seeded
 :class:`moe_model.TinyMoE`, SGD with weight decay and the pattern's examples, then trains one epoch: with
 ``accum_kit.train_loop`` or, with ``user_loop``, the loop of Accelerate's guide (``accelerator.accumulate``,
 the micro-batch's mean loss, ``accelerator.backward``). Rank 0 writes ``OUT_DIR/<name>.pt``: the full
-parameters before training and after each optimizer step. The worker only trains; the test computes what is
+parameters before training and after each optimizer step, and (``expect_usage_error``) the error's flag, problem
+and fix, or None when none was raised. The worker only trains; the test computes what is
 expected. A cell that raises ends the whole run (its peers may be left inside a collective).
 """
 
@@ -65,7 +67,7 @@ def build(spec: dict, cell: dict):
         kwargs["ddp_kwargs"] = cell["ddp_kwargs"]
     accelerator = accum_kit.build_accelerator(cell["K"], **kwargs)
     torch.manual_seed(spec["seed"])
-    model = moe_model.TinyMoE(cell["top_k"])
+    model = moe_model.MODELS[cell.get("model", "moe")](cell["top_k"])
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
     W = accelerator.run_plan.engine.data_parallel_size(accelerator)
@@ -96,17 +98,22 @@ def run_cell(spec: dict, cell: dict, out_dir: Path) -> dict:
 
     t0 = time.perf_counter()
     accelerator, model, optimizer, loader, init = build(spec, cell)
-    steps = []
-    if cell.get("user_loop"):
-        users_loop(accelerator, model, optimizer, loader, steps)
-    else:
-        class Saver(LoopCallback):
-            def on_step_end(self, state):
-                steps.append(full_parameters(model))  # every rank joins the gathers
+    steps, error = [], None
+    try:
+        if cell.get("user_loop"):
+            users_loop(accelerator, model, optimizer, loader, steps)
+        else:
+            class Saver(LoopCallback):
+                def on_step_end(self, state):
+                    steps.append(full_parameters(model))  # every rank joins the gathers
 
-        accum_kit.train_loop(accelerator, model, optimizer, loader, callbacks=[Saver()], progress=False)
+            accum_kit.train_loop(accelerator, model, optimizer, loader, callbacks=[Saver()], progress=False)
+    except accum_kit.UsageError as err:  # raised on every rank alike (a parameter unused everywhere)
+        if not cell.get("expect_usage_error"):
+            raise
+        error = {"flag": err.flag, "problem": err.problem, "fix": err.fix}
     if accelerator.is_main_process:
-        torch.save({"init": init, "steps": steps}, out_dir / f"{cell['name']}.pt")
+        torch.save({"init": init, "steps": steps, "error": error}, out_dir / f"{cell['name']}.pt")
     label = accelerator.run_plan.engine.label
     accelerator.wait_for_everyone()
     accelerator.free_memory()

@@ -78,3 +78,23 @@ def test_scale_grads_matches_a_plain_multiplication(dtype):
         else:
             tol = {torch.bfloat16: 1e-2, torch.float32: 1e-6}.get(p.dtype, 1e-12)
             torch.testing.assert_close(p.grad.double(), w.double(), rtol=tol, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_a_tensor_scale_gives_the_bits_of_the_python_float(dtype):
+    """The window rescale stays on the device (a float64 scalar tensor): every gradient equals, bit for bit, what
+    the Python float gives, and that is a plain multiplication by the float rounded as the kernel rounds it
+    (written out here: float64 for float64; float32 for float32; on the CPU, a 16-bit type's own rounding)."""
+    g = torch.Generator().manual_seed(1)
+    factor_type = {torch.float64: torch.float64, torch.float32: torch.float32}.get(dtype, dtype)
+    for scale in [0.123456789, 3.0 / 7.0, 1e-3 / 3.0, 2.0 ** -20 * 1.1]:  # none exact in float32
+        grads = [torch.randn(shape, generator=g).to(dtype) for shape in [(64, 3), (7,)]]
+        factor = torch.tensor(scale, dtype=torch.float64).to(factor_type).to(torch.promote_types(dtype, torch.float32))
+        want = [(x.to(factor.dtype) * factor).to(dtype) for x in grads]
+        for given in (torch.tensor(scale, dtype=torch.float64), scale):
+            params = [torch.nn.Parameter(torch.zeros_like(x)) for x in grads]
+            for p, x in zip(params, grads):
+                p.grad = x.clone()
+            scale_grads_(params, given)
+            for p, w in zip(params, want):
+                assert torch.equal(p.grad, w), (dtype, scale, type(given).__name__)

@@ -127,6 +127,37 @@ def runs(launched):
 
 
 @needs_deepspeed
+@pytest.mark.parametrize("name", [sc["name"] for sc in SCENARIOS if not sc.get("resume_from")])
+def test_host_reads_are_the_look_aheads_two_per_window(runs, name):
+    """Under DeepSpeed accum_kit reads the host twice per window, both in the look-ahead normaliser
+    (engines/lookahead.py): the window's token count before its first micro-batch (the engine scales each loss by
+    it) and, at the boundary, the window's loss and tokens, checked against that count; none inside a window
+    (``mean``: none at all). With clipping Accelerate reads the engine's gradient norm (one more). DeepSpeed's
+    engine reads for itself (its gradient norm, its overflow check), not counted here. (tests/host_reads.py
+    wraps every tensor read.)"""
+    from host_reads import loop_reads, owner_of
+
+    sc = BY_NAME[name]
+    for info in runs[name]["ranks"]:
+        reads = info["host_reads"]
+        inside, windows = loop_reads(reads)
+        label = f"{name} rank {info['rank']}"
+        assert not any(inside), f"{label}: {inside}"
+        sites = [{owner_of(s): n for s, n in w.items()} for w in windows]
+        # each window's count is read while the previous window closes (the first one's before any micro-batch)
+        # with clipping, Accelerate reads the engine's gradient norm for the loop's state.grad_norm (item)
+        norm = {"accelerate/utils/deepspeed.py:get_global_grad_norm": 1} if sc.get("max_grad_norm") else {}
+        want = {"accum_kit/engines/lookahead.py:count": 1, "accum_kit/engines/lookahead.py:finish": 1, **norm}
+        if sc["mode"] == "mean":
+            assert sites == [norm] * len(windows), f"{label}: {sites}"
+        else:
+            last = {"accum_kit/engines/lookahead.py:finish": 1, **norm}
+            assert sites == [want] * (len(windows) - 1) + [last], f"{label}: {sites}"
+            assert {owner_of(s): n for s, n in reads["start"].items() if "accum_kit/" in s} == \
+                {"accum_kit/engines/lookahead.py:count": 1}, label
+
+
+@needs_deepspeed
 @pytest.mark.parametrize("stage", STAGES)
 def test_checkpointed_zero_run_is_the_big_batch_and_its_twin(runs, stage):
     """transformers' checkpointing of each block under ZeRO-1/2/3 (ZeRO-3 gathers a block's partitions again for
@@ -925,7 +956,8 @@ def test_a_checkpoint_without_the_files_load_state_reads_is_refused_by_name(tmp_
 def test_experts_getting_tokens_late_or_on_one_rank_train_exactly(launched, c):
     """tests/test_moe.py's mixture of experts under ZeRO-1/2/3, fp32 and bf16: an expert with tokens only in a window's
     first / middle / last micro-batch, only on rank 0, or never: no crash, fp32 equals the big batch (ZeRO-2 too,
-    whose reduce buckets follow the gradient hooks' order), the never-used expert moves by weight decay alone,
+    whose reduce buckets follow the gradient hooks' order), the never-used expert moves by weight decay alone (ZeRO
+    steps flat partitions: a zero gradient, not none),
     bf16 follows fp32."""
     run = moe.load(launched[0] / "moe", [c])[c["name"]]
     assert len(run["steps"]) == moe.SPEC["windows"] + 1

@@ -533,6 +533,23 @@ def test_mean_mode_matches_accelerate_arithmetic(runs, world, name):
         assert info["train_loss"] == pytest.approx([l["mean_of_means"] for l in losses], rel=LOSS_RTOL), label
 
 
+@pytest.mark.parametrize("world,name", _cases_where(lambda sc: True))
+def test_no_host_read_in_a_window(runs, world, name):
+    """Neither accum_kit nor Accelerate reads a tensor's value on the host in any micro-batch of a window, its
+    boundary included (tests/host_reads.py wraps every tensor read; the window's count, rescale and next divisor
+    stay on the device, and the logged figures are read when asked for, after the run here); the model's own
+    reads (transformers' attention-mask checks) are counted apart and left alone."""
+    from host_reads import loop_reads, owner_of
+
+    for info in runs[world][name]["ranks"]:
+        reads = info["host_reads"]
+        inside, windows = loop_reads(reads)
+        label = f"W={world} {name} rank {info['rank']}"
+        assert len(windows) == info["optimizer_steps"] and len(inside) == info["micro_batches"] - len(windows), label
+        assert not any(inside) and not any(windows), f"{label}: {inside} {windows}"
+        assert not [s for s in (*reads["start"], *reads["end"]) if "accum_kit/" in owner_of(s)], label
+
+
 # --------------------------------------------------------------------------- (4) epochs, max_train_steps, clipping
 
 _RULE = {"tokens": "tokens", "mean": "accelerate_mean"}  # scenario mode -> oracle rule

@@ -141,6 +141,31 @@ def test_all_gathers_follow_the_policy(runs):
     print(f"\nall-gathers on a window's first micro-batch {first}, on the later ones {later}")
 
 
+SAVING = ("accelerate/utils/fsdp_utils.py:save_fsdp_",)  # Accelerate's sharded checkpoint save
+
+
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_no_host_read_in_a_window(runs, name):
+    """Under FSDP2, every policy: accum_kit and Accelerate read no tensor's value on the host in a micro-batch
+    that does not end a window (tests/host_reads.py wraps every tensor read; the profiler and HeldMemory run
+    here too), and none at its end except where a checkpoint is saved (resume_2ep saves after every step: the
+    main process reads the steps' losses and tokens for the history then, one copy; the sharded save reads for
+    itself, on every process)."""
+    from host_reads import loop_reads, owner_of
+
+    run = runs[name]
+    for info in [*run["ranks"], *(i for r in run["resumed"].values() for i in r["ranks"])]:
+        inside, windows = loop_reads(info["host_reads"])
+        saves = bool(BY_NAME[name].get("resume_from")) and info["resumed_from_step"] is None
+        label = f"{name} rank {info['rank']} (resumed from {info['resumed_from_step']})"
+        assert not any(inside), f"{label}: {inside}"
+        # a save's own reads (Accelerate's sharded save: DCP gathers the plan, copies shards to the host) apart
+        loop = [{s: n for s, n in w.items() if not owner_of(s).startswith(SAVING)} for w in windows]
+        figures = 1 if saves and info["rank"] == 0 else 0
+        assert [sum(w.values()) for w in loop] == [figures] * len(windows), f"{label}: {loop}"
+        assert all(any(owner_of(s).startswith(SAVING) for s in w) == saves for w in windows), label
+
+
 # --------------------------------------------------------------------------- profiler, memory, cost formulas
 
 

@@ -222,3 +222,19 @@ def test_bad_settings_name_the_flag():
 def test_default_chunk_keeps_a_chunks_logits_within_64_mib():
     assert chunk_tokens(50257) == 333 and 333 * 50257 * 4 <= 64 * 2**20 < 334 * 50257 * 4
     assert chunk_tokens(10**9) == 1
+
+
+def test_a_model_compiled_alone_runs_the_fused_loss_outside_its_graph():
+    """One process, torch.compile of the whole model (no DDP): the output layer's loss runs eagerly at a graph
+    break; the loss and gradients equal the eager model's."""
+    model, batch = gpt2(), batch_of(512, 2, 16)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+    loss_fn = CausalLMLoss(chunk=8)
+    got, want = loss_fn(compiled, batch)[0], loss_fn(twin, batch)[0]
+    got.backward()
+    want.backward()
+    assert loss_fn.used["implementation"] == "chunked"
+    assert torch.equal(got.detach(), want.detach())
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-7, rtol=1e-6)

@@ -337,7 +337,8 @@ def test_a_users_loop_trains_under_hsdp_as_under_ddp(runs):
 def test_experts_getting_tokens_late_or_on_one_rank_train_exactly(runs, c):
     """tests/test_moe.py's mixture of experts under HSDP 2 x 2 (no_sync policies, fp32 and bf16): an expert with tokens
     only in a window's first / middle / last micro-batch, only on rank 0, or never: no crash, fp32 equals the big
-    batch of the 4 ranks, the never-used expert moves by weight decay alone, bf16 follows fp32."""
+    batch of the 4 ranks, the never-used expert does not move (no gradient at the step, as in the big batch), bf16
+    follows fp32."""
     run = runs["moe"][c["name"]]
     assert len(run["steps"]) == moe.SPEC["windows"] + 1
     moe.check_cell(run, c, W)

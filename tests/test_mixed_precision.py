@@ -121,9 +121,31 @@ def _rel(got: dict, want: dict) -> float:
     return err / math.sqrt(sum(float(want[k].pow(2).sum()) for k in want))
 
 
+def _nearest_power_of_two(x: float) -> float:
+    """Exact oracle (rationals): 2^k with 2^k <= x < 2^(k+1), or 2^(k+1) when x > 2^(k+1/2), i.e. x^2 > 2^(2k+1)."""
+    from fractions import Fraction
+
+    q = Fraction(x)
+    if q <= 1:
+        return 1.0
+    k = q.numerator.bit_length() - q.denominator.bit_length()
+    k = k if Fraction(2) ** k <= q else k - 1  # now 2^k <= q < 2^(k+1)
+    return 2.0 ** (k + 1) if q * q > Fraction(2) ** (2 * k + 1) else 2.0 ** k
+
+
 def test_power_of_two():
+    """c, as a number and as a tensor computed on the device (no host read), is the power of two nearest x on a
+    log scale (an exact rational oracle), also next to 2^(k + 1/2), where a rounded log2 can fall either way."""
     p2 = loss_module.power_of_two
     assert [p2(x) for x in (0.0, 1.0, 1.4, 1.5, 3.0, 5.0, 6.0, 200.0)] == [1, 1, 1, 2, 4, 4, 8, 256]
+    convergents = [(99, 70), (239, 169), (577, 408), (1393, 985), (3363, 2378), (8119, 5741), (19601, 13860)]
+    xs = [n / d * 2.0 ** k for n, d in convergents for k in range(0, 40, 3)]  # near sqrt(2) 2^k, from both sides
+    xs += [math.sqrt(2.0) * 2.0 ** k for k in range(1, 60, 7)]  # the float just above sqrt(2) 2^k
+    rng = random.Random(0)
+    xs += [rng.randint(0, 10 ** 7) / rng.randint(1, 64) for _ in range(2000)] + [0.0, 0.5, 1.0, 2.0, 1e300]
+    want = [_nearest_power_of_two(x) for x in xs]
+    assert [p2(x) for x in xs] == want
+    assert p2(torch.tensor(xs, dtype=torch.float64)).tolist() == want
 
 
 def test_fp16_scaler_skips_steps_with_summed_losses_and_none_with_the_divisor(monkeypatch):

@@ -385,6 +385,16 @@ def test_single_process_padded_epoch(inproc, capsys, tmp_path, corpus):
 def test_single_process_schedule_reports_k_batch_and_scaled_lr_per_step(inproc, capsys, tmp_path, corpus):
     """--accumulation_schedule 0:1,2:2,4:3 --lr_scaling linear, constant LR: per step K 1,1,2,2,3,3, so
     window tokens K x 2 x 63, effective batch 2K and learning rate 3e-3 x K, in the summary and TensorBoard."""
+    from host_reads import HostReads, loop_reads, owner_of
+    import accum_kit.job.train as train_module
+
+    reads, loop = HostReads(), train_module.train_loop
+
+    def counted_loop(*args, **kwargs):  # the job's own loop, with the host-read counter as one more callback
+        with reads:
+            return loop(*args, **{**kwargs, "callbacks": [*kwargs["callbacks"], reads]})
+
+    inproc.setattr(train_module, "train_loop", counted_loop)
     out = tmp_path / "scheduled"
     code, _, err = run_main(capsys, job_flags(
         out, "--accumulation_schedule", "0:1,2:2,4:3", "--lr_scaling", "linear", "--lr_scheduler_type", "constant",
@@ -405,6 +415,15 @@ def test_single_process_schedule_reports_k_batch_and_scaled_lr_per_step(inproc, 
         assert tb["train/window_tokens"][step] == k * 2 * (BLOCK - 1)  # full packed blocks: 63 targets each
         assert tb["train/learning_rate"][step] == pytest.approx(3e-3 * k, rel=1e-6)
     assert s["tokens_per_second"] * s["train_seconds"] == pytest.approx(sum(ks) * 2 * (BLOCK - 1), rel=1e-9)
+    # Host reads of the job's loop (tests/host_reads.py): none inside a window; per window one, the checkpointer's
+    # collective stop flag (SIGTERM on any process); the losses, tokens and gradient norms in one copy at logging
+    # step 4 (TensorBoard, the log line and the bar share it) and at the end (the bar's last loss, then the
+    # tracker's last norms).
+    inside, windows = loop_reads(reads.summary())
+    assert not any(inside), inside
+    stop, figures = "accum_kit/core/checkpoint.py:_stop_requested", "accum_kit/core/window_figures.py:read_together"
+    want = [{stop: 1}] * 3 + [{stop: 1, figures: 1}, {stop: 1}, {stop: 1, figures: 2}]
+    assert [{owner_of(site): n for site, n in w.items()} for w in windows] == want, windows
 
 
 def test_finetune_from_saved_ddp_model(inproc, capsys, tmp_path, ddp_run, corpus):

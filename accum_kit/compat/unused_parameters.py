@@ -20,7 +20,11 @@ in which the router sent it no token; the engines then reduce different sets of 
 - DDP without ``find_unused_parameters`` waits for a gradient from every parameter in a synchronising
   backward; a parameter without one leaves its bucket unreduced and the next forward fails ("Expected to have
   finished reduction in the prior iteration"), after an optimizer step on unreduced gradients.
-  :func:`ddp_needs_every_parameter` tells when the next backward is such a one.
+  :func:`ddp_needs_every_parameter` tells when the next backward is such a one, and
+  :func:`ddp_unreduced_parameters` asks DDP's reducer, right after that backward, whether it reduced everything.
+
+:func:`ddp_parameter_pairs` and :func:`fsdp_parameter_pairs` give :class:`accum_kit.engines.reached.ReachedParameters`
+each parameter with the tensor autograd accumulates into.
 """
 
 from __future__ import annotations
@@ -93,3 +97,60 @@ def ddp_needs_every_parameter(model) -> bool:
     ddp = ddp_module(model)
     return (ddp is not None and bool(getattr(ddp, "require_backward_grad_sync", True))
             and not getattr(ddp, "find_unused_parameters", False))
+
+
+def ddp_unreduced_parameters(model) -> list[str] | None:
+    """Right after a synchronising backward of ``model`` (DDP without ``find_unused_parameters``): None when DDP's
+    reducer reduced every bucket; else the names of the parameters that got no gradient on this rank (``[]`` when DDP's
+    message lists none).
+
+    Calls ``DistributedDataParallel._check_reducer_finalized`` (torch 2.13; the check DDP's next forward makes, with
+    its "Expected to have finished reduction in the prior iteration" error and the unreduced parameters' indices
+    into the reducer's parameter list, rebuilt here as DDP's ``_build_params_for_reducer`` builds it: by module,
+    trainable, not ignored, each once). One C++ call (a lock and a flag) when everything was reduced. None for a
+    model that is not DDP or has no such method.
+    """
+    import re
+
+    ddp = ddp_module(model)
+    check = getattr(ddp, "_check_reducer_finalized", None)
+    if check is None:
+        return None
+    try:
+        check()
+    except RuntimeError as err:
+        if "Expected to have finished reduction" not in str(err):
+            raise
+        match = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(err))
+        indices = [int(i) for i in match.group(1).split()] if match else []
+        ignored, seen, names = set(getattr(ddp, "parameters_to_ignore", ()) or ()), set(), []
+        for module_name, module in ddp.module.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                fqn = f"{module_name}.{param_name}" if module_name else param_name
+                if param.requires_grad and f"{module_name}.{param_name}" not in ignored and id(param) not in seen:
+                    seen.add(id(param))
+                    names.append(fqn)
+        return [names[i] for i in indices if i < len(names)]
+    return None
+
+
+def ddp_parameter_pairs(model):
+    """For :class:`accum_kit.engines.reached.ReachedParameters`: a callable giving ``[(p, p)]`` for every trainable
+    parameter of DDP ``model``'s module (autograd accumulates into the parameter itself)."""
+    module = getattr(ddp_module(model), "module", model)
+    params = [p for p in module.parameters() if p.requires_grad]
+    return lambda: [(p, p) for p in params]
+
+
+def fsdp_parameter_pairs(model):
+    """For :class:`accum_kit.engines.reached.ReachedParameters`: a callable giving, for every trainable parameter of
+    FSDP2 ``model``'s units, ``(sharded parameter, unsharded parameter)`` (``FSDPParam.sharded_param`` and
+    ``_unsharded_param``, torch 2.13: the forward's autograd graph holds the unsharded one, the optimizer steps the
+    sharded one; the unsharded one exists from the unit's first all-gather on, None before)."""
+    from .fsdp_internals import fsdp_units
+
+    def pairs():
+        return [(fp.sharded_param, getattr(fp, "_unsharded_param", None))
+                for _, group in fsdp_units(model) for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+
+    return pairs

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import gc
 import os
 import re
 import sys
@@ -372,12 +373,20 @@ def for_job(cfg, resume) -> AutoBatch | None:
 def on_failure(auto: AutoBatch | None, rank: int, checkpointer):
     """Around the train loop: an allocation failure becomes :meth:`AutoBatch.failed`'s :class:`BatchTooLarge`
     (nothing on the way runs a collective); any other exception, or any exception without ``auto``, passes."""
+    # 1 MiB kept aside and given back on a failure, so that writing the state file and the message still finds
+    # memory when the process is at its limit (seen under an address-space limit: a MemoryError in json.dumps)
+    failure, reserve = None, bytearray(2**20) if auto is not None else None
     try:
         yield
     except Exception as exc:
         if auto is None or not is_allocation_failure(exc):
             raise
-        raise auto.failed(exc, rank, checkpointer.saved) from None
+        failure = exc
+    if failure is not None:
+        del reserve
+        failure.__traceback__ = None  # its frames hold the failed step's tensors
+        gc.collect()
+        raise auto.failed(failure, rank, checkpointer.saved) from None
 
 
 def watch(auto: AutoBatch | None) -> list:

@@ -10,7 +10,9 @@ raises ``TypeError``.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .window_figures import WindowFigures, nan_figures
 
 #: The hooks, in the order one optimizer step calls them.
 HOOKS = (
@@ -34,11 +36,31 @@ class LoopState:
     boundary: bool = False  # this micro-batch ends a window (optimizer step follows)
     sync: bool = False  # DDP all-reduces gradients in this micro-batch's backward
     forced_sync: bool = False  # it does so only to prime a static-graph DDP model (the profiler and memory skip it)
-    loss: float = float("nan")  # loss of the last finished window, nats
-    window_tokens: int = 0  # target tokens of the last finished window, all processes
-    grad_norm: object = None  # global gradient norm before clipping (a tensor), when the loop clips
+    figures: WindowFigures = field(default_factory=nan_figures)  # the last finished window's loss and tokens
+    grad_norm: object = None  # global gradient norm before clipping (a tensor: read it when shown), when the loop clips
     accumulation_steps: int = 0  # K of the last finished window (an accumulation schedule may change it)
     effective_batch_size: int | None = None  # examples per full window of that K over all processes (B x K x P)
+
+    # The window's figures stay on the device until read (accum_kit.core.window_figures): reading ``loss`` or
+    # ``window_tokens`` is one host read (both, and every earlier unread window, in one copy), so read them
+    # when they are shown (a logging step), not on every step.
+    @property
+    def loss(self) -> float:
+        """Loss of the last finished window, nats (NaN before the first); reading it reads the device."""
+        return self.figures.loss
+
+    @loss.setter
+    def loss(self, value: float) -> None:
+        self.figures = WindowFigures.of(value, self.figures.tokens)
+
+    @property
+    def window_tokens(self) -> int:
+        """Target tokens of the last finished window, all processes; reading it reads the device."""
+        return self.figures.tokens
+
+    @window_tokens.setter
+    def window_tokens(self, value: int) -> None:
+        self.figures = WindowFigures.of(self.figures.loss, value)
 
 
 class LoopCallback:

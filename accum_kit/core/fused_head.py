@@ -23,8 +23,10 @@ with or without bias) whose result the model returns unchanged, not inside DDP c
 (:func:`compiled_ddp`): :func:`unsupported_reason` refuses the
 config settings that change it (Gemma 2's ``final_logit_softcapping``, Cohere's ``logit_scale``,
 Granite's ``logits_scaling``), a weight sharded over the vocabulary (tensor parallel, whose plan gathers
-the logits), and the first forward of every model is checked: the scalar the model returned must equal
-the one the layer computed (one host read per model and run).
+the logits), and the first forward with gradients of every model is checked: the scalar the model returned must be
+the layer's result passed on through casts, views or the engines' own autograd functions only
+(:func:`returns_anchor_unchanged`, no host read; a compiled region on the way: the values compared, one
+host read per model and run).
 """
 
 from __future__ import annotations
@@ -185,9 +187,11 @@ class FusedHead:
             returned, computed = out.logits, self.computed
         finally:
             self.target, self.computed = None, None  # the computed scalar must not outlive the step: it holds gradients
-        if not self.checked:  # the model may change the layer's result (softcapping...): equal up to a cast, or refuse
+        if not self.checked and torch.is_grad_enabled():  # the model may change the layer's result (softcapping...)
             same = (computed is not None and torch.is_tensor(returned) and returned.numel() == 1
-                    and torch.equal(returned.detach().reshape(()), computed.detach().to(returned.dtype)))
+                    and returns_anchor_unchanged(returned))
+            if same is None:  # a graph it cannot read (a compiled region): compare the values, one host read
+                same = torch.equal(returned.detach().reshape(()), computed.detach().to(returned.dtype))
             if not same:
                 got = f"{tuple(returned.shape)} {returned.dtype}" if torch.is_tensor(returned) else type(returned).__name__
                 raise UsageError(FLAG, f"{type(inner_model(model)).__name__} does not return its output layer's result "
@@ -198,6 +202,36 @@ class FusedHead:
         # the layer's float32 value and gradient; the returned copy adds zero and routes the backward through the
         # engine's hooks on the model's output
         return computed + (returned - returned.detach()).reshape(()).to(computed.dtype), out
+
+
+#: Autograd nodes that pass a value on unchanged (up to its dtype or shape): casts, views, copies.
+_UNCHANGED = {"ToCopyBackward0", "CloneBackward0", "AliasBackward0", "ViewBackward0", "UnsafeViewBackward0",
+              "ReshapeAliasBackward0", "SqueezeBackward0", "SqueezeBackward1", "UnsqueezeBackward0",
+              "BackwardHookFunctionBackward"}
+
+
+def returns_anchor_unchanged(returned, depth: int = 16) -> bool | None:
+    """Whether the model's ``returned`` logits are the layer's :class:`_Anchor` passed on unchanged: every autograd
+    node from ``returned`` back to it is a cast, a view or a copy (:data:`_UNCHANGED`) or an engine's own
+    ``torch.autograd.Function`` (DDP's ``_DDPSink``, DeepSpeed's pre-backward function...), and none computes
+    (``MulBackward0``, ``TanhBackward0``...: False). Reads no tensor. None when the path runs through a node it
+    cannot judge (a compiled graph's ``CompiledFunctionBackward``): the caller compares values instead.
+    """
+    unknown = False
+    stack = [(returned.grad_fn, 0)]
+    while stack:  # a path of pass-through nodes to the anchor; a computing node ends its branch
+        node, d = stack.pop()
+        if node is None or d > depth:
+            continue
+        forward_cls = getattr(node, "_forward_cls", None)
+        if forward_cls is _Anchor:
+            return True
+        name = type(node).__name__
+        if name.startswith("Compiled"):
+            unknown = True
+        elif name in _UNCHANGED or forward_cls is not None:
+            stack.extend((n, d + 1) for n, _ in node.next_functions)
+    return None if unknown else False
 
 
 _LAYERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -27,6 +27,7 @@ from ..errors import UsageError
 from .loss import NORMALIZATIONS, LossFn, causal_lm_loss
 from .accumulation_schedule import schedule_pairs
 from .run_plan import run_plan_of
+from .window_figures import FigureLog, WindowFigures
 from .window_schedule import WindowSchedule
 
 
@@ -47,39 +48,55 @@ class LoopResult:
         epochs: passes over the data begun (the last may be partial), restored ones included.
         resumed_from_step: optimizer steps restored from a checkpoint (None:
             not resumed); the lists above then hold the restored steps first.
+        figures: each step's :class:`accum_kit.core.window_figures.WindowFigures`, from which ``train_loss``
+            and ``step_tokens`` are read: the windows' figures stay on the device until one of those lists
+            (or a logging step, a checkpoint save) asks for them, and then every unread one comes in one copy.
     """
 
-    train_loss: list = field(default_factory=list)
     step_seconds: list = field(default_factory=list)
-    step_tokens: list = field(default_factory=list)
     step_accumulation_steps: list = field(default_factory=list)
     accumulation_schedule: list | None = None
     micro_batches: int = 0
     epochs: int = 0
     resumed_from_step: int | None = None
+    figures: list = field(default_factory=list, repr=False)
+    log: FigureLog = field(default_factory=FigureLog, repr=False)
+
+    @property
+    def train_loss(self) -> list[float]:
+        return [f.loss for f in self.figures]  # the first unread one reads them all
+
+    @property
+    def step_tokens(self) -> list[int]:
+        return [f.tokens for f in self.figures]
 
     def restore(self, saved: dict) -> None:
         """Take over the history of a checkpoint's loop state (see :mod:`accum_kit.core.checkpoint`)."""
-        self.train_loss, self.step_tokens = list(saved["train_loss"]), list(saved["step_tokens"])
+        self.figures = [WindowFigures.of(loss, tokens) for loss, tokens in zip(saved["train_loss"], saved["step_tokens"])]
         self.step_seconds, self.resumed_from_step = list(saved["step_seconds"]), saved["optimizer_steps"]
         # a run resumed after its last step runs no epoch: it must still report those the checkpoint had begun
         self.epochs = saved["epoch"] + (1 if saved["batches_done_in_epoch"] else 0)
         # checkpoints written before schedules existed ran one K throughout
         self.step_accumulation_steps = list(saved.get("step_accumulation_steps")
-                                            or [saved["gradient_accumulation_steps"]] * len(self.train_loss))
+                                            or [saved["gradient_accumulation_steps"]] * len(self.figures))
 
-    def record(self, loss: float, tokens: int, k: int, since: float) -> float:
-        """Append one optimizer step of K ``k`` that started at ``since`` (perf_counter seconds); return now."""
+    def record(self, figures: WindowFigures, k: int, since: float) -> float:
+        """Append one optimizer step of K ``k`` that started at ``since`` (perf_counter seconds); return now.
+        ``figures`` stay unread (:attr:`figures`)."""
         now = time.perf_counter()
-        self.train_loss.append(loss)
-        self.step_tokens.append(tokens)
+        self.figures.append(self.log.add(figures))
         self.step_accumulation_steps.append(k)
         self.step_seconds.append(now - since)
         return now
 
     @property
     def optimizer_steps(self) -> int:
-        return len(self.train_loss)
+        return len(self.step_seconds)
+
+    def __getstate__(self) -> dict:
+        """Pickled (a notebook's worker sends its result back) with every window's figures read: host numbers."""
+        self.log.read_all()
+        return dict(self.__dict__)
 
     @property
     def tokens_per_second(self) -> float:
@@ -99,8 +116,10 @@ def _examples_per_micro_batch(accelerator, dataloader) -> int | None:
     return total or (batch * accelerator.num_processes if batch else None)
 
 
-def _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization):
+def _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization,
+              logging_steps):
     checks.one_of("--loss_normalization", loss_normalization, NORMALIZATIONS)
+    checks.at_least("--logging_steps", logging_steps)
     if max_train_steps is not None:
         checks.at_least("--max_train_steps", max_train_steps, fix="pass a positive integer or omit it")
     else:
@@ -132,6 +151,7 @@ def train_loop(
     accumulation_schedule=None,
     lr_scaling: str = "none",
     normalizer=None,
+    logging_steps: int = 10,
 ) -> LoopResult:
     """Train with gradient accumulation that skips DDP syncs and is exact.
 
@@ -183,6 +203,10 @@ def train_loop(
         normalizer: a :class:`accum_kit.core.loss.WindowNormalizer` to use instead of the engine's
             (:meth:`accum_kit.engines.base.Engine.window_normalizer`), e.g. one counting tokens over other
             ranks (``accum-kit verify``'s miscount rows); its ``mode`` replaces ``loss_normalization``.
+        logging_steps: the progress bar shows the loss every this many optimizer steps (and at the last).
+            Reading the loss waits for the device on a GPU, so the loop reads it only then: the window's
+            loss, tokens and gradient norm stay tensors (``LoopState.figures``, ``grad_norm``) until a callback
+            or the result asks for them (docs/loop.md, "Host reads").
 
     Returns:
         :class:`LoopResult` with per-step losses, times and token counts.
@@ -196,11 +220,12 @@ def train_loop(
         RuntimeError: the dataloader ended inside a window, which happens when
             it was not passed through ``accelerator.prepare``.
     """
-    _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization)
+    _validate(accelerator, train_dataloader, max_train_steps, num_train_epochs, max_grad_norm, loss_normalization,
+              logging_steps)
     loss_fn = loss_fn or causal_lm_loss
     run = _Run.start(accelerator, model, optimizer, train_dataloader, lr_scheduler, loss_fn, loss_normalization,
                      max_train_steps, num_train_epochs, [profiler, *callbacks, checkpointer], checkpointer,
-                     resume_from, accumulation_schedule, lr_scaling, progress, normalizer)
+                     resume_from, accumulation_schedule, lr_scaling, progress, normalizer, logging_steps)
     hooks, norm, state, result = run.hooks, run.norm, run.state, run.result
     model.train()
     restart_window_counter(accelerator)  # an earlier loop may have stopped mid-window; load_state restores it too
@@ -225,8 +250,8 @@ def train_loop(
                     state.micro_step += 1
                     if accelerator.sync_gradients:
                         hooks("on_step_begin", state)
-                        state.loss, state.window_tokens = norm.finish(model)  # exact rescale before clipping
-                        if max_grad_norm is not None:  # returns the norm before clipping (kept as a tensor: no sync)
+                        state.figures = norm.finish(model)  # exact rescale before clipping; figures stay on the device
+                        if max_grad_norm is not None:  # returns the norm before clipping (kept as a tensor: no read)
                             state.grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
                         optimizer.step()
                         if lr_scheduler is not None:
@@ -262,11 +287,12 @@ class _Run:
     result: LoopResult
     epochs: object
     bar: object
+    logging_steps: int = 10
 
     @classmethod
     def start(cls, accelerator, model, optimizer, train_dataloader, lr_scheduler, loss_fn, loss_normalization,
               max_train_steps, num_train_epochs, callbacks, checkpointer, resume_from, accumulation_schedule,
-              lr_scaling, progress, normalizer=None) -> "_Run":
+              lr_scaling, progress, normalizer=None, logging_steps: int = 10) -> "_Run":
         """Everything the loop needs before its first micro-batch; restores a checkpoint's state and history."""
         plan = run_plan_of(accelerator)
         # profiler first: it must see a step before others react to it; the checkpointer after the user's
@@ -290,17 +316,18 @@ class _Run:
         epochs = epochs if state.step < total else ()  # resumed from the last step: nothing left
         bar = tqdm(total=total, initial=state.step, desc="optimizer steps",
                    disable=not (progress and accelerator.is_main_process))
-        return cls(plan, hooks, norm, windows, total, state, cursor, result, epochs, bar)
+        return cls(plan, hooks, norm, windows, total, state, cursor, result, epochs, bar, logging_steps)
 
     def close_window(self, since: float) -> float:
         """After the optimizer step: count it, set the next window's K, record it, call ``on_step_end``; returns now."""
         state = self.state
         state.step += 1
         self.windows.after_step(state)  # after finish: the closed window used its own K
-        now = self.result.record(state.loss, state.window_tokens, state.accumulation_steps, since=since)
+        now = self.result.record(state.figures, state.accumulation_steps, since=since)
         self.hooks("on_step_end", state)
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{state.loss:.4f}", K=state.accumulation_steps)
+        if not self.bar.disable and (state.step % self.logging_steps == 0 or state.step >= self.total):
+            self.bar.set_postfix(loss=f"{state.loss:.4f}", K=state.accumulation_steps)  # reads the loss: shown
         return now
 
     def end_epoch(self) -> None:

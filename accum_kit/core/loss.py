@@ -14,7 +14,8 @@ and DDP averages the gradients over the W processes. So backward of the plain
 multiplication of the gradients by ``K W / N`` makes it exact ("rescale after"
 the boundary all-reduce; docs/design.md compares it with look-ahead). ``N`` is summed over processes with one all-reduce of a
 3-element tensor (loss sum, tokens, micro-batches) per window, after the gradient all-reduce, so it needs no
-look-ahead and nothing blocks earlier micro-batches. A last partial window of
+look-ahead and nothing blocks earlier micro-batches; its result stays on the device (no host read: the
+rescale factor is a tensor). A last partial window of
 an epoch simply has a smaller ``N``: it is never divided by K.
 
 Loss-scale headroom (fp16 with a GradScaler): each summed loss is divided by
@@ -41,40 +42,77 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from .window_figures import WindowFigures
+
 IGNORE_INDEX = -100
 NORMALIZATIONS = ("tokens", "mean")
 
 LossFn = Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], "tuple[torch.Tensor, torch.Tensor | int]"]
 
 
-def scale_grads_(parameters, scale: float) -> None:
+def scale_grads_(parameters, scale) -> None:
     """Multiply every existing ``.grad`` by ``scale`` in place.
 
-    One ``torch._foreach_mul_`` per (device, dtype) group of gradients, as
-    torchtune's ``scale_grads_`` does, instead of a Python loop of ``mul_``:
-    on GPU that is one fused kernel launch per group. ``scale`` is a Python
-    float, passed to the kernel as an argument, so no tensor has to be copied
-    to the gradients' device.
+    One ``torch._foreach_mul_`` per (device, dtype, device mesh) group of
+    gradients, as torchtune's ``scale_grads_`` does, instead of a Python loop
+    of ``mul_``: on GPU that is one fused kernel launch per group.
 
     Args:
         parameters: iterable of tensors; those whose ``.grad`` is None are skipped.
-        scale: the factor (dimensionless).
+        scale: the factor (dimensionless): a Python float, passed to the kernel as an argument, or a
+            one-element float64 tensor on the gradients' device, which stays there (no host read). The
+            tensor is handed to each group rounded as the kernel rounds a Python float (:func:`_factor_type`),
+            so both give the same bits. Gradients on another device (offloaded) get a copy, read there.
     """
     groups: dict = {}
     for p in parameters:
-        if p.grad is not None:
-            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    for grads in groups.values():
-        torch._foreach_mul_(grads, scale)
+        if p.grad is not None:  # a sharded gradient's mesh too: DTensor takes a tensor factor on one mesh per call
+            groups.setdefault((p.grad.device, p.grad.dtype, getattr(p.grad, "device_mesh", None)), []).append(p.grad)
+    for (device, dtype, _), grads in groups.items():
+        if isinstance(scale, torch.Tensor):
+            torch._foreach_mul_(grads, scale.reshape(()).to(device=device, dtype=_factor_type(device, dtype)))
+        else:
+            torch._foreach_mul_(grads, scale)
 
 
-def power_of_two(x: float) -> float:
-    """The power of two nearest to ``x`` on a log scale (1.0 for ``x <= 1``).
+def _factor_type(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The type ``torch._foreach_mul_(grads, python_float)`` rounds the float to (torch 2.x kernels): the type it
+    computes in (``at::opmath_type``: float32 for 16-bit floats) on CUDA; on the CPU a 16-bit gradient's own type.
+    (Checked bit for bit on the CPU by tests/test_callbacks.py; on CUDA from the kernels' source: a float is
+    converted with ``to<opmath_t>``, and a tensor of another type than the gradients takes the per-tensor ``mul_``,
+    which loads it as that type.)"""
+    if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        return dtype
+    return _math_dtype(dtype)
 
-    Dividing a float by it and multiplying back is exact (only the exponent
-    changes), which is why :class:`WindowNormalizer` rounds ``c`` to one.
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The type PyTorch's elementwise kernels compute ``dtype`` in (``at::opmath_type``): float32 for the
+    16-bit floats, the type itself otherwise."""
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype
+
+
+_SQRT_HALF = math.sqrt(0.5)  # rounds up: a float m >= it exactly when m > 2^-0.5
+
+
+def power_of_two(x):
+    """The power of two nearest to ``x`` on a log scale (1 for ``x <= 1``): a float for a number, a tensor of
+    ``x``'s type and device for a float tensor (computed there: no host read).
+
+    ``x = m 2^e`` with ``0.5 <= m < 1`` (``frexp``); ``log2 x = e + log2 m`` rounds to ``e`` when
+    ``m > 2^-0.5`` and to ``e - 1`` below (``m`` never equals the irrational ``2^-0.5``). Every step is exact
+    (``x / m`` is ``2^e``), so a number and a tensor give the same value on any device. Dividing a float by
+    the result and multiplying back is exact (only the exponent changes), which is why
+    :class:`WindowNormalizer` rounds ``c`` to one.
     """
-    return 2.0 ** round(math.log2(x)) if x > 1.0 else 1.0
+    if isinstance(x, torch.Tensor):
+        m, _ = torch.frexp(x)
+        p = x / m  # 2^e exactly (NaN for x = 0: not selected below)
+        return torch.where(x > 1.0, torch.where(m >= _SQRT_HALF, p, p / 2), torch.ones_like(x))
+    if x <= 1.0:
+        return 1.0
+    m, e = math.frexp(x)
+    return math.ldexp(1.0, e if m >= _SQRT_HALF else e - 1)
 
 
 def logits_causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,6 +362,11 @@ class WindowNormalizer:
     have the size of a mean loss's, and an fp16 GradScaler does not overflow
     where the summed loss would (tests/test_mixed_precision.py); in fp32 and
     bf16 the result is the same as without ``c`` (powers of two scale exactly).
+
+    Nothing is read on the host (no ``item``, ``float(t)``, ``.cpu()``): ``c``
+    (a 0-dim float64 tensor on the device), the window's sums, the rescale
+    factor and the logged figures stay on the device (docs/loop.md, "Host
+    reads"), so a GPU never waits for the host inside a window or at its end.
     """
 
     def __init__(self, accelerator, mode: str = "tokens", *, ranks=None, gradient_mean_size: int | None = None):
@@ -336,12 +379,16 @@ class WindowNormalizer:
         self.ranks = ranks if ranks is not None else TokenRanks(accelerator)
         self.gradient_mean_size = gradient_mean_size or accelerator.num_processes
         self._reset()
-        self.loss_divisor: float | None = None  # c; None until the first micro-batch
+        self._set_divisor(None)  # c: a 0-dim float64 tensor on the device; None until the first micro-batch
 
     def _reset(self) -> None:
         # Local running sums kept as tensors: converting per micro-batch would
         # force a device sync on GPU. [summed loss or sum of means, target tokens, micro-batches]
         self._stats = None
+
+    def _set_divisor(self, c) -> None:
+        self.loss_divisor = c
+        self._divisor_as: dict = {}  # c in each loss's (device, compute type), converted once per window
 
     def batches(self, iterable, loss_fn=None):
         """The batches to run: as they come, or this process's slice of each under context parallel.
@@ -356,55 +403,74 @@ class WindowNormalizer:
         return self._stats is not None
 
     def backward_loss(self, summed_loss: torch.Tensor, num_items) -> torch.Tensor:
-        """The loss of one micro-batch to hand to ``accelerator.backward``.
+        """The loss of one micro-batch to hand to ``accelerator.backward``; reads nothing on the host.
 
         Args:
             summed_loss: scalar tensor, loss summed over the micro-batch's items.
-            num_items: number of items (target tokens) in it, int or scalar tensor.
+            num_items: number of items (target tokens) in it, int or scalar tensor (a tensor on the loss's
+                device, as the built-in losses return, is used where it is; an int is copied there).
         """
         n = torch.as_tensor(num_items, device=summed_loss.device)
         if self.mode == "tokens":
             if self.loss_divisor is None:
-                self.loss_divisor = self._first_divisor(n)
-            loss, logged = summed_loss / self.loss_divisor, summed_loss
+                self._set_divisor(self._first_divisor(n))
+            loss, logged = self._divide(summed_loss), summed_loss
         else:
             loss = logged = summed_loss / n.clamp(min=1)
         step = torch.stack([logged.detach().double(), n.double(), torch.ones_like(n, dtype=torch.float64)])
         self._stats = step if self._stats is None else self._stats + step
         return loss
 
-    def _first_divisor(self, n: torch.Tensor) -> float:
-        """``c`` of the first window: the first micro-batch's tokens, averaged over processes (one all-reduce)."""
+    def _first_divisor(self, n: torch.Tensor):
+        """``c`` of the first window: the first micro-batch's tokens, averaged over processes (one all-reduce;
+        the result stays on the device)."""
         total = self.ranks.sum(n.detach().double().reshape(1))
-        return power_of_two(float(total) / self.ranks.size)
+        return power_of_two(total.reshape(()) / self.ranks.size)
+
+    def _divide(self, summed_loss: torch.Tensor) -> torch.Tensor:
+        """``summed_loss / c`` in the loss's type, computed as dividing by the Python float c was: in the
+        kernels' compute type (float32 for 16-bit losses), rounded back. Exact: c is a power of two."""
+        c = self.loss_divisor
+        if not isinstance(c, torch.Tensor):  # a float c (a test's fixed divisor)
+            return summed_loss / c
+        dtype = _math_dtype(summed_loss.dtype)
+        key = (summed_loss.device, dtype)
+        if key not in self._divisor_as:
+            self._divisor_as[key] = c.to(device=summed_loss.device, dtype=dtype)
+        return (summed_loss.to(dtype) / self._divisor_as[key]).to(summed_loss.dtype)
 
     @torch.no_grad()
-    def finish(self, model: torch.nn.Module) -> tuple[float, int]:
-        """Close the window: rescale gradients (``tokens`` mode) and return what to log.
+    def finish(self, model: torch.nn.Module) -> WindowFigures:
+        """Close the window: rescale gradients (``tokens`` mode) and return what to log; reads nothing on the host.
+
+        One all-reduce of the window's ``[loss, tokens, micro-batches]`` (on the device); the rescale factor
+        ``K W c / N``, the logged loss and the next window's ``c`` are computed from it there, in float64 as the
+        Python numbers were (so the gradients are bit for bit those of a rescale by a Python float).
 
         Args:
             model: the prepared model whose ``.grad`` tensors hold the window's
                 synchronised gradients.
 
         Returns:
-            ``(window_loss, window_tokens)``: the loss over the window in nats
-            (token-mean over all processes for ``tokens``, mean of the
-            micro-batch means for ``mean``) and the target-token count of the
-            window summed over processes.
+            :class:`accum_kit.core.window_figures.WindowFigures`: the loss over the window in nats (token-mean
+            over all processes for ``tokens``, mean of the micro-batch means for ``mean``) and the target-token
+            count of the window summed over processes, read from the device when first asked for.
         """
         acc = self.accelerator
         stats = self._stats if self._stats is not None else torch.zeros(3, dtype=torch.float64, device=acc.device)
-        stats = self.ranks.sum(stats).cpu()
-        loss_sum, tokens, micro = stats.tolist()
+        loss_sum, tokens, micro = self.ranks.sum(stats).unbind()
         if self.mode == "tokens":
             # grads hold sum(S / c) / (K W) after backward's /K and the engine's mean over W: make them sum(S) / N.
+            n = tokens.clamp(min=1.0)
             c = self.loss_divisor if self.loss_divisor is not None else 1.0
-            scale = acc.gradient_accumulation_steps * self.gradient_mean_size * c / max(tokens, 1.0)
-            scale_grads_(model.parameters(), scale)
-            window_loss = loss_sum / max(tokens, 1.0)
+            kwc = acc.gradient_accumulation_steps * self.gradient_mean_size * c  # exact: c is a power of two
+            if not isinstance(kwc, torch.Tensor):
+                kwc = torch.full_like(n, kwc)  # float / tensor would multiply by a rounded reciprocal
+            scale_grads_(model.parameters(), kwc / n)
+            window_loss = loss_sum / n
             # Next window's c: this window's mean tokens per micro-batch per process (same on every process).
-            self.loss_divisor = power_of_two(tokens / max(micro, 1.0))
+            self._set_divisor(power_of_two(tokens / micro.clamp(min=1.0)))
         else:
-            window_loss = loss_sum / max(micro, 1.0)
+            window_loss = loss_sum / micro.clamp(min=1.0)
         self._reset()
-        return window_loss, int(tokens)
+        return WindowFigures(torch.stack([window_loss, tokens]))

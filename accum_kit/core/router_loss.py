@@ -138,10 +138,10 @@ class RouterAuxLoss:
                 with torch.no_grad():  # only the routing is read: logits for one position, not (batch, seq, V)
                     out = self.model(**self._inputs(part), output_router_logits=True, logits_to_keep=1)
                 totals[: self.experts] += route_counts(out.router_logits, mask, self.experts, self.top_k)
-            totals[self.experts] += float(mask.sum()) * self.layers
-            totals[self.experts + 1] += float(self._targets(part))
+            totals[self.experts] += mask.sum().double() * self.layers  # on the device: no host read per batch
+            totals[self.experts + 1] += self._targets(part).to(acc.device, torch.float64)
             totals[self.experts + 2] += 1.0
-        self._ahead = self.ranks.sum(totals).cpu()
+        self._ahead = self.ranks.sum(totals).cpu()  # the window's one read ahead: __call__ scales by its numbers
 
     @staticmethod
     def _inputs(batch) -> dict:

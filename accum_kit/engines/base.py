@@ -174,8 +174,9 @@ class Engine:
 
     def backward(self, accelerator, loss, base_backward, **kwargs):
         """``accelerator.backward(loss, **kwargs)``: ``base_backward`` (Accelerate's) on ``loss``, which an engine may
-        complete first (DDP, DeepSpeed: :func:`accum_kit.engines.moe.with_zero_gradients`, so that a parameter the
-        forward did not reach still gets a gradient where the backward reduces). Here: ``loss`` as it is."""
+        complete first for a model with per-module experts (DDP, DeepSpeed:
+        :func:`accum_kit.engines.moe.with_zero_gradients`, so that a parameter the forward did not reach still gets a
+        gradient where the backward reduces) or check after (DDP: every parameter reduced). Here: ``loss`` as it is."""
         return base_backward(loss, **kwargs)
 
     def reduces_each_micro_batch(self, accelerator, policy: AccumulationPolicy) -> bool:

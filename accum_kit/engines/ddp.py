@@ -102,6 +102,31 @@ class StaticGraphFirstSync(LoopCallback):
             state.forced_sync = False
 
 
+def check_every_parameter_reduced(model) -> None:
+    """After a synchronising backward of DDP ``model`` built without ``find_unused_parameters``: refuse a backward that
+    left a parameter without a gradient (:func:`accum_kit.compat.unused_parameters.ddp_unreduced_parameters`), before
+    the optimizer steps on unreduced gradients and DDP's next forward fails with "Expected to have finished
+    reduction in the prior iteration".
+
+    Raises:
+        UsageError (``--ddp_find_unused_parameters``): naming the parameters DDP lists and the fix.
+    """
+    from ..compat.unused_parameters import ddp_unreduced_parameters
+    from ..errors import UsageError
+
+    names = ddp_unreduced_parameters(model)
+    if names is None:
+        return
+    listed = (f"{', '.join(names[:5])}{f', ... {len(names)} in all' if len(names) > 5 else ''}" if names
+              else "some parameters")
+    raise UsageError("--ddp_find_unused_parameters", f"the model has parameters that received no gradient in a "
+                     f"backward that reduces ({listed}): DDP without find_unused_parameters waits for a gradient "
+                     "from every parameter, so it reduced only part of the gradients (torch: \"Expected to have "
+                     "finished reduction in the prior iteration\")", "pass --ddp_find_unused_parameters true "
+                     "(build_accelerator(ddp_kwargs={'find_unused_parameters': True}) in your own script), or make "
+                     "the loss use those parameters, or freeze them (requires_grad=False)")
+
+
 def static_graph_first_sync(accelerator, model) -> StaticGraphFirstSync | None:
     """A :class:`StaticGraphFirstSync` when ``model`` is a static-graph DDP model that never synchronised, else None."""
     from ..compat import ddp_static_graph_unprimed
@@ -156,41 +181,71 @@ class DDPEngine(Engine):
         return super().apply_activation_checkpointing(accelerator, model)
 
     def after_prepare(self, accelerator, objects, prepared: list) -> list:
-        """Watch the prepared models' forwards, for :meth:`backward` (:func:`accum_kit.engines.moe.watch_prepared`)."""
-        from .moe import watch_prepared
+        """Watch the prepared models' forwards, for :meth:`backward` (:func:`accum_kit.engines.moe.watch_prepared`), and
+        give each DDP model with per-module experts (:func:`accum_kit.engines.moe.expert_blocks`) built without
+        ``find_unused_parameters`` a :class:`accum_kit.engines.reached.ReachedParameters`."""
+        import weakref
+
+        import torch
+
+        from ..compat.unused_parameters import ddp_module, ddp_parameter_pairs
+        from .moe import expert_blocks, watch_prepared
+        from .reached import ReachedParameters
 
         watch_prepared(self, prepared)
+        if getattr(self, "expert_models", None) is None:
+            self.expert_models = weakref.WeakKeyDictionary()  # prepared model -> ReachedParameters or None
+        for model in prepared:
+            if isinstance(model, torch.nn.Module) and expert_blocks(model):
+                ddp = ddp_module(model)
+                needs_mask = ddp is not None and not getattr(ddp, "find_unused_parameters", False)
+                self.expert_models[model] = ReachedParameters(ddp_parameter_pairs(model)) if needs_mask else None
         return prepared
 
     def backward(self, accelerator, loss, base_backward, **kwargs):
-        """On every synchronising backward of a DDP model built without ``find_unused_parameters`` (the window's
-        boundary, every micro-batch under ``sync_each_batch``): ``loss`` plus
-        :func:`accum_kit.engines.moe.zero_gradient_term` of its parameters, so that a parameter the micro-batch
-        did not reach (an expert without tokens, on this rank or all) gets a zero gradient and DDP's reducer
-        reduces every bucket on every rank (without it: "Expected to have finished reduction in the prior
-        iteration" at the next forward, after a step on unreduced gradients). Otherwise (DDP with
-        ``find_unused_parameters``, which finds them itself; one process), after the window's boundary
-        backward, :func:`accum_kit.engines.moe.fill_zero_gradients`. Either way a parameter no micro-batch of
-        the window reached steps with a zero gradient (weight decay applies), as under FSDP2 and DeepSpeed. The
-        update is otherwise unchanged; cost: ``P`` zeros written per window (:mod:`accum_kit.engines.moe`). With
-        reentrant checkpointing no term is added (:func:`accum_kit.engines.moe.reentrant_checkpointing`; a model
-        with experts is refused then, :meth:`apply_activation_checkpointing`)."""
+        """``base_backward`` (Accelerate's) for a dense model, then, after a synchronising backward of DDP without
+        ``find_unused_parameters``, a check that DDP reduced every parameter: a parameter the loss did not use
+        leaves its bucket unreduced, the optimizer would step on unreduced gradients and DDP's next forward fail.
+
+        For a model with per-module experts (:func:`accum_kit.engines.moe.expert_blocks`) under DDP without
+        ``find_unused_parameters``: on every synchronising backward (the window's boundary, every micro-batch under
+        ``sync_each_batch``) ``loss`` plus :func:`accum_kit.engines.moe.zero_gradient_term` of its parameters, so
+        that an expert without tokens, on this rank or all, gets a zero gradient and DDP's reducer reduces every
+        bucket on every rank; and on every backward its :class:`accum_kit.engines.reached.ReachedParameters`
+        records what the graph reached, so that after the boundary a parameter no micro-batch of the window reached
+        on any rank holds no gradient, as in one big batch on one process. DDP with ``find_unused_parameters`` and
+        one process leave such a parameter without a gradient themselves. With reentrant checkpointing no term is
+        added (:func:`accum_kit.engines.moe.reentrant_checkpointing`; a model with experts is refused then,
+        :meth:`apply_activation_checkpointing`).
+
+        Raises:
+            UsageError (``--ddp_find_unused_parameters``): DDP did not reduce every parameter (one got no gradient).
+        """
         from ..compat.unused_parameters import ddp_needs_every_parameter
-        from .moe import fill_zero_gradients, reentrant_checkpointing, with_zero_gradients
+        from .moe import reentrant_checkpointing, with_zero_gradients
 
         watch = getattr(self, "forward_watch", None)
         if watch is None:  # nothing prepared through this engine
             return base_backward(loss, **kwargs)
         ran = watch.ran()
-        term = [] if reentrant_checkpointing(accelerator) else [m for m in ran if ddp_needs_every_parameter(m)]
+        sync = [m for m in ran if ddp_needs_every_parameter(m)]
+        # prepared model -> ReachedParameters, for the models with experts under DDP without find_unused_parameters
+        masks = {} if reentrant_checkpointing(accelerator) else getattr(self, "expert_models", None) or {}
+        term = [m for m in sync if masks.get(m) is not None]
+        for model in ran:
+            if masks.get(model) is not None:
+                masks[model].observe(loss)  # before the term, which reaches every parameter
         for model in term:
             loss = with_zero_gradients(loss, model.parameters())
         out = base_backward(loss, **kwargs)
+        for model in sync:
+            if all(model is not m for m in term):
+                check_every_parameter_reduced(model)
         boundary = bool(accelerator.sync_gradients)
-        if boundary:  # DDP with find_unused_parameters, one process: zeros after the reduction
+        if boundary:
             for model in watch.ran(boundary=True):
-                if all(model is not m for m in term):
-                    fill_zero_gradients(model.parameters())
+                if masks.get(model) is not None:
+                    masks[model].drop_unreached(accelerator.device)
         watch.backward_done(boundary)
         return out
 

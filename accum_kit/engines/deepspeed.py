@@ -163,26 +163,29 @@ class ZeroEngine(Engine):
         return super().apply_activation_checkpointing(accelerator, model)
 
     def backward(self, accelerator, loss, base_backward, **kwargs):
-        """Under ZeRO-1 and 2 with several processes: ``loss`` plus
-        :func:`accum_kit.engines.moe.zero_gradient_term` of the model's parameters, so that a parameter the
-        micro-batch did not reach (an expert without tokens) still fills its place in DeepSpeed's reduce buckets
-        (without it: gloo's "Received data size doesn't match expected size" on the first backward that reduces,
-        measured with DeepSpeed 0.19.8). ZeRO-3 has its experts' blocks as leaf modules instead (:meth:`before_prepare`)."""
+        """Under ZeRO-1 and 2 with several processes, for a model with per-module experts
+        (:func:`accum_kit.engines.moe.expert_blocks`): ``loss`` plus :func:`accum_kit.engines.moe.zero_gradient_term`
+        of the model's parameters, so that a parameter the micro-batch did not reach (an expert without tokens) still
+        fills its place in DeepSpeed's reduce buckets (without it: gloo's "Received data size doesn't match expected
+        size" on the first backward that reduces, measured with DeepSpeed 0.19.8). ZeRO-3 has its experts' blocks as
+        leaf modules instead (:meth:`before_prepare`). A dense model's backward is DeepSpeed's own. DeepSpeed's
+        optimizer steps flat partitions, so an expert no token of a window reached steps with a zero gradient
+        (weight decay applies to it; docs/moe.md)."""
         from .moe import reentrant_checkpointing, with_zero_gradients
 
         watch = getattr(self, "forward_watch", None)
-        if watch is not None and self.stage < 3 and accelerator.num_processes > 1 and not reentrant_checkpointing(accelerator):
+        if watch is None:
+            return base_backward(loss, **kwargs)
+        if self.stage < 3 and accelerator.num_processes > 1 and not reentrant_checkpointing(accelerator):
             for model in watch.ran():  # the engine being trained only (the bench prepares one per stage)
-                if self.prepared_engine(model) is not None:
-                    loss = with_zero_gradients(loss, model.module.parameters())
+                loss = with_zero_gradients(loss, model.module.parameters())
         out = base_backward(loss, **kwargs)
-        if watch is not None:
-            watch.backward_done(bool(accelerator.sync_gradients))
+        watch.backward_done(bool(accelerator.sync_gradients))
         return out
 
     def after_prepare(self, accelerator, objects, prepared: list) -> list:
-        """Watch the prepared DeepSpeed engines' forwards (for :meth:`backward`); wrap a scheduler that ``prepare`` returned as
-        it came (one prepared without the model).
+        """Watch the forwards of the prepared DeepSpeed engines whose model has per-module experts (for
+        :meth:`backward`); wrap a scheduler that ``prepare`` returned as it came (one prepared without the model).
 
         Accelerate wraps a scheduler in ``AcceleratedScheduler`` (which steps it
         once per process per optimizer step, its convention, and which
@@ -192,9 +195,10 @@ class ZeroEngine(Engine):
         same way keeps one convention for every engine.
         """
         from ..compat import wrap_prepared_scheduler
-        from .moe import watch_prepared
+        from .moe import expert_blocks, watch_prepared
 
-        watch_prepared(self, [m for m in prepared if self.prepared_engine(m) is not None])
+        # Only engines whose model has per-module experts need the zero-gradient term (:meth:`backward`).
+        watch_prepared(self, [m for m in prepared if self.prepared_engine(m) is not None and expert_blocks(m.module)])
         return [wrap_prepared_scheduler(accelerator, obj) if obj is out else out
                 for obj, out in zip(objects, prepared)]
 

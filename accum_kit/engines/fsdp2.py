@@ -246,9 +246,12 @@ class FSDP2Engine(Engine):
                                 gradient_mean_size=self.mesh(accelerator).fsdp_size)
 
     def after_prepare(self, accelerator, objects, prepared: list) -> list:
-        """Make every unit reduce a zero gradient for a parameter without one
-        (:func:`accum_kit.compat.unused_parameters.fsdp_reduce_unused_parameters`: an expert without tokens on
-        some rank), then refuse a model in which Accelerate's checkpointing wrapped nothing: its auto-wrap policy matches only the
+        """For a model with per-module experts (:func:`accum_kit.engines.moe.expert_blocks`): make every unit reduce a
+        zero gradient for a parameter without one
+        (:func:`accum_kit.compat.unused_parameters.fsdp_reduce_unused_parameters`: an expert without tokens on some
+        rank), and record what each window reaches for :meth:`backward`
+        (:class:`accum_kit.engines.reached.ReachedParameters`); a dense model is left as Accelerate prepared it.
+        Then refuse a model in which Accelerate's checkpointing wrapped nothing: its auto-wrap policy matches only the
         classes of ``_no_split_modules`` or the config's ``fsdp_transformer_layer_cls_to_wrap``, and checkpoints no
         other module, silently (accelerate 1.15).
 
@@ -260,13 +263,20 @@ class FSDP2Engine(Engine):
         import torch
 
         from ..compat.torch_checkpoint import is_checkpoint_wrapper
-        from ..compat.unused_parameters import fsdp_reduce_unused_parameters
-        from .moe import check_fsdp_expert_units
+        from ..compat.unused_parameters import fsdp_parameter_pairs, fsdp_reduce_unused_parameters
+        from .moe import check_fsdp_expert_units, expert_blocks, watch_prepared
+        from .reached import ReachedParameters
 
+        if getattr(self, "expert_models", None) is None:
+            import weakref
+
+            self.expert_models = weakref.WeakKeyDictionary()  # prepared model -> ReachedParameters
         for model in prepared:  # experts without tokens: a zero gradient reduced, never a missing one (engines/moe.py)
-            if isinstance(model, torch.nn.Module):
+            if isinstance(model, torch.nn.Module) and expert_blocks(model):
                 check_fsdp_expert_units(model)
                 fsdp_reduce_unused_parameters(model)
+                self.expert_models[model] = ReachedParameters(fsdp_parameter_pairs(model))
+                watch_prepared(self, [model])
         if not accelerator.run_plan.gradient_checkpointing:
             return prepared
         for given, model in zip(objects, prepared):
@@ -288,7 +298,7 @@ class FSDP2Engine(Engine):
         parameters gathered, ``model.set_reshard_after_backward(False)`` holds
         while the micro-batch runs and ``True`` is restored after, so the
         boundary backward reshards before the optimizer step. After the
-        micro-batch, a parameter it gave no gradient (an expert without tokens)
+        micro-batch of a model with per-module experts, a parameter it gave no gradient (an expert without tokens)
         gets a zero one in the reduce dtype
         (:func:`accum_kit.compat.unused_parameters.fsdp_zero_fill_accumulated_grads`).
         """
@@ -307,10 +317,32 @@ class FSDP2Engine(Engine):
         try:
             with base_no_sync(model):
                 yield
-            fsdp_zero_fill_accumulated_grads(model)  # one reduce dtype at the boundary (engines/moe.py)
+            if model in (getattr(self, "expert_models", None) or {}):
+                fsdp_zero_fill_accumulated_grads(model)  # one reduce dtype at the boundary (engines/moe.py)
         finally:
             if keep:
                 model.set_reshard_after_backward(True)
+
+    def backward(self, accelerator, loss, base_backward, **kwargs):
+        """``base_backward`` (Accelerate's); for a model with per-module experts, first record what ``loss``'s graph
+        reaches, and after the window's boundary set ``.grad = None`` on each sharded parameter no micro-batch of the
+        window reached on any rank (:class:`accum_kit.engines.reached.ReachedParameters`), which FSDP2 gave a zero
+        gradient (:meth:`after_prepare`): the optimizer then skips it, as one big batch on one process does."""
+        watch = getattr(self, "forward_watch", None)
+        if watch is None:  # no model with experts
+            return base_backward(loss, **kwargs)
+        experts = self.expert_models
+        for model in watch.ran():
+            if model in experts:
+                experts[model].observe(loss)
+        out = base_backward(loss, **kwargs)
+        boundary = bool(accelerator.sync_gradients)
+        if boundary:
+            for model in watch.ran(boundary=True):
+                if model in experts:
+                    experts[model].drop_unreached(accelerator.device)
+        watch.backward_done(boundary)
+        return out
 
     def reduces_each_micro_batch(self, accelerator, policy) -> bool:
         """True under ``sync_each_batch`` and HSDP's ``reduce_scatter_each_batch`` (its reduce-scatter runs every

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..core.loss import WindowNormalizer
+from ..core.window_figures import WindowFigures
 from ..core.read_ahead import read_ahead
 from ..errors import UsageError
 
@@ -83,8 +84,9 @@ class LookaheadNormalizer(WindowNormalizer):
         return summed_loss * scale
 
     @torch.no_grad()
-    def finish(self, model: torch.nn.Module) -> tuple[float, int]:
-        """Close the window (the engine has stepped already): return ``(window_loss, window_tokens)``."""
+    def finish(self, model: torch.nn.Module) -> WindowFigures:
+        """Close the window (the engine has stepped already): return its loss and tokens, read on the host here
+        (one read per window, to check them against the look-ahead count)."""
         acc = self.accelerator
         stats = self._stats if self._stats is not None else torch.zeros(3, dtype=torch.float64, device=acc.device)
         loss_sum, tokens, _ = acc.reduce(stats.to(acc.device), reduction="sum").cpu().tolist()
@@ -92,4 +94,4 @@ class LookaheadNormalizer(WindowNormalizer):
             raise RuntimeError(f"the window's items counted ahead ({self.window_items:g}) differ from those the "
                                f"loss function returned ({tokens:g}): its count_items must count what it averages")
         self._reset()
-        return loss_sum / max(tokens, 1.0), int(tokens)
+        return WindowFigures.of(loss_sum / max(tokens, 1.0), int(tokens))

@@ -1,23 +1,23 @@
 """Parameters without a gradient in a micro-batch (mixture-of-experts routing): what each engine does so that no rank
-crashes or waits, and the update stays the big batch's.
+crashes or waits, and the update stays the big batch's. Only for models with per-module experts (:func:`expert_blocks`):
+a dense model runs exactly what Accelerate runs.
 
 A mixture-of-experts model whose experts are separate modules gives an expert no gradient in a backward in
 which the router sent it no token, and routing differs between micro-batches and ranks: an expert may get
 tokens only in a window's last micro-batch, only on one rank, or never. Every engine reduces gradients with
 collectives that must match across ranks, tensor for tensor (docs/moe.md has the measured failures). The fix,
 per engine, gives every trainable parameter a gradient (zero where it had none) before the reduction, which
-adds nothing to the sum, so the update is unchanged:
+adds nothing to the sum:
 
 - FSDP2 and HSDP (:class:`accum_kit.engines.fsdp2.FSDP2Engine`): every unit reduce-scatters a zero gradient
   for a parameter without one (:func:`accum_kit.compat.unused_parameters.fsdp_reduce_unused_parameters`, at
   ``prepare``), and after each ``no_sync`` backward a parameter without a gradient gets a zero one in the
   reduce dtype (:func:`accum_kit.compat.unused_parameters.fsdp_zero_fill_accumulated_grads`), so that the
   boundary's reduce-scatter sees one dtype under bf16;
-- DDP and DeepSpeed ZeRO-1/2 (:func:`zero_gradient_term`): ``accelerator.backward`` adds ``0 x`` one element
-  of every parameter to the loss of a backward that reduces, so that every parameter's gradient hook fires
-  (DDP's reducer, DeepSpeed's reduce buckets) with a zero gradient where the forward did not reach it; DDP
-  with ``find_unused_parameters`` (which finds them itself) and one process get the zero gradients after the
-  window's backward instead (:func:`fill_zero_gradients`);
+- DDP without ``find_unused_parameters`` and DeepSpeed ZeRO-1/2 (:func:`zero_gradient_term`):
+  ``accelerator.backward`` adds ``0 x`` one element of every parameter to the loss of a backward that reduces,
+  so that every parameter's gradient hook fires (DDP's reducer, DeepSpeed's reduce buckets) with a zero gradient
+  where the forward did not reach it; DDP with ``find_unused_parameters`` finds those parameters itself;
 - DeepSpeed ZeRO-2 also needs every rank to hand its gradients to the reduce buckets in one order (it
   flattens them in the order their hooks fire, and sums the buckets position by position: an expert used on
   one rank only fires mid-backward there and at once elsewhere, and the sums mix parameters, silently; measured,
@@ -29,6 +29,13 @@ adds nothing to the sum, so the update is unchanged:
   (``deepspeed.utils.set_z3_leaf_modules``, DeepSpeed's own answer for mixture-of-experts): its parameters
   are gathered together at its forward and, after its backward, DeepSpeed gives every one of them without a
   gradient a zero one before reducing them all.
+
+A parameter that no micro-batch of a window reached on any rank has no gradient in one big batch on one process,
+and the optimizer skips it (no weight decay, no moment update). Under DDP and FSDP2 / HSDP the zeros given for the
+reduction are taken back at the window's boundary (:class:`ReachedParameters`: which parameters each backward's
+autograd graph reached, OR-ed over the ranks), so such a parameter holds ``.grad = None`` at the step as there;
+one process and DDP with ``find_unused_parameters`` leave it without a gradient by themselves. DeepSpeed's
+optimizer steps flat partitions, so under ZeRO it steps with a zero gradient (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -47,21 +54,6 @@ def zero_gradient_term(parameters):
     if not firsts:
         return None
     return torch.cat([f.float() for f in firsts]).sum() * 0.0
-
-
-def fill_zero_gradients(parameters) -> int:
-    """A zero ``.grad`` for every trainable parameter in ``parameters`` that has none (after a backward that reduced,
-    or on one process); returns how many. For a DDP model built with ``find_unused_parameters``, whose reducer
-    marks the unused parameters itself and fails on a second gradient ("Expected to mark a variable ready only
-    once", torch 2.13), and for a model without DDP."""
-    import torch
-
-    filled = 0
-    for p in parameters:
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
-            filled += 1
-    return filled
 
 
 def with_zero_gradients(loss, parameters):

@@ -433,14 +433,20 @@ def tokenize_datasets(raw, tokenizer, block_size: int, packing: bool = True, *,
 def build_collator(tokenizer, packing: bool = True):
     """Batch collator: labels are the inputs (shifted in the loss), -100 on padding.
 
-    Packed blocks all have the same length; unpacked examples are padded to the
-    longest in the batch by ``DataCollatorForLanguageModeling(mlm=False)``.
+    Packed blocks all have the same length and carry no ``attention_mask``: every position attends to all
+    before it, and with an all-ones mask transformers' SDPA path checks the mask on the device at every forward
+    to drop it (``torch.all``, then a host read: a sync per micro-batch on a GPU); without one it goes straight
+    to the causal kernel, with the same result. Unpacked examples are padded to the longest in the batch by
+    ``DataCollatorForLanguageModeling(mlm=False)``, with their mask.
     """
     from transformers import DataCollatorForLanguageModeling, default_data_collator
 
     if packing:
         def collate(features):
             batch = default_data_collator(features)
+            mask = batch.pop("attention_mask", None)
+            if mask is not None and not bool(mask.all()):  # on the host, before the batch moves: no device read
+                batch["attention_mask"] = mask
             batch["labels"] = batch["input_ids"].clone()
             return batch
 

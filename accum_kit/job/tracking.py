@@ -13,7 +13,10 @@ from __future__ import annotations
 import math
 import time
 
+import torch
+
 from ..core.callbacks import LoopCallback
+from ..core.window_figures import read_together
 from ..errors import UsageError
 from ..profiler.records import of_step
 from ..stats import median
@@ -70,17 +73,25 @@ class TrackerLogger(LoopCallback):
     Each step reads the profiler's most recent records back to the step's
     first, so the cost per step does not grow with the run.
 
+    The figures that live on the device (loss, tokens, gradient norm) are read every
+    ``logging_steps`` steps and at the end of training, all the steps since the last read
+    in one copy, and then logged step by step: a GPU waits for them once per
+    ``logging_steps`` windows, not on every step.
+
     Args:
         accelerator: built with ``log_with=...``; call ``init_trackers`` first.
         optimizer: the (prepared) optimizer, for the learning rate.
         profiler: optional CommProfiler of the same run.
+        logging_steps: read and log every this many optimizer steps (every step is still logged).
     """
 
-    def __init__(self, accelerator, optimizer, profiler=None):
+    def __init__(self, accelerator, optimizer, profiler=None, logging_steps: int = 1):
         self.accelerator, self.optimizer, self.profiler = accelerator, optimizer, profiler
+        self.logging_steps = logging_steps
         self._t = None
         self._lr = None
         self._no_sync = None  # median no-sync backward seconds of the latest window with one
+        self._pending: list[tuple] = []  # (step, seconds, host values, WindowFigures, grad norm or None)
 
     def on_train_begin(self, state):
         self._t = time.perf_counter()
@@ -91,16 +102,33 @@ class TrackerLogger(LoopCallback):
     def on_step_end(self, state):
         now = time.perf_counter()
         seconds, self._t = now - self._t, now
-        values = {"train/loss": state.loss, "train/learning_rate": self._lr,
-                  "train/tokens_per_second": state.window_tokens / seconds if seconds > 0 else math.nan,
-                  "train/window_tokens": state.window_tokens, "train/gradient_accumulation_steps": state.accumulation_steps}
+        values = {"train/learning_rate": self._lr, "train/gradient_accumulation_steps": state.accumulation_steps}
         if state.effective_batch_size is not None:
             values["train/effective_batch_size"] = state.effective_batch_size
-        if state.grad_norm is not None:
-            values["train/grad_norm"] = float(state.grad_norm)
         if self.profiler is not None:
             values.update(self._comm(state.step - 1))
-        self.accelerator.log(values, step=state.step)
+        self._pending.append((state.step, seconds, values, state.figures, state.grad_norm))
+        if state.step % self.logging_steps == 0:
+            self.flush()
+
+    def on_train_end(self, state):
+        self.flush()
+
+    def flush(self) -> None:
+        """Read the pending steps' losses, tokens and gradient norms in one copy and log them, step by step.
+        Every process calls it at the same steps (a sharded norm is gathered first)."""
+        pending, self._pending = self._pending, []
+        tensors = [_whole(g) for *_, g in pending if isinstance(g, torch.Tensor)]  # DeepSpeed's may be a float
+        log = next((f.log for *_, f, _ in pending if f.log is not None), None)
+        norms = iter(log.read_all(extra=tensors) if log is not None else [v[0] for v in read_together(
+            [g.reshape(1) for g in tensors])])
+        for step, seconds, values, figures, grad_norm in pending:
+            loss, tokens = figures.read()
+            values = {"train/loss": loss, **values, "train/window_tokens": tokens,
+                      "train/tokens_per_second": tokens / seconds if seconds > 0 else math.nan}
+            if grad_norm is not None:
+                values["train/grad_norm"] = next(norms) if isinstance(grad_norm, torch.Tensor) else float(grad_norm)
+            self.accelerator.log(values, step=step)
 
     def _comm(self, step: int) -> dict:
         calls, micro = of_step(self.profiler.calls, step), of_step(self.profiler.micro_batches, step)
@@ -109,6 +137,13 @@ class TrackerLogger(LoopCallback):
         exposed = sum(max(b - self._no_sync, 0.0) for b in synced) if (self._no_sync is not None and calls) else 0.0
         counted = self.profiler.step_figures(step)  # the engine's part counts the step's collectives
         return {**{f"comm/{k}": v for k, v in counted.items()}, "comm/exposed_seconds": exposed}
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as a plain scalar tensor (a sharded one gathered: a collective on every process)."""
+    from torch.distributed.tensor import DTensor
+
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).reshape(())
 
 
 def quiet_other_processes(accelerator) -> None:

@@ -49,21 +49,29 @@ DESCRIPTION = "Train a causal LM with exact, no_sync gradient accumulation."
 
 
 class LogEvery(LoopCallback):
-    """Callback: logs loss, learning rate and tokens/s every ``every`` optimizer steps (main process)."""
+    """Callback: logs loss, learning rate and tokens/s every ``every`` optimizer steps (main process).
+
+    The windows' figures stay on the device in between (:mod:`accum_kit.core.window_figures`): a logging step
+    reads every window since the last one in one copy.
+    """
 
     def __init__(self, accelerator, lr_scheduler, every: int):
         self.accelerator, self.lr_scheduler, self.every = accelerator, lr_scheduler, every
-        self._t, self._tokens = time.perf_counter(), 0
+        self._t, self._figures = time.perf_counter(), []
 
     def on_step_end(self, state):
-        self._tokens += state.window_tokens
-        if state.step % self.every == 0 and self.accelerator.is_main_process:
+        self._figures.append(state.figures)
+        if state.step % self.every:
+            return
+        if self.accelerator.is_main_process:
             now = time.perf_counter()
+            tokens = sum(f.tokens for f in self._figures)  # the first read takes them all
             logger.info(
                 "step %d: loss %.4f, lr %.3g, %.0f tokens/s",
-                state.step, state.loss, self.lr_scheduler.get_last_lr()[0], self._tokens / (now - self._t),
+                state.step, state.loss, self.lr_scheduler.get_last_lr()[0], tokens / (now - self._t),
             )
-            self._t, self._tokens = now, 0
+            self._t = now
+        self._figures = []
 
 
 def _datasets(cfg: TrainConfig, tokenizer, accelerator, k: int):
@@ -243,7 +251,9 @@ def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared, auto=None, lm_loss
             "tracking": cfg.report_to if cfg.with_tracking else None, "learning_rate": cfg.learning_rate,
             "mixed_precision": accelerator.mixed_precision, "model": model_name(cfg),
             "block_size": cfg.block_size, "seed": cfg.seed})
-        callbacks.append(TrackerLogger(accelerator, run.optimizer, profiler))  # logs K and the effective batch per step
+        # every step's figures, K and the effective batch, read every --logging_steps steps; before LogEvery, so
+        # that one copy reads the losses, tokens and gradient norms that both show
+        callbacks.insert(0, TrackerLogger(accelerator, run.optimizer, profiler, logging_steps=cfg.logging_steps))
     watch = CompileWatch(warmup_steps=1) if compile_settings(accelerator) else None  # before the first compiled call
     if watch is not None:
         callbacks.append(watch)
@@ -297,8 +307,11 @@ def run(cfg: TrainConfig) -> dict:
                                 max_train_steps=run.steps, max_grad_norm=cfg.max_grad_norm,
                                 loss_normalization=cfg.loss_normalization, loss_fn=router or lm_loss, callbacks=callbacks,
                                 profiler=profiler,
-                                checkpointer=checkpointer, resume_from=resume, lr_scaling=cfg.lr_scaling)
-    except Preempted:
+                                checkpointer=checkpointer, resume_from=resume, lr_scaling=cfg.lr_scaling,
+                                logging_steps=cfg.logging_steps)
+    except Preempted:  # every process stops at the same step: log the steps the trackers have not read yet
+        for tracker in (c for c in callbacks if isinstance(c, TrackerLogger)):
+            tracker.flush()
         accelerator.end_training()
         raise
     after = _evaluate(accelerator, run, "after", result.optimizer_steps, lm_loss)

@@ -397,6 +397,50 @@ def delayed_allreduce_part(out: Path) -> dict:
     return {"sleep_seconds": sleep_s, "bucket_seconds": [c.seconds for c in calls], "buckets": len(calls)}
 
 
+class SyncCount(accum_kit.LoopCallback):
+    """torch's own count of synchronising CUDA calls, per micro-batch: ``torch.cuda.set_sync_debug_mode("warn")``
+    while the loop runs, each warning credited to the innermost Python frame outside torch (its owner)."""
+
+    def __init__(self):
+        self.micro, self.outside = [], {}
+
+    def on_train_begin(self, state):
+        import warnings
+
+        self._show, self._filters = warnings.showwarning, list(warnings.filters)
+        warnings.showwarning = self._seen
+        warnings.simplefilter("always")  # every occurrence, not the first per place
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def _seen(self, message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return self._show(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1]  # without this frame and the warnings module's
+                  if "/torch/" not in f.filename and not f.filename.endswith("warnings.py")]
+        f = frames[-1] if frames else None
+        owner = "?" if f is None else f"{'/'.join(Path(f.filename).parts[-3:])}:{f.name}"
+        counts = self.micro[-1]["syncs"] if self.micro else self.outside
+        counts[owner] = counts.get(owner, 0) + 1
+
+    def on_micro_batch_begin(self, state):
+        self.micro.append({"boundary": bool(state.boundary), "syncs": {}})
+
+    def on_train_end(self, state):
+        import warnings
+
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning, warnings.filters[:] = self._show, self._filters
+
+
+def sync_debug_part(out: Path) -> dict:
+    """train_loop (fp32, K=3, tokens, clipping) under ``set_sync_debug_mode``: the synchronising calls per micro-batch."""
+    fresh_state()
+    acc = accum_kit.build_accelerator(common.K)
+    count = SyncCount()
+    run = train(acc, common.MODEL, common.EXAMPLES, common.K, common.B, common.LR, extra=lambda a, m: [count])
+    return {**run_info(acc, run), "micro": count.micro, "outside": count.outside}
+
+
 def ddp_task(out: Path) -> int:
     return run_parts(out, [
         ("bf16_tokens", lambda o: bf16_part(o, "tokens")),
@@ -407,6 +451,7 @@ def ddp_task(out: Path) -> int:
         ("profiler", profiler_part),
         ("collective_events", collective_events_part),
         ("delayed_allreduce", delayed_allreduce_part),
+        ("sync_debug", sync_debug_part),
     ])
 
 

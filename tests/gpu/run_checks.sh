@@ -80,7 +80,10 @@ else
   small=(--model_preset small --max_train_steps 30 --gradient_accumulation_steps 4 --per_device_train_batch_size 8)
   fp32=(--model_preset small --block_size 1024 --max_train_steps 6 --gradient_accumulation_steps 4
         --per_device_train_batch_size 16)
-  bench_args=(--quick)
+  # the shape of the measured GPU table: GPT-2 124M, 8 x 1024 tokens, K 8, bf16, fused AdamW, clipping 1.0
+  bench_args=(--model_presets gpt2 --vocab_size 50257 --block_size 1024 --per_device_train_batch_size 8
+              --accumulation_steps 8 --mixed_precision bf16 --optim adamw_torch_fused --max_grad_norm 1.0
+              --repeats 3 --warmup_steps 1 --steps 2)
   verify_precision=fp16
 fi
 bench_args=("${bench_args[@]}" ${GPU_CHECKS_BENCH_ARGS:-})
