@@ -63,6 +63,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b else None
+        weight_c = None  # the weight in the matmuls' dtype (autocast's), cast once for every chunk
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start:start + chunk], target[start:start + chunk]
             z = F.linear(h, weight, bias)  # under autocast: the autocast dtype, as in the model
@@ -74,8 +75,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             probs = logits.sub_(top).exp_()  # in place: one (C, V) float tensor for the whole chunk
             sums = probs.sum(dim=1)
             total += torch.where(valid, sums.log() + top.squeeze(1) - picked, 0.0).sum().to(acc)
+            if want_h and weight_c is None:
+                weight_c = weight.to(z.dtype)  # no copy in float32
             if want_h or want_w or want_b:
-                _chunk_gradients(probs, sums, safe, valid, picked, z.dtype, h, weight, start, chunk, acc,
+                _chunk_gradients(probs, sums, safe, valid, picked, z.dtype, h, weight_c, start, chunk, acc,
                                  grad_h, grad_w, grad_b)
             # free this chunk's (C, V) tensors before the next chunk's matmul makes its own (measured: without
             # this, two chunks' logits were alive at once at the loss's peak)
@@ -95,15 +98,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 None if grad_b is None else grad_b.mul_(grad_out).to(b_dtype), None, None)
 
 
-def _chunk_gradients(probs, sums, safe, valid, picked, dtype, h, weight, start, chunk, acc, grad_h, grad_w, grad_b):
+def _chunk_gradients(probs, sums, safe, valid, picked, dtype, h, weight_c, start, chunk, acc, grad_h, grad_w,
+                     grad_b):
     """One chunk's gradients, added into the sums: ``probs`` (C, V, float32, overwritten) becomes
-    ``softmax - onehot(target)`` (zero on ignored tokens), the gradient of the chunk's logits."""
+    ``softmax - onehot(target)`` (zero on ignored tokens), the gradient of the chunk's logits; ``weight_c`` is the
+    output weight in ``dtype`` (None when the hidden states need no gradient)."""
     probs.div_(sums[:, None])
     probs.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -1.0))
     probs.mul_(valid[:, None])
     d = probs.to(dtype)  # the matmuls' dtype (autocast's); no copy in float32
     if grad_h is not None:
-        grad_h[start:start + chunk] = d @ weight.to(dtype)
+        grad_h[start:start + chunk] = d @ weight_c
     if grad_w is not None:
         if d.dtype == acc:  # added in place by the matmul: no (V, h) product next to the sum
             grad_w.addmm_(d.t(), h)
