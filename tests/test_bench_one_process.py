@@ -221,3 +221,42 @@ def test_one_process_flags_are_refused_on_two(argv, flag, tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert "error:" in err and flag in err, err
     assert not out.exists()
+
+
+def test_compiled_bench_runs_on_one_process(tmp_path):
+    """``bench --torch_compile`` on one process (the one-GPU case: the prepared model is compiled itself, there is no
+    DDP wrapper): dynamo's ``eager`` backend (tracing without code generation, so the arithmetic is eager's), K = 2,
+    2 repeats of one step. Both arms' first loss is the float64 oracle's within fp32 rounding, every run has its
+    step, and the compile was timed on one process."""
+    import torch
+
+    from accum_kit.cli import run
+
+    out = tmp_path / "compiled"
+    printed = io.StringIO()
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        for name in jh.LAUNCHER_VARS:
+            mp.delenv(name, raising=False)
+        torch.set_num_threads(1)
+        jh.reset_accelerate_state()
+        try:
+            with contextlib.redirect_stdout(printed):
+                rc = run("bench", ["--torch_compile_backend", "eager", "--model_presets", "tiny", "--accumulation_steps",
+                                   str(K), "--repeats", "2", "--warmup_steps", "0", "--steps", "1", "--block_size",
+                                   str(BLOCK), "--output_dir", str(out)])
+        finally:
+            torch._dynamo.reset()
+            jh.reset_accelerate_state()
+            torch.set_num_threads(threads)
+    assert rc == 0, printed.getvalue()[-3000:]
+    result = json.loads((out / "compile.json").read_text())
+    assert result["world_size"] == 1 and result["backend"] == "eager"
+    (preset,) = result["presets"]
+    assert preset["compile_seconds"] > 0 and preset["recompiles_after_first_window"] == 0
+    oracle = _oracle_first_loss()
+    runs = preset["runs"]
+    assert sorted((r["mode"], r["repeat"]) for r in runs) == sorted((m, rep) for m in ("eager", "compiled")
+                                                                     for rep in range(2))
+    for r in runs:
+        assert len(r["step_seconds"]) == 1 and r["losses"][0] == pytest.approx(oracle, rel=1e-5), r

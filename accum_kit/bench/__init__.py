@@ -159,8 +159,8 @@ tensor memory over the run's start and its prediction, the loss difference from 
 below plain's by one float32 logits copy and within 10 % of its prediction). ``--model_presets gpt2 --vocab_size 50257
 --block_size 1024`` is GPT-2 small's shape.
 
-``--torch_compile`` (:mod:`.part_compiled`) runs instead the ``no_sync`` loop compiled against eager, paired and
-interleaved per K, with compile seconds and the break-even step count (``compile.json``; docs/compile.md).
+``--torch_compile`` (:mod:`.part_compiled`) runs instead the ``no_sync`` loop compiled against eager (on one process,
+the prepared model compiled itself), paired and interleaved per K, with compile seconds and the break-even step count (``compile.json``; docs/compile.md).
 
 ``--gradient_checkpointing_ab`` (:mod:`.checkpointing_ab`) gives every arm (DDP: ``sync_each_batch``, ``no_sync``,
 ``raw_ddp``; FSDP2 / HSDP: each policy) a twin with activation checkpointing (``<arm>+gc``, a second copy of the
