@@ -160,7 +160,8 @@ below plain's by one float32 logits copy and within 10 % of its prediction). ``-
 --block_size 1024`` is GPT-2 small's shape.
 
 ``--torch_compile`` (:mod:`.part_compiled`) runs instead the ``no_sync`` loop compiled against eager (on one process,
-the prepared model compiled itself), paired and interleaved per K, with compile seconds and the break-even step count (``compile.json``; docs/compile.md).
+the prepared model compiled itself), paired and interleaved per K, with compile seconds and the break-even step
+count (``compile.json``; docs/compile.md).
 
 ``--gradient_checkpointing_ab`` (:mod:`.checkpointing_ab`) gives every arm (DDP: ``sync_each_batch``, ``no_sync``,
 ``raw_ddp``; FSDP2 / HSDP: each policy) a twin with activation checkpointing (``<arm>+gc``, a second copy of the
