@@ -120,6 +120,16 @@ class StepSaver:
             self.steps.append(full)
 
 
+def _master_partition_bytes(zero_optimizer) -> int:
+    """Bytes of the float32 partitions this process's optimizer updates that are storage of their own (not the
+    parameters' partition itself): ZeRO-1/2's ``single_partition_of_fp32_groups``, ZeRO-3's
+    ``fp32_partitioned_groups_flat`` where it is not ``fp16_partitioned_groups_flat``."""
+    if hasattr(zero_optimizer, "fp32_partitioned_groups_flat"):
+        pairs = zip(zero_optimizer.fp32_partitioned_groups_flat, zero_optimizer.fp16_partitioned_groups_flat)
+        return sum(f.numel() * f.element_size() for f, h in pairs if f.data_ptr() != h.data_ptr())
+    return sum(f.numel() * f.element_size() for f in zero_optimizer.single_partition_of_fp32_groups)
+
+
 def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) -> None:
     from accelerate.state import AcceleratorState
     from accelerate.utils import DeepSpeedPlugin
@@ -188,7 +198,8 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
         info.update(profiler_calls=[{"kind": c.kind, "micro_batch": c.micro_batch - counter.offset, "bytes": c.bytes,
                                      "seconds": c.seconds} for c in profiler.collective_calls],
                     profiler_summary=profiler.local_summary(), memory=held.local(),
-                    predicted_memory=predicted_memory(accelerator, model, sc["K"]))
+                    predicted_memory=predicted_memory(accelerator, model, sc["K"]),
+                    master_partition_bytes=_master_partition_bytes(model.optimizer))
     info["scenario_seconds"] = time.perf_counter() - started  # build to end of training (what a scenario adds)
     (d / f"rank{rank}.json").write_text(json.dumps(info, indent=1, default=str))
     accelerator.wait_for_everyone()

@@ -73,16 +73,18 @@ def test_korthikanti_count_for_other_families():
 
 def hand_peak(P, L, h, a, b, s, *, ckpt, baseline, buckets=False, logits=False):
     """The DDP row's peak by hand: parameters, gradients, AdamW's two moments, with several processes DDP's
-    buckets (a copy of the gradient), activations, the stated calibration's share of one layer (the backward's
-    transient gradients) and the loss: by default computed in the output layer (its gradients of the b s hidden
-    states and of the V x h weight, and the logits of one chunk, here the whole micro-batch: V = 384 allows
-    43690 tokens per chunk); with ``logits`` 4 float32 copies of the logits."""
+    buckets (a copy of the gradient), activations, and the loss: by default computed in the output layer (it keeps
+    its gradients of the b s hidden states and of the V x h weight, and makes the logits of one chunk in its
+    forward, here the whole micro-batch: V = 384 allows 43690 tokens per chunk); with ``logits`` it keeps the
+    float32 log-softmax and makes 2 more copies at its backward. On top, the larger of the loss's transient and
+    the stated calibration's share of one layer (the backward's transient gradients): they never coexist."""
     layer = 30 * h + a + 4
     T = b * s
     per_token = (L * h + layer) if ckpt else L * layer
-    per_token += 2 * h + 2 + CALIBRATION * layer
-    loss = T * 4 * V * 4 if logits else 4 * (T * h + V * h) + T * V * 4
-    return baseline + 4 * P + 4 * P + 8 * P + (4 * P if buckets else 0) + T * per_token * 4 + loss
+    per_token += 2 * h + 2
+    kept, made = (T * V * 4, 2 * T * V * 4) if logits else (4 * (T * h + V * h), T * V * 4)
+    return (baseline + 4 * P + 4 * P + 8 * P + (4 * P if buckets else 0) + T * per_token * 4 + kept
+            + max(made, CALIBRATION * T * layer * 4))
 
 
 def test_the_plan_prices_the_full_logits_with_fused_loss_off():

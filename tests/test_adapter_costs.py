@@ -80,7 +80,8 @@ def test_cost_rows_count_gradients_state_and_reductions_of_the_adapters_only():
     # ZeRO: optimizer state of the adapters (partitioned); frozen weights held whole (1, 2) or partitioned (3)
     for stage, shards in (("zero1", 4 * P), ("zero2", 4 * P), ("zero3", 4 * P / W)):
         z = zero_costs(stage, T, world_size=W, accumulation_steps=K, frozen_parameters=P - T)
-        assert (z.parameter_shard_bytes, z.optimizer_state_bytes) == (shards, 8 * T / W), stage
+        # AdamW's two moments and the float32 master partition (4 bytes), of the adapters only
+        assert (z.parameter_shard_bytes, z.optimizer_state_bytes) == (shards, (8 + 4) * T / W), stage
         assert z.gradient_bytes == (4 * T if stage == "zero1" else 4 * T / W), stage
         assert policy_costs(stage, units, world_size=W, accumulation_steps=K) == z
     # full fine-tuning unchanged: the same model without adapters prices every parameter
@@ -102,12 +103,14 @@ def test_peak_by_part_names_the_frozen_weights():
 def lora_hand_peak(P, T, b, s, *, baseline, buckets):
     """A LoRA DDP row's peak by hand (r on c_attn, no dropout, the fused loss): every weight held (4 P),
     the adapters' gradient, AdamW moments and DDP's bucket copy (4 + 8 + 4 per trainable element), the adapted
-    blocks' activations (test above), the frozen output layer's fused loss: the hidden states' gradient and one
-    chunk's logits (here the whole micro-batch), no weight gradient."""
+    blocks' activations (test above), the frozen output layer's fused loss: it keeps the hidden states' gradient (no
+    weight gradient) and makes one chunk's logits (here the whole micro-batch); on top the larger of that chunk and
+    the calibration's share of one layer (as tests/test_activation_memory.py's hand_peak)."""
     layer = 30 * D + A + 4 - D - F + (T // L) // (4 * D)  # + r per token: lora_A's output
     tok = b * s
-    acts = tok * (L * layer - (D + 2) + 2 * D + 2 + CALIBRATION * layer) * 4 + 4 * tok * D + tok * V * 4
-    return baseline + 4 * P + 4 * T + 8 * T + (4 * T if buckets else 0) + acts
+    acts = tok * (L * layer - (D + 2) + 2 * D + 2) * 4 + 4 * tok * D
+    return (baseline + 4 * P + 4 * T + 8 * T + (4 * T if buckets else 0) + acts
+            + max(tok * V * 4, CALIBRATION * tok * layer * 4))
 
 
 def test_plan_prices_a_lora_run_by_hand():

@@ -12,7 +12,8 @@ bad-input cases (``cli.run("bench", argv)``) run. Expected values come from:
   ``a``, ``c`` and ``a`` from the per-micro-batch phase times, medians from
   the per-step times;
 - the three modes doing the same arithmetic on the same data from the same
-  weights: equal losses;
+  weights: equal losses; ``no_sync_fused`` (``no_sync`` with the default fused loss, the others run the
+  logits' loss) the same first loss within 1e-6 relative, and its loss-axis row recomputed from the runs;
 - the peers (``trainer``, ``accelerate_guide``), run in the same launch: the
   same all-reduce counts as ``no_sync``; the guide's mean of micro-batch means
   equals the token mean on this fixed-length data; Trainer's loss is the
@@ -50,9 +51,10 @@ import job_helpers as jh
 PRESETS = ("tiny", "mini")
 KS = (1, 2)
 CORE = ("sync_each_batch", "no_sync", "raw_ddp")
+FUSED = ("no_sync_fused",)
 MANUAL = ("manual_allreduce", "manual_allreduce_flat")
 PEERS = ("trainer", "accelerate_guide")
-MODES = CORE + MANUAL + PEERS
+MODES = CORE + FUSED + MANUAL + PEERS
 WARMUP, STEPS, REPEATS, WORLD = 1, 2, 2, 2
 BLOCK, VOCAB = 32, 384
 ARGS = ["--model_presets", *PRESETS, "--accumulation_steps", *map(str, KS), "--repeats", str(REPEATS),
@@ -415,6 +417,33 @@ def test_every_ratio_has_the_t_interval_of_its_per_repeat_ratios(bench):
             assert float(row["no_sync_over_raw_ddp_ci_low"]) == pytest.approx(d["no_sync_over_raw_ddp_ci_low"], rel=1e-12)
     # an interval that contains 1 is marked in the printed tables (t = 12.7 with 2 repeats: most do)
     assert "not resolved" in bench["res"].stdout
+
+
+def test_fused_mode_is_the_loss_axis_against_no_sync(bench):
+    """no_sync_fused (train_loop's default loss) against no_sync (the logits' loss, raw DDP's formula): one row per
+    preset and K; same weights and data, so the first losses agree within 1e-6 relative; the ratio is the median of
+    the per-repeat ratios with its t-interval, the memory saved the mean of the per-repeat differences of the rise."""
+    js = bench["json"]
+    axis = {(r["preset"], r["K"]): r for r in js["fused_loss"]}
+    assert sorted(axis) == sorted((p, k) for p in PRESETS for k in KS)
+    for (p, K), row in axis.items():
+        assert (row["arm"], row["against"], row["n_pairs"]) == ("no_sync_fused", "no_sync", REPEATS)
+        runs = [r for r in js["runs"] if r["preset"] == p]
+        first = {(r["mode"], r["repeat"]): r["losses"][0] for r in runs if r["K"] == K}
+        for rep in range(REPEATS):
+            assert first[("no_sync_fused", rep)] == pytest.approx(first[("no_sync", rep)], rel=1e-6, abs=0), (p, K)
+        assert row["first_loss_rel_diff"] <= 1e-6
+        ratios = _per_repeat(runs, K, "no_sync_fused", "no_sync")
+        assert row["fused_over_logits"] == pytest.approx(statistics.median(ratios))
+        lo, hi = _t_interval(ratios, T_0975_DF1)
+        assert (row["fused_over_logits_ci_low"], row["fused_over_logits_ci_high"]) == pytest.approx((lo, hi), rel=1e-4)
+        rise = {(r["mode"], r["repeat"]): r["peak_increase_mb"] for r in runs if r["K"] == K}
+        assert row["memory_saved_mb"] == pytest.approx(
+            statistics.fmean(rise[("no_sync", rep)] - rise[("no_sync_fused", rep)] for rep in range(REPEATS)))
+        assert row["predicted_saved_mb"] == js["presets"][p]["fused_loss_prediction"]["saved_mb"]
+    assert {t["target"] for t in js["targets"]} == {
+        f"K={K} no_sync_fused {what}" for K in KS for what in ("step not worse", "saves memory as predicted")}
+    assert "the fused loss as its own axis" in bench["res"].stdout
 
 
 def test_manual_allreduce_modes_count_one_collective_per_parameter_tensor_and_match_no_sync(bench):

@@ -330,6 +330,23 @@ def test_gradient_memory_held_is_what_the_stage_predicts(runs, stage):
               f"({held / predicted:.3f})")
 
 
+@needs_deepspeed
+@pytest.mark.parametrize("stage", STAGES)
+def test_optimizer_state_counts_the_float32_master_partition(runs, stage):
+    """The float32 partition each process's optimizer updates, read from DeepSpeed's optimizer (fp32 run): a copy of
+    the parameters' partition in every stage, 4 P / W bytes up to the partition's alignment padding (ZeRO-3's source
+    would reuse the parameters' own float32 partition on the optimizer's device; on CPU it copies). The cost row's
+    optimizer state is AdamW's 8 P / W plus that."""
+    run = runs[f"zero{stage}"]
+    P = _parameters(run)
+    for info in run["ranks"]:
+        master = info["master_partition_bytes"]
+        expected = 4 * P / W
+        assert master == pytest.approx(expected, abs=4 * 64), (stage, master, expected)
+        predicted = info["predicted_memory"][f"zero{stage}"]["optimizer_state_bytes"]
+        assert predicted == pytest.approx(8 * P / W + expected)
+
+
 def test_the_cost_row_holds_gradients_in_the_modules_dtype():
     """Under a bf16 config DeepSpeed casts the module to bf16 and keeps the reduced gradient partitions in bf16
     (measured at world size 1, DeepSpeed 0.19.8: 2 P bytes held between micro-batches, half of 4 P): the stage's

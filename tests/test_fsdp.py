@@ -55,10 +55,12 @@ LORA_SCENARIOS.append({**_sc("lora_k3_no_sync_gc"), "lora": jh.LORA, "momentum":
                        "gradient_checkpointing": True})
 SCENARIOS += LORA_SCENARIOS
 BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
-# `accum-kit bench` under FSDP2, last in the same launch: every policy at two K, two passes
+# `accum-kit bench` under FSDP2, last in the same launch: every policy (with the logits' loss) and no_sync with the
+# default fused loss (the loss axis) at two K, two passes
 BENCH_KS, BENCH_BLOCK, BENCH_VOCAB = (2, 3), 32, 384
 BENCH_ARGV = ["--model_presets", "tiny", "--accumulation_steps", *map(str, BENCH_KS), "--repeats", "2", "--steps", "2",
-              "--warmup_steps", "1", "--block_size", str(BENCH_BLOCK)]
+              "--warmup_steps", "1", "--block_size", str(BENCH_BLOCK), "--accumulation_policies", *POLICIES,
+              "no_sync_fused"]
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +312,7 @@ def test_fsdp_bench_sweeps_every_policy_and_writes_its_files(bench):
     for K in BENCH_KS:  # the repeats rotate the policies in other orders over the same windows: same training
         runs = {r["repeat"]: r for r in result["runs"] if r["K"] == K}
         assert len(runs) == 2 and runs[1]["losses"] == pytest.approx(runs[0]["losses"], rel=1e-5)
-        assert {r["policy"] for r in result["runs"] if r["K"] == K} == set(POLICIES)
+        assert {r["policy"] for r in result["runs"] if r["K"] == K} == {*POLICIES, "no_sync_fused"}
     # the speedups and their intervals, recomputed from the per-window step times: one ratio per cycle
     # (sync_each_batch's window over this policy's in the same cycle), t-interval on their logarithms
     t_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365}  # Student's t, by df
@@ -326,6 +328,16 @@ def test_fsdp_bench_sweeps_every_policy_and_writes_its_files(bench):
         if half > 0:
             assert (r["speedup_ci_low"], r["speedup_ci_high"]) == pytest.approx((math.exp(m - half), math.exp(m + half)),
                                                                               rel=1e-3)
+    # the loss axis: no_sync_fused's windows against no_sync's of the same cycle (the first losses are not compared:
+    # the two arms' windows hold different data)
+    axis = result["fused_loss"]
+    assert [(r["K"], r["arm"], r["against"], r["n_pairs"]) for r in axis] == [(K, "no_sync_fused", "no_sync", 4)
+                                                                              for K in BENCH_KS]
+    for r in axis:
+        windows = {p: {(x["repeat"], c): t for x in result["runs"] if x["K"] == r["K"] and x["policy"] == p
+                       for c, t in zip(x["cycles"], x["step_seconds"])} for p in ("no_sync_fused", "no_sync")}
+        ratios = [windows["no_sync_fused"][c] / windows["no_sync"][c] for c in sorted(windows["no_sync"])]
+        assert r["fused_over_logits"] == pytest.approx(statistics.median(ratios)) and r["first_loss_rel_diff"] is None
 
 
 def test_fsdp_bench_counts_and_memory_follow_the_formulas(bench):

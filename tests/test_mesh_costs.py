@@ -149,7 +149,7 @@ def test_memory_per_process_by_hand_and_it_changes_with_tp_and_cp():
     assert cp.memory["parameters"] == P1 * 4 / 8 and cp.memory["gradients"] == P1 * 4  # FSDP2 over S cp = 8
     inside_tp = 2 * 32 + 2 * 16 + 8 + 4 * 48  # 2 h + 2 a_kv d + a + 4 f
     per_token_layer = {1: 6 * 32 + 2 + inside_tp, 2: 6 * 32 + 2 + inside_tp / 2}
-    head = 3 * 32 + 1 + 4 * 64
+    head = 3 * 32 + 1 + 3 * 64  # the head's 3 h + 1 and 3 float32 copies of the logits (V = 64) at the loss's backward
     assert dp.memory["activations"] == B * SEQ * (2 * per_token_layer[1] + head) * 4
     assert tp.memory["activations"] == B * SEQ * (2 * per_token_layer[2] + head) * 4
     # cp: half the tokens, and the output all-to-all's copy (h) per token and layer

@@ -20,6 +20,14 @@ average gradients by hand and two peers), on the same model, data and seed:
   as nanoGPT does, with the same loss arithmetic (summed token loss, gradients
   scaled by ``world_size / N`` once per window after one all-reduce of the
   window's token count) and the same data;
+- ``no_sync_fused``, opt-in: ``no_sync`` with :func:`accum_kit.train_loop`'s
+  default loss, computed in the output layer in chunks without full-vocabulary
+  logits (docs/fused_loss.md). The three modes above all compute the loss from
+  the logits (:func:`accum_kit.core.loss.logits_causal_lm_loss`, raw DDP's
+  formula), so ``no_sync`` / ``raw_ddp`` is the loop alone; ``no_sync_fused``
+  against ``no_sync`` (the loss axis, :mod:`.loss_axis`, :mod:`.report_loss`:
+  step time paired per repeat with its interval, the memory saved against the
+  memory model's prediction, the first losses) is the loss alone;
 - ``manual_allreduce`` and ``manual_allreduce_flat``, opt-in: the raw loop
   on a plain (not DDP-wrapped) copy of the model, averaging the gradients by
   hand after the window's last backward, one ``dist.all_reduce`` per
@@ -127,7 +135,9 @@ bench``) the sweep compares the accumulation policies (``--accumulation_policies
 instead of the modes above: step time with a paired 95 % interval of the speedup over ``sync_each_batch``,
 reduce-scatters and all-gathers per step, bytes, gradient memory held between micro-batches against its
 prediction, the ideal step from the profile, and a plot of seconds saved against memory added
-(:mod:`.part_fsdp2`; docs/fsdp_costs.md).
+(:mod:`.part_fsdp2`; docs/fsdp_costs.md). The policies run the loss from the logits; ``<policy>_fused`` in
+``--accumulation_policies`` (e.g. ``no_sync_fused``) adds that policy with the default fused loss to the
+rotation, reported as the loss axis against ``<policy>``.
 
 Under a DeepSpeed launch (``accelerate launch --config_file accelerate_configs/cpu_deepspeed.yaml -m accum_kit
 bench``) it compares the ZeRO stages (``--zero_stages``, default 1 2 3) per K, one engine per stage and K in the
@@ -137,18 +147,21 @@ their prediction, and the profiler's estimate of ZeRO-1's saving over ZeRO-2 (:m
 
 On one process (``accelerate launch --config_file accelerate_configs/cpu_single.yaml -m accum_kit bench``, plain
 ``python -m accum_kit bench``, or one GPU) there is no DDP wrapper, so no mode above means anything; the bench
-compares instead (:mod:`.part_single`, ``--modes``, default all) accum-kit's loop (``kit``), a plain PyTorch loop
+compares instead (:mod:`.part_single`, ``--modes``, default all) accum-kit's loop with the loss from the logits
+(``kit``) and with its default fused loss (``kit_fused``), a plain PyTorch loop
 (``plain``: the model's own loss given ``labels``, ``torch.autocast``, :mod:`accum_kit.reference.plain_loop`) and
 the peers ``accelerate_guide`` and ``trainer``, on the same weights, data, optimizer (``--optim``), precision
 (``--mixed_precision``) and clipping (``--max_grad_norm``): per K and arm s/step with the paired ratio to
 ``plain`` and its 95 % interval, tokens/s, model FLOPs utilisation (6 x parameters x tokens/s over a datasheet
 peak for H100 / H200 / A100, else a matmul measured here; :mod:`.peak_flops`), peak memory and the rise of
-tensor memory over the run's start, the loss difference from ``plain``, and two targets (kit / plain at most
-1.02; the kit's tensor peak below plain's by one float32 logits copy). ``--model_presets gpt2 --vocab_size 50257
+tensor memory over the run's start and its prediction, the loss difference from ``plain``, the loss axis
+(``kit_fused`` against ``kit``), and the targets (each kit arm / plain at most 1.02; ``kit_fused``'s tensor peak
+below plain's by one float32 logits copy and within 10 % of its prediction). ``--model_presets gpt2 --vocab_size 50257
 --block_size 1024`` is GPT-2 small's shape.
 
-``--torch_compile`` (:mod:`.part_compiled`) runs instead the ``no_sync`` loop compiled against eager, paired and
-interleaved per K, with compile seconds and the break-even step count (``compile.json``; docs/compile.md).
+``--torch_compile`` (:mod:`.part_compiled`) runs instead the ``no_sync`` loop compiled against eager (on one process,
+the prepared model compiled itself), paired and interleaved per K, with compile seconds and the break-even step
+count (``compile.json``; docs/compile.md).
 
 ``--gradient_checkpointing_ab`` (:mod:`.checkpointing_ab`) gives every arm (DDP: ``sync_each_batch``, ``no_sync``,
 ``raw_ddp``; FSDP2 / HSDP: each policy) a twin with activation checkpointing (``<arm>+gc``, a second copy of the

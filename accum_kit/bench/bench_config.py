@@ -18,6 +18,7 @@ from ..engines.policies import POLICIES
 from ..errors import UsageError
 from ..job.models import PRESETS
 from ..outputs import check_output_dir
+from .loss_axis import fused_name, logits_arm
 
 #: The three loops the sweep compares by default, in their default order.
 MODES = ("sync_each_batch", "no_sync", "raw_ddp")
@@ -27,10 +28,14 @@ MANUAL = ("manual_allreduce", "manual_allreduce_flat")
 #: loop of Accelerate's gradient accumulation guide. Kept out of the default: each Trainer run builds a new
 #: Trainer, Accelerator and DDP wrapper, which adds seconds per run on 2 CPU cores.
 PEERS = ("trainer", "accelerate_guide")
-ALL_MODES = MODES + MANUAL + PEERS
+#: The DDP modes run with the loss from the logits, the formula of raw DDP and the peers; ``no_sync_fused``, opt-in,
+#: is ``no_sync`` with train_loop's default fused loss (:mod:`accum_kit.bench.loss_axis`), compared with ``no_sync``.
+FUSED_MODES = ("no_sync_fused",)
+ALL_MODES = MODES + FUSED_MODES + MANUAL + PEERS
 #: The arms of the one-process bench (one process: no DDP wrapper, so neither ``no_sync`` nor raw DDP means
-#: anything): accum-kit's loop, a plain PyTorch loop and the peers (:mod:`accum_kit.bench.part_single`).
-ONE_PROCESS_ARMS = ("kit", "plain") + PEERS
+#: anything): accum-kit's loop with the logits and with its default fused loss, a plain PyTorch loop and the peers
+#: (:mod:`accum_kit.bench.part_single`).
+ONE_PROCESS_ARMS = ("kit", "kit_fused", "plain") + PEERS
 #: ``--mixed_precision`` values (Accelerate's), ``--optim`` values (transformers' ``TrainingArguments`` names).
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
@@ -66,13 +71,17 @@ class BenchConfig:
         "help": f"Gradient accumulation steps K to sweep (run in increasing order; default {list(DEFAULT_KS)}, "
                 f"with --tune {TUNE_K})."})
     modes: list[str] | None = field(default=None, metadata={
-        "help": f"Loops to run. Under DDP (2+ processes) any of {list(ALL_MODES)} (default: the first three; the "
+        "help": f"Loops to run. Under DDP (2+ processes) any of {list(ALL_MODES)} (default: the first three, with the "
+                "loss from the logits as raw_ddp; no_sync_fused, no_sync with train_loop's default fused loss, the "
                 "manual all-reduce modes and the peers trainer and accelerate_guide are opt-in); on one process any "
-                f"of {list(ONE_PROCESS_ARMS)} (default: all)."})
+                f"of {list(ONE_PROCESS_ARMS)} (default: all; kit with the logits' loss as plain, kit_fused with the "
+                "default fused loss)."})
     accumulation_policies: list[str] | None = field(default=None, metadata={
         "help": f"Under an FSDP2 config (accelerate_configs/cpu_fsdp.yaml): the accumulation policies to sweep, any "
                 f"of {list(POLICIES)} (default: the four that apply to FSDP2; under an HSDP config, "
-                "accelerate_configs/cpu_hsdp.yaml, all five). The DDP --modes do not apply there."})
+                "accelerate_configs/cpu_hsdp.yaml, all five), each run with the loss from the logits; <policy>_fused "
+                "(e.g. no_sync_fused, opt-in) runs that policy with train_loop's default fused loss, compared with "
+                "<policy>. The DDP --modes do not apply there."})
     zero_stages: list[int] | None = field(default=None, metadata={
         "help": "Under a DeepSpeed config (accelerate_configs/cpu_deepspeed.yaml): the ZeRO stages to sweep, any of "
                 "1 2 3 (default: all three), one engine per stage and K, windows rotated across them."})
@@ -187,7 +196,8 @@ class BenchConfig:
                              "static_graph fails when its first backward runs under no_sync, as Trainer's first window "
                              "does (pytorch/pytorch#143580)", "drop it or remove trainer from --modes")
         checks.distinct_choices("--model_presets", self.model_presets, sorted(PRESETS))
-        checks.distinct_choices("--accumulation_policies", self.accumulation_policies, list(POLICIES))
+        checks.distinct_choices("--accumulation_policies", self.accumulation_policies,
+                                [*POLICIES, *(fused_name(p) for p in POLICIES)])
         for flag in ("steps", "repeats", "per_device_train_batch_size"):
             checks.at_least(f"--{flag}", getattr(self, flag))
         checks.at_least("--warmup_steps", self.warmup_steps, minimum=0, fix="pass 0 or a positive integer")
@@ -273,7 +283,7 @@ class BenchConfig:
             raise UsageError("--emulate_inter_node_GBps", "emulates the link HSDP all-reduces across replicas "
                              "over, and this launch is not HSDP", "launch with accelerate_configs/cpu_hsdp.yaml, "
                              "or drop the flag")
-        needs_replicas = [p for p in self.accumulation_policies if POLICIES[p].hsdp_only]
+        needs_replicas = [p for p in self.accumulation_policies if POLICIES[logits_arm(p)].hsdp_only]
         if needs_replicas:
             raise UsageError("--accumulation_policies", f"{needs_replicas[0]} needs HSDP (a replicate group)",
                              "launch with accelerate_configs/cpu_hsdp.yaml, or leave it out")

@@ -145,6 +145,8 @@ def plot_policies_png(result: dict) -> bytes:
         left.legend(fontsize=7)
         for policy in result["config"]["accumulation_policies"]:
             rs = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["K"])
+            if not rs:  # a fused arm: its figures are the loss axis's, not a policy row
+                continue
             right.errorbar([r["K"] for r in rs], [r["step_s_median"] for r in rs],
                            yerr=[[r["step_s_median"] - r["step_s_q1"] for r in rs],
                                  [r["step_s_q3"] - r["step_s_median"] for r in rs]],

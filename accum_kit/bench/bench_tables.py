@@ -148,8 +148,8 @@ def format_one_process_table(preset: str, info: dict, rows: list[dict], modes: l
     head = (f"{preset}: {info['parameters'] / 1e6:.1f}M parameters, micro-batch {info['micro_batch']}, vocabulary "
             f"{info['vocab_size']}, one process on {info['device']}, mixed precision {info['mixed_precision']}, "
             f"{info['optim']}, {clip}; MFU peak {peak['flops_per_s'] / 1e12:.4g} TFLOP/s ({peak['source']})")
-    headers = ["K", "arm", "s/step [q1-q3]", "/ plain [95% CI]", "/ plain, CPU s", "tokens/s", "MFU", "peak MB",
-               "+MB in run", "tensors +MB", "tensors - plain", "loss - plain: max |d|"]
+    headers = ["K", "arm", "s/step [q1-q3]", "/ plain [95% CI]", "/ plain, CPU s", "/ kit [95% CI]", "tokens/s", "MFU",
+               "peak MB", "+MB in run", "tensors +MB", "predicted", "tensors - plain", "loss - plain: max |d|"]
     table = []
     for r in sorted(rows, key=lambda r: (r["K"], modes.index(r["mode"]))):
         plain = r["mode"] == "plain"
@@ -159,8 +159,11 @@ def format_one_process_table(preset: str, info: dict, rows: list[dict], modes: l
                                                               r.get("over_plain_ci_high")),
                       "1" if plain else fmt_ratio(r.get("over_plain_cpu"), r.get("over_plain_cpu_ci_low"),
                                                   r.get("over_plain_cpu_ci_high")),
+                      "-" if r.get("over_kit") is None else fmt_ratio(r["over_kit"], r.get("over_kit_ci_low"),
+                                                                      r.get("over_kit_ci_high")),
                       _f(r["tokens_per_s"], "{:.0f}"), _f(r["mfu"], "{:.1%}"), _f(r["peak_mb"], "{:.0f}"),
                       _f(r["peak_increase_mb"], "{:.1f}"), _f(r["tensor_peak_increase_mb"], "{:.1f}"),
+                      _f(r.get("predicted_tensor_peak_increase_mb"), "{:.1f}"),
                       "-" if plain else _f(r.get("tensor_peak_minus_plain_mb"), "{:+.1f}"),
                       "-" if plain else _f(r.get("loss_max_abs_diff_vs_plain"), "{:.2e}")])
     text = _table(table, headers, ("right", "left") + ("right",) * (len(headers) - 2))
@@ -171,9 +174,38 @@ def format_one_process_table(preset: str, info: dict, rows: list[dict], modes: l
             f"'{NOT_RESOLVED}' when it contains 1, also in the process's CPU seconds per step; tokens: input tokens, "
             "K x batch x block; MFU: 6 x parameters x tokens/s / the peak above; peak MB: "
             f"{info['memory_method']}, median over runs; +MB in run: its rise over the run's start; tensors +MB: "
-            f"{tensors}, and that minus plain's; one float32 copy of the logits is "
+            f"{tensors}, the memory model's prediction of it, and that rise minus plain's; / kit: the same ratio to "
+            "the first kit arm (the logits' formula); one float32 copy of the logits is "
             f"{info['logits_fp32_bytes'] / 2**20:.1f} MB; loss: per-step loss minus plain's, nats)")
     return "\n".join([head, textwrap.indent(text + "\n" + textwrap.fill(note, 118), "  ")])
+
+
+def format_loss_axis_table(preset: str, rows: list[dict]) -> str:
+    """The loss axis of one preset (:mod:`.report_loss`): per K and fused arm, its step-time ratio to the same loop
+    with the logits [95% CI] (wall and CPU seconds), the memory it saved against the prediction, the first losses."""
+    headers = ["K", "arm", "against", "s/step ratio [95% CI]", "CPU s ratio", "saved MB [95% CI]", "predicted MB",
+               "saved / predicted", "first loss (fused, logits)", "rel. diff"]
+    table = []
+    for r in rows:
+        lo, hi = r["memory_saved_ci_low"], r["memory_saved_ci_high"]
+        saved = _f(r["memory_saved_mb"], "{:.1f}") + (f" [{lo:.1f}-{hi:.1f}]" if lo is not None else "")
+        firsts = ("-" if r["first_loss_fused"] is None else
+                  f"{r['first_loss_fused']:.7f}, {r['first_loss_logits']:.7f}")
+        table.append([str(r["K"]), r["arm"], r["against"],
+                      fmt_ratio(r["fused_over_logits"], r["fused_over_logits_ci_low"], r["fused_over_logits_ci_high"]),
+                      fmt_ratio(r["fused_over_logits_cpu"], r["fused_over_logits_cpu_ci_low"],
+                                r["fused_over_logits_cpu_ci_high"]),
+                      saved, _f(r["predicted_saved_mb"], "{:.1f}"), _f(r["saved_over_predicted"]), firsts,
+                      _f(r["first_loss_rel_diff"], "{:.1e}", "-")])
+    text = _table(table, headers, ("right", "left", "left") + ("right",) * (len(headers) - 3))
+    method = rows[0]["memory_method"] if rows else ""
+    note = ("(the fused loss, train_loop's default, against the same loop with the loss from the logits: step-time "
+            f"ratio paired per repeat or per cycle of windows [95% t-interval on the log ratios], '{NOT_RESOLVED}' when "
+            f"it contains 1; saved: the logits arm's peak minus the fused arm's ({method}), mean over pairs [95% "
+            "t-interval], against the memory model's difference of the two losses; first loss: the first optimizer "
+            "step's, same weights and data)")
+    return "\n".join([f"{preset}: the fused loss as its own axis",
+                      textwrap.indent(text + "\n" + textwrap.fill(note, 118), "  ")])
 
 
 # --------------------------------------------------------------------------- --tune

@@ -5,11 +5,12 @@ Usage::
     python -m accum_kit.bench.memory_bench [--model_preset small] [--block_size 256]
         [--per_device_train_batch_size 4] [--gradient_accumulation_steps 2] [--max_train_steps 3]
         [--rows ddp:no_sync,ddp:sync_each_batch,fsdp2:sync_each_batch,fsdp2:no_sync_no_reshard]
-        [--lora_r 8 [--lora_dropout 0.05]] [--output memory_bench.json]
+        [--fused_linear_cross_entropy auto] [--lora_r 8 [--lora_dropout 0.05]] [--output memory_bench.json]
 
 Each row is one ``accelerate launch`` of the train job on 2 CPU processes (DDP: accelerate_configs/cpu_ddp.yaml,
 FSDP2: cpu_fsdp.yaml) with ``--accumulation_policy`` and, for the checkpointing half of the rows,
-``--gradient_checkpointing``. From each run's ``train_summary.json["memory"]`` it prints per row: the measured
+``--gradient_checkpointing``, and the train job's ``--fused_linear_cross_entropy`` (default ``auto``, the job's
+default: the loss in the output layer; ``off``: from the logits). From each run's ``train_summary.json["memory"]`` it prints per row: the measured
 peak per process (``VmHWM``), the predicted one (:func:`accum_kit.engines.activation_memory.peak_parts`: the
 resident set before training + gradients + optimizer state + gathered parameters + activations + logits), their
 ratio, and the training's own part (peak minus the resident set before training, measured and predicted); then,
@@ -55,7 +56,8 @@ def run_row(engine: str, policy: str, checkpointing: bool, args, workdir: Path) 
            "--per_device_train_batch_size", str(args.per_device_train_batch_size),
            "--gradient_accumulation_steps", str(args.gradient_accumulation_steps),
            "--max_train_steps", str(args.max_train_steps), "--accumulation_policy", policy,
-           "--max_eval_samples", "2", "--per_device_eval_batch_size", "1", "--output_dir", str(out)]
+           "--max_eval_samples", "2", "--per_device_eval_batch_size", "1",
+           "--fused_linear_cross_entropy", args.fused_linear_cross_entropy, "--output_dir", str(out)]
     if checkpointing:
         cmd.append("--gradient_checkpointing")
     if args.lora_r:
@@ -70,7 +72,8 @@ def run_row(engine: str, policy: str, checkpointing: bool, args, workdir: Path) 
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n" + done.stderr[-3000:])
     memory = json.loads((out / "train_summary.json").read_text())["memory"]
-    return {"engine": engine, "policy": policy, "checkpointing": checkpointing, "memory": memory,
+    loss = json.loads((out / "train_summary.json").read_text()).get("loss")
+    return {"engine": engine, "policy": policy, "checkpointing": checkpointing, "memory": memory, "loss": loss,
             "seconds": time.monotonic() - start}
 
 
@@ -130,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default=DEFAULT_ROWS, help="engine:policy pairs, comma-separated")
     p.add_argument("--checkpointing", default="off,on", help="off, on or off,on")
     p.add_argument("--default_malloc", action="store_true", help="keep glibc's dynamic mmap threshold")
+    p.add_argument("--fused_linear_cross_entropy", default="auto", choices=("auto", "chunked", "torch", "off"),
+                   help="the train job's causal-LM loss (default auto: in the output layer; off: from the logits)")
     p.add_argument("--port", type=int, default=29731)
     p.add_argument("--lora_r", type=int, default=None, help="LoRA adapters of this rank on every row (--use_peft)")
     p.add_argument("--lora_dropout", type=float, default=0.05, help="with --lora_r: dropout (TRL's default 0.05)")
@@ -147,7 +152,9 @@ def main(argv=None) -> int:
                       f"{f['predicted'] / MIB:.1f} MiB, ratio {f['ratio']:.3f} ({row['seconds']:.0f} s)", flush=True)
     print(format_table(rows))
     if args.output:
-        Path(args.output).write_text(json.dumps(rows, indent=1))
+        from ..outputs import atomic_write_json
+
+        atomic_write_json(args.output, rows)
     return 0
 
 

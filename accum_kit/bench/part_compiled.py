@@ -1,7 +1,8 @@
 """The ``--torch_compile`` mode of ``accum-kit bench``: the compiled ``no_sync`` loop against the eager one, paired.
 
-One Accelerator, one DDP model prepared as the train job prepares it; the
-compiled arm calls ``torch.compile`` on that DDP model, as Accelerate's
+One Accelerator, one DDP model prepared as the train job prepares it (on one
+process, the prepared model itself: no DDP wrapper); the
+compiled arm calls ``torch.compile`` on that model, as Accelerate's
 ``prepare`` does with a dynamo plugin (``torch.compile(DDP(model))``), so both
 arms run the same weights, optimizer and data through
 :func:`accum_kit.train_loop` with ``no_sync``; switching between them is picking
@@ -62,12 +63,12 @@ class CompiledBench(BenchPart):
         self.backend, self.mode = None, None
 
     def check_launch(self, cfg) -> None:
-        """Refuse a launch of fewer than 2 processes or a backend that cannot compile here, before anything is built.
+        """Refuse a backend that cannot compile here, before anything is built. One process is allowed (no DDP
+        wrapper there: the compiled model is the prepared model itself, the one-GPU case).
 
         Raises:
-            UsageError: ``--num_processes``, ``--torch_compile_backend``.
+            UsageError: ``--torch_compile_backend``.
         """
-        super().check_launch(cfg)
         self.backend, self.mode = resolve_flags(cfg.torch_compile, cfg.torch_compile_backend, cfg.torch_compile_mode)
         check_backend_available(self.backend)
 
@@ -119,7 +120,8 @@ class CompiledSession:
         gc.collect()
         t0 = time.perf_counter()
         run_plan_of(self.accelerator).set_accumulation_steps(K)
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
         result = train_loop(self.accelerator, self.models[name], self.opt, self.loaders[K],
                             max_train_steps=steps or self.run_steps, progress=False)
         return {"preset": self.preset, "K": K, "mode": name, "wall_seconds": time.perf_counter() - t0,

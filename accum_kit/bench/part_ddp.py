@@ -1,8 +1,11 @@
 """The DDP part of ``accum-kit bench``: the modes (loops) side by side on one model, data and seed.
 
-Arms: ``--modes`` (default ``sync_each_batch``, ``no_sync``, ``raw_ddp``; opt-in the manual all-reduce
-modes and the peers ``trainer`` and ``accelerate_guide``, :mod:`.peers`); what each runs is in
-:mod:`accum_kit.bench`'s docstring. Every block of the sweep runs each mode once, a whole run of
+Arms: ``--modes`` (default ``sync_each_batch``, ``no_sync``, ``raw_ddp``; opt-in ``no_sync_fused``, the manual
+all-reduce modes and the peers ``trainer`` and ``accelerate_guide``, :mod:`.peers`); what each runs is in
+:mod:`accum_kit.bench`'s docstring. The kit's modes run the loss from the logits, raw DDP's formula, so that
+``no_sync`` / ``raw_ddp`` is the loop alone; ``no_sync_fused`` runs ``no_sync`` with ``train_loop``'s default
+fused loss on the same prepared model, and its comparison with ``no_sync`` (step time and the memory saved
+against the prediction, :mod:`.loss_axis`, :mod:`.report_loss`) is the loss alone. Every block of the sweep runs each mode once, a whole run of
 ``--warmup_steps`` + ``--steps`` optimizer steps from the same weights and AdamW state (reset before every
 run), the order rotated by one from one block to the next.
 
@@ -38,7 +41,10 @@ from .report_checkpointing import checkpointing_rows, format_checkpointing_table
 from .bench_data import TokenRows, raw_batch_indices, synthetic_rows
 from .bench_files import plot_modes_png
 from .report_ddp import DDP_CSV_FIELDS, evaluate_bars, summarize_preset
-from .bench_tables import format_bars, format_peer_table, format_preset_table, format_profile
+from .report_loss import fused_axis_row, fused_axis_targets
+from .bench_tables import (format_bars, format_loss_axis_table, format_peer_table, format_preset_table, format_profile,
+                           format_targets)
+from .loss_axis import compute_element_bytes, is_fused, logits_arm, loss_fn, predicted_loss_memory
 from .parts import BenchPart
 from .peak_memory import PeakMemory
 from .run_records import TagWindows, run_record
@@ -51,7 +57,7 @@ class DDPBench(BenchPart):
 
     measures_adapters = True
 
-    collects = ("rows", "per_k")
+    collects = ("rows", "per_k", "fused_loss")
     csv_fields = DDP_CSV_FIELDS
     plot = staticmethod(plot_modes_png)
 
@@ -78,7 +84,7 @@ class DDPBench(BenchPart):
         rows, per_k = summarize_preset(preset, info, runs, cfg, world)
         if cfg.gradient_checkpointing_ab:
             info["checkpointing"] = checkpointing_rows(preset, runs, "mode", self.twin_arms(cfg), cfg.accumulation_steps)
-        return {"rows": rows, "per_k": per_k}
+        return {"rows": rows, "per_k": per_k, "fused_loss": ddp_loss_axis(preset, info, runs, cfg)}
 
     def format_preset(self, preset, info, collected, cfg) -> str:
         text = (format_preset_table(preset, info, collected["rows"], collected["per_k"], cfg.modes) + "\n"
@@ -87,13 +93,37 @@ class DDPBench(BenchPart):
             text += "\n" + format_peer_table(collected["rows"], cfg.modes, cfg.variable_targets)
         if "checkpointing" in info:
             text += "\n" + format_checkpointing_table(preset, info["checkpointing"])
+        if collected["fused_loss"]:
+            text += "\n" + format_loss_axis_table(preset, collected["fused_loss"])
         return text
 
     def result(self, cfg, presets, collected, runs, world):
         rows = [r for c in collected.values() for r in c["rows"]]
         per_k = [d for c in collected.values() for d in c["per_k"]]
-        bars = evaluate_bars(rows, per_k, runs)
-        return {"presets": presets, "rows": rows, "per_k": per_k, "bars": bars, "runs": runs}, format_bars(bars)
+        axis = [r for c in collected.values() for r in c["fused_loss"]]
+        bars, targets = evaluate_bars(rows, per_k, runs), fused_axis_targets(axis)
+        text = format_bars(bars) + ("\n" + format_targets(targets) if targets else "")
+        return {"presets": presets, "rows": rows, "per_k": per_k, "bars": bars, "fused_loss": axis, "targets": targets,
+                "runs": runs}, text
+
+
+def ddp_loss_axis(preset: str, info: dict, runs: list[dict], cfg) -> list[dict]:
+    """Every fused mode of ``--modes`` against its mode with the logits, per K (:func:`fused_axis_row`): step time
+    paired per repeat, the memory saved as the logits run's rise of the peak over its start minus the fused run's
+    (per repeat, the most over processes), against the memory model's prediction (``info["fused_loss_prediction"]``)."""
+    out = []
+    predicted = (info.get("fused_loss_prediction") or {}).get("saved_mb")
+    for mode in (m for m in cfg.modes if is_fused(m)):
+        for K in cfg.accumulation_steps:
+            fused = [r for r in runs if r["K"] == K and r["mode"] == mode]
+            logits = [r for r in runs if r["K"] == K and r["mode"] == logits_arm(mode)]
+            rise = {r["repeat"]: r["peak_increase_mb"] for r in fused if r["peak_increase_mb"] is not None}
+            saved = [r["peak_increase_mb"] - rise[r["repeat"]] for r in sorted(logits, key=lambda r: r["repeat"])
+                     if r["peak_increase_mb"] is not None and r["repeat"] in rise]
+            out.append(fused_axis_row(preset, K, mode, logits_arm(mode), fused, logits, saved, predicted,
+                                      f"rise of the peak over the run's start ({info['memory_method']}), the most over "
+                                      "processes, paired per repeat"))
+    return out
 
 
 
@@ -174,13 +204,19 @@ class DDPSession:
                 "toolkit": accelerator.prepare(DataLoader(rows, batch_size=B, shuffle=False)),
                 "raw": DataLoader(rows, batch_sampler=raw_batch_indices(n_batches, B, rank, world)),
             }
-        self.memory = (TrimmedPeakMemory if ab else PeakMemory)(device)  # A/B: each peak from the memory in use
+        fused = any(is_fused(m) for m in cfg.modes)
+        # A/B (checkpointing, the loss): each peak from the memory in use
+        self.memory = (TrimmedPeakMemory if ab or fused else PeakMemory)(device)
         self.info = {"config": PRESETS[preset], "parameters": n_params, "gradient_bytes": grad_bytes,
                      "all_parameters": count_parameters(model, trainable_only=False), "adapter": cfg.adapter_info(),
                      "micro_batch": f"{B}x{cfg.block_size} tokens", "memory_method": self.memory.method,
                      "ddp_kwargs": ddp_kw, "comm_hook": cfg.comm_hook,
                      # targets per micro-batch over all processes, averaged over the data of the largest K
-                     "targets_per_micro_batch": float((labels[:, 1:] != -100).sum()) / (self.run_steps * K_max)}
+                     "targets_per_micro_batch": float((labels[:, 1:] != -100).sum()) / (self.run_steps * K_max),
+                     "fused_loss_prediction": predicted_loss_memory(
+                         model.config.to_dict(), B, cfg.block_size, compute_element_bytes(accelerator),
+                         checkpointing=self.plan.gradient_checkpointing)
+                     if fused else None}
 
     def switch(self, mode: str):
         """Put ``mode`` in force; returns its ``(model, optimizer, profiler)`` (None for ``trainer``, which
@@ -231,8 +267,9 @@ class DDPSession:
             sync, record = MANUAL_MODES[mode], prof.record_allreduce
             losses = train_raw_ddp(model, opt, iter(loaders[K]["raw"]), K, self.run_steps, device, callbacks=callbacks,
                                    average_gradients=lambda params: sync(params, on_call=record))
-        else:
-            losses = run_toolkit(accelerator, model, opt, loaders[K]["toolkit"], K, self.run_steps, callbacks)
+        else:  # the kit's modes: the logits' loss (raw DDP's formula), the fused modes train_loop's default
+            losses = run_toolkit(accelerator, model, opt, loaders[K]["toolkit"], K, self.run_steps, callbacks,
+                                 loss_fn=loss_fn(mode))
         wall = time.perf_counter() - t0
         peak, increase = gathered_peaks(self.memory, device)
         counted = {} if forwards is None else {"block_forwards": forwards.take(), "blocks": forwards.blocks,

@@ -6,7 +6,11 @@ Run it with::
         --model_presets small --accumulation_steps 2 4 8 --repeats 5
 
 Arms: ``--accumulation_policies`` (default: the four of :data:`accum_kit.engines.policies.POLICIES` that
-apply to FSDP2; under HSDP all five), on one prepared model (one ``fully_shard`` per layer, per the config).
+apply to FSDP2; under HSDP all five), on one prepared model (one ``fully_shard`` per layer, per the config), each
+with the loss from the logits (the formula of the DDP part's references); ``<policy>_fused`` (opt-in, e.g.
+``no_sync_fused``) runs ``<policy>`` with ``train_loop``'s default fused loss in the same rotation
+(:class:`accum_kit.bench.loss_axis.SwitchedLoss` changes the loss between windows), compared with ``<policy>``
+window by window: step time and the memory saved against the prediction (:mod:`.report_loss`).
 
 Schedule: for each repeat and K, one :func:`accum_kit.train_loop` run from the same initial weights and
 AdamW state, whose windows rotate through the policies (:class:`PolicyRotation`): ``--warmup_steps``
@@ -31,6 +35,7 @@ maximum over processes.
 
 from __future__ import annotations
 
+import copy
 import gc
 import time
 from types import SimpleNamespace
@@ -54,7 +59,10 @@ from .bench_config import MODES
 from .bench_data import TokenRows, synthetic_rows
 from .bench_files import plot_policies_png
 from .report_fsdp2 import FSDP_CSV_FIELDS, evaluate_targets, summarize_fsdp_preset
-from .bench_tables import format_fsdp_table
+from .bench_tables import format_fsdp_table, format_loss_axis_table, format_targets
+from .loss_axis import SwitchedLoss, compute_element_bytes, is_fused, logits_arm, predicted_loss_memory
+from .report_loss import fused_axis_row, fused_axis_targets
+from .bench_report import paired_differences
 from .checkpointing_ab import BlockForwards, TrimmedPeakMemory, checkpointed_prepare, twin_name
 from .report_checkpointing import checkpointing_rows, format_checkpointing_table
 from .parts import WindowedPart
@@ -88,6 +96,7 @@ class FSDP2Bench(WindowedPart):
     arm_key = "policy"
     needs = "the FSDP2 bench needs"
     csv_fields = FSDP_CSV_FIELDS
+    collects = ("rows", "fused_loss")
     plot = staticmethod(plot_policies_png)
     figures = staticmethod(summarize_fsdp_preset)
     table = staticmethod(format_fsdp_table)
@@ -118,27 +127,59 @@ class FSDP2Bench(WindowedPart):
         return list(cfg.accumulation_policies)
 
     def twin_arms(self, cfg) -> list:
-        """Every policy: with ``--gradient_checkpointing_ab`` a second, checkpointed model runs the same rotation."""
-        return list(cfg.accumulation_policies)
+        """Every policy: with ``--gradient_checkpointing_ab`` a second, checkpointed model runs the same rotation
+        (its fused arms' windows too, not reported)."""
+        return [p for p in cfg.accumulation_policies if not is_fused(p)]
 
     def session(self, cfg, preset: str, accelerator) -> "FSDP2Session":
         return FSDP2Session(cfg, preset, accelerator)
 
     def summarize(self, preset, info, runs, cfg, world) -> dict:
-        """The policies' figures (:func:`summarize_fsdp_preset`, on the runs without checkpointing), and with
-        ``--gradient_checkpointing_ab`` the preset's ``checkpointing`` rows (:mod:`.report_checkpointing`)."""
-        twins = {twin_name(p) for p in cfg.accumulation_policies}
-        figures = summarize_fsdp_preset(preset, info, [r for r in runs if r["policy"] not in twins], cfg, world)
+        """The policies' figures (:func:`summarize_fsdp_preset`, on the runs without checkpointing and with the
+        logits), the loss axis (:func:`fsdp_loss_axis`), and with ``--gradient_checkpointing_ab`` the preset's
+        ``checkpointing`` rows (:mod:`.report_checkpointing`)."""
+        policies = self.twin_arms(cfg)
+        base = copy.copy(cfg)
+        base.accumulation_policies = policies
+        figures = summarize_fsdp_preset(preset, info, [r for r in runs if r["policy"] in policies], base, world)
+        figures["fused_loss"] = fsdp_loss_axis(preset, info, runs, cfg)
         if cfg.gradient_checkpointing_ab:
-            figures["checkpointing"] = checkpointing_rows(preset, runs, "policy", self.twin_arms(cfg),
-                                                          cfg.accumulation_steps)
+            figures["checkpointing"] = checkpointing_rows(preset, runs, "policy", policies, cfg.accumulation_steps)
         return figures
 
     def format_preset(self, preset, info, collected, cfg) -> str:
         text = format_fsdp_table(preset, info, collected["rows"])
         if "checkpointing" in info:
             text += "\n" + format_checkpointing_table(preset, info["checkpointing"])
+        if collected["fused_loss"]:
+            text += "\n" + format_loss_axis_table(preset, collected["fused_loss"])
         return text
+
+    def result(self, cfg, presets, collected, runs, world):
+        """The policies' result and targets, with the loss axis's rows and verdicts added."""
+        body, _ = super().result(cfg, presets, collected, runs, world)
+        axis = [r for c in collected.values() for r in c["fused_loss"]]
+        body["fused_loss"] = axis
+        body["targets"] += fused_axis_targets(axis)
+        return body, format_targets(body["targets"])
+
+
+def fsdp_loss_axis(preset: str, info: dict, runs: list[dict], cfg) -> list[dict]:
+    """Every ``<policy>_fused`` of ``--accumulation_policies`` against ``<policy>``, per K
+    (:func:`accum_kit.bench.report_loss.fused_axis_row`): step time paired per (repeat, cycle) of windows, the memory
+    saved as the logits window's peak minus the fused window's (the most over processes), against the memory
+    model's prediction. The first losses are not compared: the two arms' windows hold different data."""
+    out = []
+    predicted = (info.get("fused_loss_prediction") or {}).get("saved_mb")
+    for policy in (p for p in cfg.accumulation_policies if is_fused(p)):
+        for K in cfg.accumulation_steps:
+            fused = [r for r in runs if r["K"] == K and r["policy"] == policy]
+            logits = [r for r in runs if r["K"] == K and r["policy"] == logits_arm(policy)]
+            out.append(fused_axis_row(preset, K, policy, logits_arm(policy), fused, logits,
+                                      paired_differences(logits, fused, "window_peak_mb"), predicted,
+                                      f"the window's peak ({info['memory_method']}), the most over processes, "
+                                      "paired per (repeat, cycle)", compare_losses=False))
+    return out
 
 
 def apply_policy(accelerator, model, policy: str, fsdp_defaults: list) -> None:
@@ -169,9 +210,9 @@ class PolicyRotation(LoopCallback):
     """
 
     def __init__(self, accelerator, model, profiler, policies: list[str], warmup: int, label: str, defaults: list,
-                 memory: PeakMemory):
+                 memory: PeakMemory, loss: SwitchedLoss | None = None):
         self.accelerator, self.model, self.profiler, self.policies = accelerator, model, profiler, policies
-        self.warmup, self.label, self.defaults, self.memory = warmup, label, defaults, memory
+        self.warmup, self.label, self.defaults, self.memory, self.loss = warmup, label, defaults, memory, loss
         self.windows: list[dict] = []
 
     def tag(self, policy: str) -> str:
@@ -182,8 +223,10 @@ class PolicyRotation(LoopCallback):
 
     def _start(self, w: int) -> None:
         policy = self._policy(w)
-        apply_policy(self.accelerator, self.model, policy, self.defaults)
-        self.profiler.mode = MODE[policy]
+        apply_policy(self.accelerator, self.model, logits_arm(policy), self.defaults)
+        if self.loss is not None:  # a fused arm: its policy with train_loop's default loss
+            self.loss.fused = is_fused(policy)
+        self.profiler.mode = MODE[logits_arm(policy)]
         self.profiler.tag = f"warmup/{self.label}" if w < self.warmup else self.tag(policy)
         self.memory.reset()
 
@@ -232,6 +275,9 @@ class FSDP2Session:
         model = cfg.build_model(preset)  # with --use_peft: a PeftModel, every weight frozen but the adapters
         self.n_params = count_parameters(model)
         self.n_all = count_parameters(model, trainable_only=False)
+        self.fused_prediction = (predicted_loss_memory(model.config.to_dict(), cfg.per_device_train_batch_size,
+                                                       cfg.block_size, element_bytes=compute_element_bytes(accelerator))
+                                 if any(is_fused(p) for p in cfg.accumulation_policies) else None)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
         self.model, self.opt = accelerator.prepare(model, opt)
         self.initial = [p.detach().clone() for p in self.model.parameters()]  # DTensor shards
@@ -240,6 +286,7 @@ class FSDP2Session:
         self.prof = CommProfiler(accelerator, self.model, keep_records=None)  # short runs: every raw record
 
         self.order = list(cfg.accumulation_policies)
+        self.loss = SwitchedLoss()  # the logits' formula, or the fused loss in a fused arm's windows
         self.run_steps = cfg.warmup_steps + cfg.steps * len(self.order)
         B, K_max = cfg.per_device_train_batch_size, max(cfg.accumulation_steps)
         tokens, labels = synthetic_rows(cfg, self.run_steps * K_max * world * B)
@@ -286,7 +333,7 @@ class FSDP2Session:
         prof.enabled = True  # the previous run's on_train_end switched it off
         held = HeldMemory(accelerator, m.model)
         rotation = PolicyRotation(accelerator, m.model, prof, policies, self.cfg.warmup_steps, f"K{K}/r{rep}",
-                                  m.defaults, self.memory)
+                                  m.defaults, self.memory, self.loss)
         run_plan_of(accelerator).set_accumulation_steps(K)
         forwards = self.forwards.get(id(m.model))
         gc.collect()
@@ -295,7 +342,7 @@ class FSDP2Session:
             forwards.take()
         t0 = time.perf_counter()
         result = train_loop(accelerator, m.model, m.opt, self.loaders[K], max_train_steps=self.run_steps,
-                            progress=False, profiler=prof, callbacks=[rotation, held])
+                            progress=False, profiler=prof, callbacks=[rotation, held], loss_fn=self.loss)
         wall = time.perf_counter() - t0
         counted = {} if forwards is None else {"block_forwards": forwards.take() / len(policies),
                                                "blocks": forwards.blocks, "micro_batches_run": self.run_steps * K / len(policies)}
@@ -309,7 +356,7 @@ class FSDP2Session:
         records = []
         for i, policy in enumerate(policies):
             tag = rotation.tag(policy)
-            prof.mode = MODE[policy]  # the profiler summarises the records of its current mode
+            prof.mode = MODE[logits_arm(policy)]  # the profiler summarises the records of its current mode
             s = prof.local_summary(tag)
             mine = [(w, pk) for w, pk in zip(rotation.windows, peaks) if w["policy"] == policy]
             steps = {x.step: x for x in prof.records(tag=tag).steps}
@@ -320,6 +367,7 @@ class FSDP2Session:
                 "step_seconds": [steps[w["step"]].step_seconds for w, _ in mine], "optimizer_steps": len(mine),
                 "step_cpu_seconds": [steps[w["step"]].cpu_seconds for w, _ in mine],
                 "peak_rss_mb": max((pk for _, pk in mine), default=None) if self.memory.method else None,
+                "window_peak_mb": [pk if pk >= 0 and self.memory.method else None for _, pk in mine],
                 "gradient_bytes": mem[i, 0].item(), "gathered_parameter_bytes": mem[i, 1].item(),
                 **{k: s.get(k) for k in SUMMARY_KEYS}})
         return records
@@ -365,7 +413,8 @@ class FSDP2Session:
                 "units": {"resharded": list(self.layout.resharded), "kept": list(self.layout.kept),
                           # trainable elements per unit (resharded then kept; None: every parameter trains)
                           "trainable": None if self.layout.trainable is None else list(self.layout.trainable)},
-                "element_bytes": {"b_p": b_p, "b_c": b_c, "b_r": b_r}}
+                "element_bytes": {"b_p": b_p, "b_c": b_c, "b_r": b_r},
+                "fused_loss_prediction": self.fused_prediction}
         self.model = self.opt = self.loaders = self.prof = self.twin = self.forwards = None
         self.accelerator.free_memory()
         return info

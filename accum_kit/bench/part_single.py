@@ -4,8 +4,13 @@ On one process there is no DDP wrapper, so ``no_sync`` and raw DDP mean nothing;
 (or one CPU) asks is what the kit costs against the loop they would write, and against the tools they would
 pick instead. The arms (``--modes``, default all):
 
-- ``kit``: :func:`accum_kit.train_loop` on the prepared model, optimizer and dataloader (the loss is
-  ``train_loop``'s default; :data:`KIT_ARMS` adds kit arms with other losses, see below);
+- ``kit``: :func:`accum_kit.train_loop` on the prepared model, optimizer and dataloader, with the loss from the
+  logits (:func:`accum_kit.core.loss.logits_causal_lm_loss`), the formula ``plain`` and the peers compute: its
+  ratio to ``plain`` is what the loop costs;
+- ``kit_fused``: the same with ``train_loop``'s default loss (computed in the output layer in chunks, without
+  full-vocabulary logits; :mod:`accum_kit.bench.loss_axis`): the kit as it ships. Its ratio to ``kit`` and the
+  memory it saves against ``kit`` (and the memory model's prediction of it) are what the loss brings; the
+  one-process targets judge it against ``plain`` (see :func:`accum_kit.bench.report_single.evaluate_one_process_targets`);
 - ``plain``: :func:`accum_kit.reference.plain_loop.train_plain` on its own copy of the model, not prepared: the
   model's own loss given ``labels``, ``torch.autocast`` in the run's precision (float16 with a GradScaler),
   ``optimizer.step()``, ``zero_grad``, clipping when ``--max_grad_norm`` is set. It is the baseline of every
@@ -36,11 +41,11 @@ Throughput and utilisation: tokens per step are the input tokens (K x batch x ``
 utilisation is 6 x parameters x tokens/s over the device's peak (:mod:`.peak_flops`: a datasheet table for
 H100 / H200 / A100, else a matmul measured here; the report says which).
 
-A second loss as its own axis: :data:`KIT_ARMS` maps each kit arm's name to the ``loss_fn`` that
+The loss as its own axis: :data:`KIT_ARMS` maps each kit arm's name to the ``loss_fn`` that
 :func:`accum_kit.train_loop` gets (None: its default). An entry added there (or passed as
 ``SingleBench(kit_arms=...)``) is one more arm: it joins ``--modes``' choices and default, runs on the kit's
-prepared model in the same rotation, and gets its ratio to ``plain`` and to ``kit``, its peak memory against
-``plain``'s and its loss difference, with no other change.
+prepared model in the same rotation, and gets its ratio to ``plain`` and to the first kit arm (``kit``), its
+tensor peak against both and its predicted one, and its loss difference, with no other change.
 """
 
 from __future__ import annotations
@@ -54,25 +59,28 @@ from torch.utils.data import DataLoader
 
 from ..core.callbacks import LoopCallback
 from ..core.loop import train_loop
-from ..core.loss import LossFn
+from ..core.loss import LossFn, logits_causal_lm_loss
 from ..core.run_plan import run_plan_of
 from ..job.models import PRESETS, build_model, count_parameters
 from ..reference.plain_loop import train_plain
 from .bench_config import PEERS
 from .bench_data import TokenRows, synthetic_rows
-from .bench_tables import format_one_process_table, format_targets
+from .bench_tables import format_loss_axis_table, format_one_process_table, format_targets
 from .checkpointing_ab import TrimmedPeakMemory
 from .parts import BenchPart
 from .peak_flops import peak_flops
 from .peers import TrainerLosses, constant_schedule, train_accelerate_guide, train_trainer
-from .report_single import KIT, ONE_PROCESS_CSV_FIELDS, PLAIN, evaluate_one_process_targets, summarize_one_process
+from .loss_axis import compute_element_bytes, predicted_loss_memory
+from .report_single import (KIT, KIT_FUSED, ONE_PROCESS_CSV_FIELDS, PLAIN, evaluate_one_process_targets,
+                            one_process_loss_axis, summarize_one_process)
 from .runs import load_average, reset_training_state, reset_weights
 from .tensor_memory import METHOD as TENSOR_METHOD
 from .tensor_memory import tensor_peak
 
 #: The kit's arms: name -> the ``loss_fn`` :func:`accum_kit.train_loop` gets (None: its default). One entry per
-#: loss to compare; the first is the kit every other arm's ``over_kit`` ratio divides by.
-KIT_ARMS: dict[str, LossFn | None] = {KIT: None}
+#: loss to compare; the first is the kit every other arm's ``over_kit`` ratio divides by: the logits' formula, the
+#: one ``plain`` runs, so that ``kit_fused`` / ``kit`` is the fused loss alone.
+KIT_ARMS: dict[str, LossFn | None] = {KIT: logits_causal_lm_loss, KIT_FUSED: None}
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -129,7 +137,7 @@ class SingleBench(BenchPart):
     name = "one_process"
     schema = "accum_kit.bench.one_process/1"
     progress = "bench runs (one process)"
-    collects = ("rows",)
+    collects = ("rows", "fused_loss")
     timings_from = ("the one process: wall and CPU seconds per optimizer step (on CUDA after "
                     "torch.cuda.synchronize at every step end, in every arm); peak memory per run")
     csv_fields = ONE_PROCESS_CSV_FIELDS
@@ -184,19 +192,35 @@ class SingleBench(BenchPart):
 
     # ---- the report ---------------------------------------------------------------------------
     def summarize(self, preset, info, runs, cfg, world) -> dict:
-        return {"rows": summarize_one_process(preset, info, runs, cfg.modes, cfg.accumulation_steps, kit=self.kit())}
+        """The rows (:func:`summarize_one_process`) and the loss axis (:func:`one_process_loss_axis`: every kit arm
+        with ``train_loop``'s default loss against the first kit arm)."""
+        rows = summarize_one_process(preset, info, runs, cfg.modes, cfg.accumulation_steps, kit=self.kit())
+        fused = [arm for arm, fn in self.kit_arms.items() if fn is None and arm != self.kit() and arm in cfg.modes]
+        axis = one_process_loss_axis(preset, info, runs, rows, fused, kit=self.kit()) if self.kit() in cfg.modes else []
+        return {"rows": rows, "fused_loss": axis}
 
     def kit(self) -> str:
         """The kit arm the others are compared with (``over_kit``): the first of :attr:`kit_arms`."""
         return next(iter(self.kit_arms))
 
+    def shipped(self) -> str:
+        """The kit arm the targets judge: the first that runs :func:`accum_kit.train_loop`'s default loss (the kit as
+        it ships), else the first."""
+        return next((name for name, fn in self.kit_arms.items() if fn is None), self.kit())
+
     def format_preset(self, preset, info, collected, cfg) -> str:
-        return format_one_process_table(preset, info, collected["rows"], cfg.modes)
+        text = format_one_process_table(preset, info, collected["rows"], cfg.modes)
+        if collected["fused_loss"]:
+            text += "\n" + format_loss_axis_table(preset, collected["fused_loss"])
+        return text
 
     def result(self, cfg, presets, collected, runs, world):
         rows = [r for c in collected.values() for r in c["rows"]]
-        targets = evaluate_one_process_targets(rows, presets, kit=self.kit())
-        return {"presets": presets, "rows": rows, "targets": targets, "runs": runs}, format_targets(targets) or None
+        axis = [r for c in collected.values() for r in c["fused_loss"]]
+        targets = evaluate_one_process_targets(rows, presets, kit_arms=tuple(self.kit_arms), shipped=self.shipped(),
+                                               loss_rows=axis)
+        return ({"presets": presets, "rows": rows, "fused_loss": axis, "targets": targets, "runs": runs},
+                format_targets(targets) or None)
 
 
 class SingleSession:
@@ -245,6 +269,31 @@ class SingleSession:
                      "kit_arms": {name: _loss_name(fn) for name, fn in kit_arms.items()},
                      "memory_method": self.memory.method, "peak_flops": peak,
                      "targets_per_micro_batch": float((labels[:, 1:] != -100).sum()) / (self.run_steps * K_max)}
+        self.info["predicted_tensor_peak_mb"] = self.predicted_tensor_peaks(model)
+
+    def predicted_tensor_peaks(self, model) -> dict | None:
+        """Per arm, the rise of tensor memory the memory model predicts, MB: the gradients (made in the run: every
+        arm sets them to None between windows) plus one micro-batch's activations with the arm's loss
+        (:func:`accum_kit.bench.loss_axis.predicted_loss_memory`: the fused loss for a kit arm with
+        ``train_loop``'s default, the logits for the others; the peers and ``plain`` compute the model's own loss
+        from the logits), and for ``trainer``, whose AdamW is new every run, AdamW's two float32 moments.
+        None when the model's config is not one the memory model reads."""
+        cfg = self.cfg
+        head = model.get_output_embeddings()
+        loss = predicted_loss_memory(model.config.to_dict(), cfg.per_device_train_batch_size, cfg.block_size,
+                                     element_bytes=compute_element_bytes(self.accelerator),
+                                     checkpointing=run_plan_of(self.accelerator).gradient_checkpointing,
+                                     head_bias=getattr(head, "bias", None) is not None)
+        if loss is None:
+            return None
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        grads = sum(p.numel() * p.element_size() for p in trainable) / 2**20
+        moments = 8 * sum(p.numel() for p in trainable) / 2**20
+        out = {}
+        for arm in self.cfg.modes:
+            fused = arm in self.kit_arms and self.kit_arms[arm] is None
+            out[arm] = grads + (loss["fused_mb"] if fused else loss["logits_mb"]) + (moments if arm == "trainer" else 0)
+        return {"mb": out, "loss": loss, "gradients_mb": grads}
 
     def train(self, arm: str, K: int, clock: StepClock) -> list[float]:
         """Run ``arm`` at ``K`` (``--warmup_steps`` + ``--steps`` optimizer steps, timed by ``clock``); its losses."""

@@ -217,7 +217,9 @@ class Engines:
             self.built[s] = {"plugin": plugin, "wrapper": wrapper, "engine": engine, "optimizer": engine_opt,
                              "memory": EngineMemory(engine, PeakMemory(accelerator.device)),
                              "parameters": sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
-                             "param_groups": len(engine.optimizer.param_groups)}
+                             "param_groups": len(engine.optimizer.param_groups),
+                             # DeepSpeed casts the module to its config's bf16 / fp16: the cost table's b_p
+                             "param_bytes": next(engine.module.parameters()).element_size()}
         del copies
 
     def use(self, stage: int) -> None:
@@ -298,7 +300,7 @@ class ZeroSession:
         policy back."""
         if self.engines is None:
             return
-        self.info_k = {s: {"parameters": b["parameters"], "param_groups": b["param_groups"]}
+        self.info_k = {s: {k: b[k] for k in ("parameters", "param_groups", "param_bytes")}
                        for s, b in self.engines.built.items()}
         self.engines.close(self.launch_plugin)
         self.plan.use_policy(self.launch_policy)
@@ -350,5 +352,6 @@ class ZeroSession:
         stages = list(self.cfg.zero_stages)
         return {"parameters": self.n_params, "engine_parameters": self.info_k[stages[0]]["parameters"],
                 "param_groups": self.info_k[stages[0]]["param_groups"],
+                "param_bytes": self.info_k[stages[0]]["param_bytes"],
                 "micro_batch": f"{self.cfg.per_device_train_batch_size}x{self.cfg.block_size} tokens",
                 "memory_method": PeakMemory(self.accelerator.device).method}

@@ -78,7 +78,7 @@ def summarize_zero_preset(preset: str, info: dict, runs: list[dict], cfg, world:
             cpu_ratios = paired_ratios(cell, base, "cpu_seconds")
             cpu_est = ratio_interval(cpu_ratios)
             pred = zero_costs(f"zero{stage}", info["engine_parameters"], world_size=world, accumulation_steps=K,
-                              param_groups=info["param_groups"])
+                              param_groups=info["param_groups"], param_bytes=info.get("param_bytes", 4))
             grad, param = _m(cell, "gradient_bytes"), _m(cell, "parameter_bytes")
             row = {"preset": preset, "K": K, "stage": stage, "n_steps": len(steps), "n_pairs": len(ratios),
                    "step_s_median": median(steps), "step_s_q1": q1, "step_s_q3": q3,

@@ -11,9 +11,10 @@ from ..core.loop import train_loop
 from ..core.run_plan import run_plan_of
 
 
-def run_toolkit(accelerator, model, optimizer, dataloader, K: int, steps: int, callbacks) -> list[float]:
-    """The policy in force (the caller puts it in force through the run plan) at ``K``: :func:`accum_kit.train_loop`;
-    returns the losses.
+def run_toolkit(accelerator, model, optimizer, dataloader, K: int, steps: int, callbacks, loss_fn=None) -> list[float]:
+    """The policy in force (the caller puts it in force through the run plan) at ``K``: :func:`accum_kit.train_loop`
+    with ``loss_fn`` (None: its default, the fused loss; the DDP modes compared with raw DDP pass the logits',
+    :mod:`accum_kit.bench.loss_axis`); returns the losses.
 
     K is set through the run plan (:meth:`accum_kit.core.run_plan.RunPlan.set_accumulation_steps`);
     ``train_loop`` restarts Accelerate's window counter itself, so every run's windows start at the
@@ -22,7 +23,7 @@ def run_toolkit(accelerator, model, optimizer, dataloader, K: int, steps: int, c
     run_plan_of(accelerator).set_accumulation_steps(K)
     profiler, *others = callbacks
     result = train_loop(accelerator, model, optimizer, dataloader, max_train_steps=steps, progress=False,
-                        profiler=profiler, callbacks=others)
+                        profiler=profiler, callbacks=others, loss_fn=loss_fn)
     return result.train_loss
 
 

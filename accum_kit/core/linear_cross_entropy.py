@@ -21,8 +21,8 @@ model), and the weight's gradient is accumulated over chunks in float32 (float64
 What it holds between the forward and the backward, in bytes, for ``N`` tokens, hidden size ``h``,
 vocabulary ``V`` and ``a`` = 4 (8 for float64): ``a N h`` (the gradient of the hidden states) +
 ``a V h`` (of the weight) + ``a V`` (of the bias, when there is one); during the forward, one chunk:
-``C V`` elements of logits in float32 plus, under autocast, their ``C V`` copies in the autocast dtype
-(:func:`transient_bytes`).
+``C V`` elements of logits in float32 plus, under autocast, their ``C V`` copies and the weight's ``V h`` in the
+autocast dtype (:func:`transient_bytes`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b else None
-        weight_c = None  # the weight in the matmul's dtype (autocast's), cast once
+        weight_c = None  # the weight in the matmuls' dtype (autocast's), cast once for every chunk
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start:start + chunk], target[start:start + chunk]
             z = F.linear(h, weight, bias)  # under autocast: the autocast dtype, as in the model
@@ -75,21 +75,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             probs = logits.sub_(top).exp_()  # in place: one (C, V) float tensor for the whole chunk
             sums = probs.sum(dim=1)
             total += torch.where(valid, sums.log() + top.squeeze(1) - picked, 0.0).sum().to(acc)
-            if not (want_h or want_w or want_b):
-                continue
-            # d loss / d logits = softmax - onehot(target), zero on ignored tokens
-            probs.div_(sums[:, None])
-            probs.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -1.0))
-            probs.mul_(valid[:, None])
-            d = probs.to(z.dtype)
-            if want_h:
-                if weight_c is None:
-                    weight_c = weight.to(z.dtype)
-                grad_h[start:start + chunk] = d @ weight_c
-            if want_w:
-                grad_w += d.t() @ h.to(z.dtype)
-            if want_b:
-                grad_b += probs.sum(dim=0).to(acc)
+            if want_h and weight_c is None:
+                weight_c = weight.to(z.dtype)  # no copy in float32
+            if want_h or want_w or want_b:
+                _chunk_gradients(probs, sums, safe, valid, picked, z.dtype, h, weight_c, start, chunk, acc,
+                                 grad_h, grad_w, grad_b)
+            # free this chunk's (C, V) tensors before the next chunk's matmul makes its own (measured: without
+            # this, two chunks' logits were alive at once at the loss's peak)
+            del z, logits, probs
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total
@@ -103,6 +96,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return (None if grad_h is None else grad_h.mul_(grad_out).to(h_dtype),
                 None if grad_w is None else grad_w.mul_(grad_out).to(w_dtype),
                 None if grad_b is None else grad_b.mul_(grad_out).to(b_dtype), None, None)
+
+
+def _chunk_gradients(probs, sums, safe, valid, picked, dtype, h, weight_c, start, chunk, acc, grad_h, grad_w,
+                     grad_b):
+    """One chunk's gradients, added into the sums: ``probs`` (C, V, float32, overwritten) becomes
+    ``softmax - onehot(target)`` (zero on ignored tokens), the gradient of the chunk's logits; ``weight_c`` is the
+    output weight in ``dtype`` (None when the hidden states need no gradient)."""
+    probs.div_(sums[:, None])
+    probs.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -1.0))
+    probs.mul_(valid[:, None])
+    d = probs.to(dtype)  # the matmuls' dtype (autocast's); no copy in float32
+    if grad_h is not None:
+        grad_h[start:start + chunk] = d @ weight_c
+    if grad_w is not None:
+        if d.dtype == acc:  # added in place by the matmul: no (V, h) product next to the sum
+            grad_w.addmm_(d.t(), h)
+        else:  # autocast: the product in the compute dtype, then added into the float32 sum
+            grad_w += d.t() @ h.to(dtype)
+    if grad_b is not None:
+        grad_b += probs.sum(dim=0).to(acc)
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -153,12 +166,15 @@ def torch_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 IMPLEMENTATIONS = {"chunked": chunked_linear_cross_entropy, "torch": torch_linear_cross_entropy}
 
 
-def transient_bytes(vocab: int, chunk: int, compute_bytes: int = 4) -> int:
-    """Bytes one chunk allocates during the forward: ``chunk x V`` float32 logits and, when the matmul runs in a
-    narrower dtype (``compute_bytes`` 2 under bf16 / fp16 autocast), its output and the logits' gradient in
-    that dtype (``2 x chunk x V x compute_bytes``)."""
+def transient_bytes(vocab: int, chunk: int, compute_bytes: int = 4, hidden: int = 0) -> int:
+    """Bytes one chunk allocates during the forward: ``chunk x V`` float32 logits (one chunk at a time: each is
+    freed before the next is made, and in float32 the weight's gradient is added in place) and, when the matmul
+    runs in a narrower dtype (``compute_bytes`` 2 under bf16 / fp16 autocast), its output and the logits'
+    gradient in that dtype (``2 x chunk x V x compute_bytes``), the weight in that dtype and the chunk's
+    weight-gradient product before it is added into the float32 sum (``2 x V x hidden x compute_bytes``)."""
     extra = 2 * compute_bytes if compute_bytes < 4 else 0
-    return chunk * vocab * (4 + extra)
+    weight = 2 * vocab * hidden * compute_bytes if compute_bytes < 4 else 0
+    return chunk * vocab * (4 + extra) + weight
 
 
 def held_bytes(tokens: int, hidden: int, vocab: int, bias: bool = False, acc_bytes: int = 4) -> int:

@@ -29,13 +29,24 @@ i.e. ``30 h + a + 4`` for GPT-2 (f = 4h, ``gelu_new``). Eager attention (``attn_
 not measured here). Families other than GPT-2 (Llama...) use Korthikanti's count converted to
 elements (``(34 + 5 a s / h) / 2`` per h; its dropout masks included), marked ``measured=False``.
 
-The head and the loss (``loss="logits"``): the final LayerNorm (``2 h + 2``) and ``LOGIT_COPIES`` copies
-of the b s V logits (the logits, the log-softmax result the loss saves, and their two gradients at the
-start of the backward), in float32 whatever the compute precision (under autocast Accelerate returns
-float32 logits and the cross-entropy runs in float32). With the loss computed inside the output layer in
-chunks of C tokens (``loss="fused"``, :mod:`accum_kit.core.linear_cross_entropy`): the final LayerNorm,
-the gradients that layer keeps for its backward (``b s h + V h (+ V)`` in float32) and one chunk's
-logits during its forward (``C V`` float32, plus two ``C V`` copies in the compute dtype under autocast).
+The head and the loss (``loss="logits"``): the final LayerNorm (``2 h + 2``), the log-softmax result the
+cross-entropy keeps for its backward (one float32 copy of the b s V logits) and, during the loss's backward,
+two more (the gradient ``nll_loss`` hands back and the logits' gradient): ``LOGIT_COPIES`` = 3 at once, in
+float32 whatever the compute precision (under autocast Accelerate returns float32 logits and the cross-entropy
+runs in float32). The logits themselves are not kept: the output layer saves its input, and the labels are
+shifted, not the logits. With the loss computed inside the output layer in chunks of C tokens
+(``loss="fused"``, :mod:`accum_kit.core.linear_cross_entropy`): the final LayerNorm, the gradients that layer
+keeps for its backward (``b s h + V h (+ V)`` in float32) and, during its forward, one chunk's logits (``C V``
+float32, plus the chunk's copies and the weight's in the compute dtype under autocast,
+:func:`accum_kit.core.linear_cross_entropy.transient_bytes`).
+
+What exists only for a moment: the loss's transient (the two extra logits copies at its backward, or the chunk
+in the fused forward) and the backward's transient gradients of the layer being back-propagated (below). They
+never coexist (the loss's backward runs before the blocks', the fused loss's chunks in the forward), so the
+peak holds the larger of the two (``ActivationBytes.total``). Measured (torch 2.13 CPU, the ``tiny`` preset at
+vocabulary 50257, 4 x 256 tokens, the tensors alive counted by a dispatch mode): the logits' peak at the
+log-softmax's backward, the saved tensors + 3 copies to 0.1 MiB; the fused loss's peak at the end of its
+forward, the saved tensors + the layer's gradients + one chunk.
 
 With activation checkpointing (``gradient_checkpointing``: each block's forward is run again in
 its backward, torch's non-reentrant ``torch.utils.checkpoint``) a block keeps only its input
@@ -78,8 +89,11 @@ from dataclasses import asdict, dataclass
 
 from ..errors import UsageError
 
-#: Copies of the logits alive at the loss's backward: logits, log-softmax result, and their two gradients.
-LOGIT_COPIES = 4
+#: Copies of the (b s V) float32 logits alive at the loss's backward: the log-softmax result the cross-entropy saved,
+#: the gradient ``nll_loss`` hands it and the logits' gradient it returns (measured, module docstring).
+LOGIT_COPIES = 3
+#: Of them, kept from the forward to the backward: the saved log-softmax.
+LOGIT_COPIES_HELD = 1
 #: GELU variants computed as several saved Python ops (tanh approximation in transformers' ``NewGELUActivation``).
 MULTI_OP_GELU = ("gelu_new", "gelu_pytorch_tanh_python")
 #: The backward's transient gradients, in layers' worth of activations, fitted on one run (module docstring): the
@@ -223,27 +237,32 @@ class TransformerShape:
         fused = loss.get("implementation") in ("chunked", "torch")
         return replace(self, loss="fused" if fused else "logits", loss_chunk=loss.get("chunk_tokens") if fused else None)
 
-    def head_bytes(self, tokens: int) -> tuple[float, str]:
-        """``(bytes, formula)`` the final LayerNorm and the loss hold at a micro-batch's peak (module docstring)."""
+    def head_bytes(self, tokens: int) -> tuple[float, float, str]:
+        """``(kept, transient, formula)``, bytes: what the final LayerNorm and the loss keep from the forward to the
+        backward, and what the loss makes for a moment besides (its backward's logits gradients, or one chunk
+        of the fused forward), for ``tokens`` tokens (module docstring)."""
         from ..core.linear_cross_entropy import chunk_tokens, held_bytes, transient_bytes
 
         T, h, V, e = tokens, self.hidden, self.vocab, self.element_bytes
         frozen = self.lora_targets is not None  # LoRA: the output layer frozen, its input and weight gradient not kept
         if self.loss != "fused":
             logit = max(4, e)  # float32 logits whatever the compute precision
-            n = h + 2 if frozen else 2 * h + 2
-            return (float(T * n * e + T * LOGIT_COPIES * V * logit),
-                    f"b s ({'h' if frozen else '2 h'} + 2) e + b s {LOGIT_COPIES} V x {logit} = {T} x {n} x {e} + "
-                    f"{T} x {LOGIT_COPIES} x {V} x {logit}")
+            extra = LOGIT_COPIES - LOGIT_COPIES_HELD
+            n = h + 2 if frozen else 2 * h + 2  # a frozen output layer keeps no input for its weight's gradient
+            return (float(T * n * e + T * LOGIT_COPIES_HELD * V * logit), float(T * extra * V * logit),
+                    f"b s ({'h' if frozen else '2 h'} + 2) e + b s {LOGIT_COPIES_HELD} V x {logit}, and {extra} b s V x "
+                    f"{logit} at the loss's backward = {T} x {n} x {e} + {T} x {V} x {logit}, and {T} x {extra} x {V} x "
+                    f"{logit}")
         norm = T * (2 * h + 2) * e
         C = min(T, self.loss_chunk or chunk_tokens(V))
         acc = max(4, e)
-        held, transient = held_bytes(T, h, V, self.head_bias, acc), transient_bytes(V, C, e)
+        held, transient = held_bytes(T, h, V, self.head_bias, acc), transient_bytes(V, C, e, hidden=h)
         if frozen:  # no weight (or bias) gradient for a frozen output layer
             held = acc * T * h
-        return (float(norm + held + transient),
-                f"b s (2 h + 2) e + {acc} (b s h{'' if frozen else ' + V h'}{' + V' if self.head_bias and not frozen else ''})"
-                f" + one chunk C V (4{' + 2 e' if e < 4 else ''}) = {T} x (2 x {h} + 2) x {e} + {held} + {transient} "
+        return (float(norm + held), float(transient),
+                f"b s (2 h + 2) e + {acc} (b s h{'' if frozen else ' + V h'}{' + V' if self.head_bias and not frozen else ''}"
+                f"), and one chunk in the forward C V (4{' + 2 e) + 2 V h e' if e < 4 else ')'} = {T} x (2 x {h} + 2) x "
+                f"{e} + {held}, and {transient} "
                 f"(C = {C})")
 
 
@@ -259,10 +278,13 @@ class ActivationBytes:
     Attributes:
         blocks: what the transformer blocks keep (all of it without checkpointing; their inputs with it).
         recompute: one block's activations recomputed during its backward (checkpointing only; else 0).
-        head: the final LayerNorm and the loss: the logits' copies (:data:`LOGIT_COPIES`), or what the fused loss
-            keeps and one chunk (:meth:`TransformerShape.head_bytes`).
+        head: what the final LayerNorm and the loss keep: the saved log-softmax (:data:`LOGIT_COPIES_HELD`), or
+            the fused loss's gradients (:meth:`TransformerShape.head_bytes`).
+        head_transient: what the loss makes for a moment: two more logits copies at its backward, or one chunk of
+            the fused forward.
         transient: the backward's transient gradients, ``calibration`` x one layer's activations.
-        counted: blocks + recompute + head, as counted; total: ``counted + transient``.
+        counted: blocks + recompute + head, as counted; total: ``counted + max(transient, head_transient)`` (the
+            two never exist at once, module docstring).
         calibration: :data:`CALIBRATION` (0: the count as is).
         tokens: b s; checkpointing; measured (False: Korthikanti's layer count); formulas: with the numbers.
     """
@@ -270,6 +292,7 @@ class ActivationBytes:
     blocks: float
     recompute: float
     head: float
+    head_transient: float
     transient: float
     counted: float
     total: float
@@ -312,17 +335,18 @@ def activation_bytes(shape: TransformerShape, micro_batch: int, seq: int, *, che
         bf, rf = f"b s L x one layer x e = {T} x {L} x {layer:g} x {e}", "0 (no checkpointing)"
         if first:
             bf = f"b s (L x one layer - first) e = {T} x ({L} x {layer:g} - {first:g}) x {e} (LoRA: first block)"
-    head, head_formula = shape.head_bytes(T)
+    head, head_transient, head_formula = shape.head_bytes(T)
     counted, transient = blocks + recompute + head, calibration * T * layer * e
     return ActivationBytes(
-        blocks=blocks, recompute=recompute, head=head, transient=transient, counted=counted,
-        total=counted + transient,
+        blocks=blocks, recompute=recompute, head=head, head_transient=head_transient, transient=transient,
+        counted=counted, total=counted + max(transient, head_transient),
         calibration=calibration, tokens=T, checkpointing=checkpointing, measured=shape.measured,
         formulas={"blocks": bf, "recompute": rf,
                   "head": head_formula,
                   "one_layer": ("30 h + a + 4 (GPT-2, SDPA, gelu_new)" if shape.measured else
                                 "Korthikanti et al. 2022: (34 + 5 a s / h) h / 2") + f" = {layer:g} elements per token",
-                  "transient": f"{calibration:g} x b s x one layer x e (fitted, CALIBRATION)"})
+                  "transient": f"{calibration:g} x b s x one layer x e (fitted, CALIBRATION); the peak holds the larger "
+                               "of it and the loss's transient"})
 
 
 def peak_parts(costs: dict, activations: ActivationBytes, resident_before_training: float | None = None,
@@ -348,14 +372,15 @@ def peak_parts(costs: dict, activations: ActivationBytes, resident_before_traini
     """
     params = float(costs.get("parameter_shard_bytes") or 0.0)
     frozen = float(costs.get("frozen_parameter_bytes") or 0.0)
-    head_share = activations.head / activations.total if activations.total else 0.0
+    # the head's part: what it keeps, and its transient where that is the larger of the two transients
+    head = activations.head + (activations.head_transient if activations.head_transient > activations.transient else 0.0)
     parts = {"baseline": max(0.0, resident_before_training - params) if resident_before_training is not None else 0.0,
              "parameters": params - frozen, "frozen_parameters": frozen,
              "gradients": float(costs.get("gradient_bytes") or 0.0),
              "optimizer_state": float(costs.get("optimizer_state_bytes") or 0.0),
              "gathered_parameters": float(costs.get("gathered_parameter_bytes") or 0.0),
              "communication_buffers": float(communication_buffers),
-             "activations": activations.total * (1 - head_share), "logits": activations.total * head_share}
+             "activations": activations.total - head, "logits": head}
     parts["total"] = sum(parts.values())
     return parts
 

@@ -188,7 +188,12 @@ def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_ste
     unsharded in ``.grad`` through the window; ZeRO-2 all-reduces it after every micro-batch (K G
     calls, K P b_p bytes: DeepSpeed's partitioned reduction sends the whole bucket) and keeps only
     its partition (P b_p / W); both all-gather the updated parameter partitions after the step
-    (A calls, P b_p bytes) and keep full parameters. ZeRO-3 reduce-scatters after every
+    (A calls, P b_p bytes) and keep full parameters. The optimizer state is partitioned, ``P (b_o + m) / W`` with
+    ``m`` = 4 bytes of float32 master weights, the partition the optimizer updates, a copy of the parameters'
+    partition whatever their dtype (ZeRO-1/2's ``single_partition_of_fp32_groups`` in ``stage_1_and_2.py``, a
+    clone; ZeRO-3's ``fp32_partitioned_groups_flat`` in ``stage3.py``, whose source reuses the parameters' own
+    partition when it is already float32 on the optimizer's device, yet which held a copy in every float32 run
+    measured here on CPU: tests/test_deepspeed.py reads it). ZeRO-3 reduce-scatters after every
     micro-batch (K G calls, K P b_p bytes) and holds P b_p / W; its parameter all-gathers depend
     on which parameters stay resident (``stage3_param_persistence_threshold``) and prefetching, so
     they are not predicted (0, said so in ``formulas``; ``comm_is_floor``). Every stage adds one scalar all-reduce on
@@ -211,6 +216,7 @@ def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_ste
     G = max(param_groups, -(-P // bucket_elements))
     scalar = ZERO_SCALAR_BYTES[stage]
     every = stage != "zero1"  # ZeRO-2 and 3 reduce on every micro-batch
+    master = 4  # the float32 partition the optimizer updates (a copy in every stage and dtype measured)
     reduced_calls, reduced_bytes = (K * G, K * P * b) if every else (G, P * b)
     reduced_f = (f"K G = {K} x {G}; K P b_p = {K} x {P} x {b}" if every else f"G = {G}; P b_p = {P} x {b}")
     ar_calls, ar_bytes = (1, scalar) if stage == "zero3" else (reduced_calls + 1, reduced_bytes + scalar)
@@ -223,7 +229,8 @@ def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_ste
         all_gather_calls=ag_calls, all_gather_bytes=ag_bytes,
         parameter_shard_bytes=(P + F) * b / W if stage == "zero3" else float((P + F) * b),
         frozen_parameter_bytes=F * b / W if stage == "zero3" else float(F * b),
-        optimizer_state_bytes=P * optimizer_bytes / W, gradient_bytes=grads, gathered_parameter_bytes=0.0,
+        optimizer_state_bytes=P * (optimizer_bytes + master) / W, gradient_bytes=grads,
+        gathered_parameter_bytes=0.0,
         all_reduce_calls=ar_calls, all_reduce_bytes=ar_bytes,
         # ZeRO-1 sums every micro-batch into the full .grad (as no_sync); ZeRO-2 and 3 reduce each one to a partition
         syncs=K if every else 1, held_gradient_adds=0 if every else K - 1, comm_is_floor=stage == "zero3",
@@ -234,7 +241,9 @@ def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_ste
                   (f"P b_p = {P} x {b} (full .grad until the boundary)" if stage == "zero1"
                    else f"P b_p / W = {P} x {b} / {W} (the reduced partition)"),
                   "parameters": (f"(P_t + frozen) b_p{' / W' if stage == 'zero3' else ''} = ({P} + {F}) x {b}" if F
-                                 else f"P b_p{' / W' if stage == 'zero3' else ''} = {P} x {b}")})
+                                 else f"P b_p{' / W' if stage == 'zero3' else ''} = {P} x {b}"),
+                  "optimizer_state": f"P (b_o + m) / W = {P} x ({optimizer_bytes} + {master}) / {W} (m: float32 "
+                                     "master partition)"})
 
 
 def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulation_steps: int, param_bytes: int = 4,

@@ -333,7 +333,7 @@ def activation_bytes_per_process(model: DenseTransformer, tp: int, cp: int, toke
             f" = {tokens} x ({L} x ({6 * h + 2} + {sharded} / {tp}) + {3 * h + 1}) x {e}")
     if fused and tp == 1:
         C, acc = min(tokens, chunk_tokens(V)), max(4, e)
-        loss = held_bytes(tokens, h, V, False, acc) + transient_bytes(V, C, e)
+        loss = held_bytes(tokens, h, V, False, acc) + transient_bytes(V, C, e, hidden=h)
         return body + loss, f"{lead} + {acc} (T h + V h) + one chunk of {C} tokens' logits = {loss:g} (fused loss)"
     logit = max(4, e)  # float32 logits whatever the compute precision
     return body + tokens * LOGIT_COPIES * V * logit, f"{lead} + T {LOGIT_COPIES} V x {logit} = {tokens} x {LOGIT_COPIES} x {V} x {logit}"
