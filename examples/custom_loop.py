@@ -49,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--learning_rate", type=float, default=3e-3)
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="clip the global gradient norm (every engine)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--use_peft", action="store_true",
+                   help="train LoRA adapters (peft) on c_attn instead of every weight; the loop takes the PeftModel as is")
+    p.add_argument("--lora_r", type=int, default=8, help="with --use_peft: the adapters' rank (alpha 2 r)")
     return p.parse_args(argv)
 
 
@@ -67,7 +70,13 @@ def main(argv=None) -> dict:
     eval_dl = DataLoader(data["validation"].select(range(min(64, len(data["validation"])))), batch_size=8,
                          collate_fn=collate)
     model = build_model(args.model_preset, len(tokenizer), n_positions=args.block_size, seed=args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    if args.use_peft:  # every weight frozen but the adapters': nothing else below changes
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
+                                                 target_modules=["c_attn"], task_type="CAUSAL_LM"))
+    # the parameters that train (all of them without adapters): no optimizer state for frozen weights
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate)
     # A prepared scheduler steps once per process per optimizer step: scale its lengths.
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0,
                               num_training_steps=args.max_train_steps * accelerator.num_processes)
@@ -82,6 +91,7 @@ def main(argv=None) -> dict:
     return {"world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
             "eval_loss_before": before, "eval_loss_after": after, "train_loss": result.train_loss,
             "final_learning_rate": scheduler.get_last_lr()[0],
+            "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "gradient_checkpointing": accelerator.run_plan.gradient_checkpointing}
 
 

@@ -31,6 +31,8 @@ def example_specs(corpus: Path) -> list[dict]:
         {"name": "custom_loop", "path": str(ex / "custom_loop.py"), "argv": [*corpus_flags, "--max_train_steps", "8"]},
         {"name": "custom_loop_gc", "path": str(ex / "custom_loop.py"),
          "argv": [*corpus_flags, "--max_train_steps", "8", "--gradient_checkpointing"]},
+        {"name": "custom_loop_lora", "path": str(ex / "custom_loop.py"),
+         "argv": [*corpus_flags, "--max_train_steps", "8", "--use_peft", "--lora_r", "4"]},
         {"name": "mean_vs_tokens", "path": str(ex / "by_feature" / "mean_vs_tokens.py"), "argv": corpus_flags},
         {"name": "verify_exactness", "path": str(ex / "by_feature" / "verify_exactness.py"),
          "argv": [*corpus_flags, "--max_train_steps", "8"]},

@@ -6,7 +6,7 @@ One launch runs every scenario (each with its own ZeRO stage), so the import cos
         tests/deepspeed_worker.py SPEC.json OUT_DIR
 
 SPEC.json: as tests/dist_worker.py's, each scenario with ``"zero_stage": 1|2|3`` (and ``K``, ``B``,
-``mode``, ``max_grad_norm``, ``resume_from``). The worker wraps ``torch.distributed``'s collectives
+``mode``, ``max_grad_norm``, ``resume_from``, ``lora``, ``momentum``). The worker wraps ``torch.distributed``'s collectives
 (before DeepSpeed binds any of them) and counts, per micro-batch, the calls and bytes of each kind
 that run while the micro-batch's forward and backward run (on the boundary that includes the
 engine's step). It also runs accum_kit's CommProfiler and HeldMemory, whose records go into
@@ -143,10 +143,15 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
     rank = accelerator.process_index
     torch.manual_seed(spec["seed"])
     model = GPT2LMHeadModel(GPT2Config(**spec["model_config"]))
+    if sc.get("lora"):  # a peft PeftModel: every weight frozen but the adapters'
+        from job_helpers import lora_model
+
+        model = lora_model(model, sc["lora"])
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for block in model.transformer.h:
         block.attn.register_forward_hook(counter.count_block_forward)
-    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    # every parameter handed over, frozen ones included: DeepSpeed must partition and step the trainable ones only
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=sc.get("momentum", 0.0))
     loader = DataLoader(spec["examples"], batch_size=sc["B"], shuffle=False, collate_fn=pad_collate(spec["pad_id"]))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     counter.start()
@@ -184,6 +189,10 @@ def run_scenario(spec, sc, out_dir: Path, counter: Counter, resume_from=None) ->
         "resumed_from_step": result.resumed_from_step, "loss": accum_kit.causal_lm_loss.used,
         "micro": counter.micro, "outside_micro_batches": counter.outside, "host_reads": reads.summary(),
         "parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.module.parameters()),
+        # the elements of this rank's optimizer partitions (ZeRO's flat fp32 groups, which the optimizer steps)
+        "optimizer_elements": sum(p.numel() for g in model.optimizer.optimizer.param_groups for p in g["params"]),
+        "momentum_elements": sum(s["momentum_buffer"].numel() for s in model.optimizer.optimizer.state.values()
+                                 if s.get("momentum_buffer") is not None),
     }
     if profiler is not None:
         info.update(profiler_calls=[{"kind": c.kind, "micro_batch": c.micro_batch - counter.offset, "bytes": c.bytes,

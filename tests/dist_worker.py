@@ -16,7 +16,8 @@ SPEC.json (written by the test)::
                     "schedule": [[step, K], ...]|null, "policy": str|null,
                     "resume_from": [step, ...], "torch_compile_backend": str|null,
                     "torch_compile_dynamic": bool|null, "bucket_cap_mb": float,
-                    "gradient_checkpointing": bool, "gradient_checkpointing_kwargs": {...}|null}, ...],
+                    "gradient_checkpointing": bool, "gradient_checkpointing_kwargs": {...}|null,
+                    "lora": {"r", "alpha", "target_modules"}|null, "momentum": float}, ...],
      "pad_to": int|null, "cli_runs": [{"name": str, "command": str, "argv": [...], "collect": str|null}, ...]}
 
 (``epochs``, ``max_train_steps``, ``max_grad_norm`` and ``schedule`` are passed to train_loop as
@@ -29,7 +30,9 @@ at least 1: see :func:`accum_kit.engines.compiling.check_ddp_buckets`), with ``t
 ``torch.compile``'s ``dynamic`` (missing: True), and ``rank<r>.json`` then holds the
 :class:`accum_kit.engines.compiling.CompileWatch` summary as ``compile``. ``pad_to`` pads every
 micro-batch to at least that many tokens, so that all have one shape. ``gradient_checkpointing`` and its
-kwargs go to ``build_accelerator``; per micro-batch ``block_forwards`` counts the forwards of the blocks' attention
+kwargs go to ``build_accelerator``; ``lora`` makes the model a peft ``PeftModel`` with those adapters
+(tests/job_helpers.py's ``lora_model``) before anything else sees it, ``momentum`` is SGD's (default 0), and
+``rank<r>.json`` then names the parameters holding optimizer state (``optimizer_state_names``); per micro-batch ``block_forwards`` counts the forwards of the blocks' attention
 (forward hooks, not with compilation): n_layer per micro-batch, twice that when backward recomputes them.)
 
 Launched with accelerate_configs/cpu_fsdp.yaml the model is sharded with FSDP2:
@@ -224,9 +227,14 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
     torch.manual_seed(spec["seed"])
     config = GPT2Config(**spec["model_config"])
     model = GPT2LMHeadModel(config)
+    if sc.get("lora"):  # a peft PeftModel: every weight frozen but the adapters'
+        from job_helpers import lora_model
+
+        model = lora_model(model, sc["lora"])
     raw_model = model
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    # every parameter handed over, frozen ones included: the optimizer must give them no state
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=sc.get("momentum", 0.0))
     loader = DataLoader(spec["examples"], batch_size=sc["B"], shuffle=False,
                         collate_fn=pad_collate(spec["pad_id"], spec.get("pad_to")))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -305,6 +313,10 @@ def run_scenario(spec: dict, sc: dict, out_dir: Path, resume_from: int | None = 
         "collective_groups": rec.groups,
         "loss": accum_kit.causal_lm_loss.used,  # which causal-LM loss ran (the default: in the output layer)
     }
+    if sc.get("lora"):
+        from job_helpers import optimizer_state_names
+
+        info["optimizer_state_names"] = optimizer_state_names(model, optimizer)
     if watch is not None:
         info["compile"] = watch.summary()
         info["compile_settings"] = accum_kit.engines.compiling.compile_settings(accelerator)

@@ -387,3 +387,32 @@ def fresh_process_group(prefix: str) -> None:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+#: The LoRA adapters the exactness scenarios train (a scenario's ``"lora"``): rank 4 on the attention's q/k/v
+#: projection of every block, no dropout (deterministic), alpha 8. Every block's FSDP2 unit then mixes frozen
+#: and trainable parameters, and the root and output-head units hold frozen ones only.
+LORA = {"r": 4, "alpha": 8, "target_modules": ["c_attn"]}
+LORA_MOMENTUM = 0.9  # SGD's momentum in the LoRA scenarios: optimizer state that a frozen parameter must not get
+
+
+def lora_model(model, lora: dict):
+    """``peft.get_peft_model`` of ``model`` with ``lora`` (``r``, ``alpha``, ``target_modules``), dropout 0."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0, bias="none",
+                                            target_modules=list(lora["target_modules"]), task_type="CAUSAL_LM"))
+
+
+def optimizer_state_names(model, optimizer) -> list[str]:
+    """Names of ``model``'s parameters that hold optimizer state (wrapper prefixes ``module.`` / ``_orig_mod.``
+    removed), sorted: what a worker records to show that frozen parameters got none."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer
+    with_state = {id(p) for p, s in inner.state.items() if s}
+    names = set()
+    for name, p in model.named_parameters():
+        if id(p) in with_state:
+            for prefix in ("_orig_mod.", "module."):
+                name = name.removeprefix(prefix)
+            names.add(name)
+    return sorted(names)

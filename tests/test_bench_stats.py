@@ -235,6 +235,9 @@ def test_schedule_defaults_quick_and_tune(monkeypatch):
     (["--modes", "no_sync", "trainer", "--ddp_static_graph", "true"], "--ddp_static_graph"),
     (["--ddp_bucket_cap_mb", "-1"], "--ddp_bucket_cap_mb"),
     (["--modes", "no_sync", "manual"], "--modes"),
+    (["--lora_r", "8"], "--lora_r"),  # LoRA settings need --use_peft
+    (["--use_peft", "--lora_r", "0"], "--lora_r"),
+    (["--use_peft", "--tune"], "--use_peft"),
 ])
 def test_bench_bad_input_exits_2(argv, flag, tmp_path, capsys, monkeypatch):
     from accum_kit.cli import run
@@ -312,3 +315,20 @@ def test_fsdp_launch_schedule_and_the_flags_of_the_other_launch_kind(monkeypatch
         BenchConfig(output_dir=out, accumulation_policies=["no_sync", "sync_each_batch"])
     assert e.value.flag == "--accumulation_policies"
     assert not (tmp_path / "bench").exists()
+
+
+def test_bench_use_peft_builds_the_preset_with_adapters_only_trainable(monkeypatch):
+    """--use_peft --lora_r 8: every arm's model is the preset with LoRA on each block's c_attn, the only trainable
+    parameters: 8 (d + 3 d) per block, counted by hand."""
+    pytest.importorskip("peft")
+    from accum_kit.bench.bench_config import BenchConfig
+    from accum_kit.job.models import PRESETS
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = BenchConfig(use_peft=True, lora_r=8, model_presets=["tiny"])
+    model = cfg.build_model("tiny")
+    d, L = PRESETS["tiny"]["n_embd"], PRESETS["tiny"]["n_layer"]
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == L * 8 * (d + 3 * d)
+    assert cfg.adapter_info() == {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0}
+    assert BenchConfig().adapter_info() is None and BenchConfig(use_peft=True).lora_r == 16  # TRL's default rank

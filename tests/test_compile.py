@@ -86,6 +86,11 @@ CHECKPOINTED = {"comp_k3_gc": "comp_k3", "comp_k3_fsdp_gc": "comp_k3_fsdp"}
 DDP_SCENARIOS.append({**_sc("comp_k3_gc", True), "gradient_checkpointing": True})
 FSDP_SCENARIOS.append({**_sc("comp_k3_fsdp_gc", True), "policy": "no_sync", "gradient_checkpointing": True})
 COMPILED = ["comp_k3", "comp_k3_sync_each", "comp_k3_fsdp", "comp_k3_fsdp_no_reshard", *CHECKPOINTED]
+# LoRA adapters (peft) on a frozen model, compiled: the whole PeftModel under DDP, per block under FSDP2
+LORA_COMPILED = {"comp_lora_k3": "ddp", "comp_lora_k3_fsdp": "fsdp"}
+DDP_SCENARIOS.append({**_sc("comp_lora_k3", True), "lora": jh.LORA, "momentum": jh.LORA_MOMENTUM})
+FSDP_SCENARIOS.append({**_sc("comp_lora_k3_fsdp", True), "policy": "no_sync", "lora": jh.LORA,
+                       "momentum": jh.LORA_MOMENTUM})
 
 # The train job: variable lengths (--packing false), K 2 then 3 (schedule), 60 examples: 15 micro-batches per
 # process and epoch; evaluation before and after. The first run stops after 4 steps and saves step_4; the second
@@ -396,3 +401,24 @@ def test_verify_compiled_on_one_process(runs):
 def test_verify_compiled_on_two_processes(runs):
     _verify_report_checks(runs["verify_w2"], world=W)
     assert runs["verify_w2"]["ddp_sum_ratio"] == pytest.approx(1 / W, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", list(LORA_COMPILED))
+def test_compiled_lora_run_is_the_float64_big_batch_of_the_same_peft_model(runs, name):
+    """A compiled PeftModel (the whole model under DDP, its blocks under FSDP2): each adapter parameter within the
+    fp32 criterion of the float64 single-process PeftModel after every step, each frozen one bitwise unchanged,
+    optimizer state for the adapters only (tests/lora_oracle.py); under DDP all-reduces on boundaries only."""
+    import lora_oracle
+
+    run = runs[name]
+    for info in run["ranks"]:
+        settings = info["compile_settings"]
+        assert settings["backend"] == BACKEND and settings["regional"] == (LORA_COMPILED[name] == "fsdp"), settings
+        if LORA_COMPILED[name] == "ddp":
+            assert info["model_class"] == "OptimizedModule", "not compiled"
+            calls = [m["allreduce_calls"] for m in info["micro"]]
+            assert [c > 0 for c in calls] == [m["boundary"] for m in info["micro"]], calls
+        else:
+            assert info["modules_compiled_in_place"] > 0, "no module compiled in place"
+    worst = lora_oracle.assert_lora_run(run, W, f"compiled {name}", model_config=MODEL_CONFIG)
+    print(f"\ncompiled {name}: largest |adapter - float64 oracle| {worst:.2e}")

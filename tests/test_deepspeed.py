@@ -66,6 +66,9 @@ SCENARIOS = [
 ]
 # activation checkpointing (transformers' own, non-reentrant, inside DeepSpeed's engine): every stage's twin of zero<s>
 SCENARIOS += [{**_sc(f"zero{s}_gc", s), "gradient_checkpointing": True} for s in STAGES]
+# LoRA adapters (peft) on a frozen model, every stage (tests/lora_oracle.py)
+LORA_SCENARIOS = [{**_sc(f"lora_zero{s}", s), "lora": jh.LORA, "momentum": jh.LORA_MOMENTUM} for s in STAGES]
+SCENARIOS += LORA_SCENARIOS
 BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
 #: ``accum-kit bench``'s DeepSpeed sweep, run in-process at the end of the same launch (tiny preset)
 BENCH = {"K": [1, 3], "repeats": 2, "steps": 2}
@@ -979,3 +982,22 @@ def test_experts_getting_tokens_late_or_on_one_rank_train_exactly(launched, c):
     run = moe.load(launched[0] / "moe", [c])[c["name"]]
     assert len(run["steps"]) == moe.SPEC["windows"] + 1
     moe.check_cell(run, c, W)
+
+
+# --------------------------------------------------------------------------- LoRA adapters on a frozen model
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("name", [sc["name"] for sc in LORA_SCENARIOS])
+def test_lora_run_is_the_float64_big_batch_of_the_same_peft_model(runs, name):
+    """Every ZeRO stage: each adapter parameter within the fp32 criterion of the float64 single-process PeftModel
+    after every step, each frozen one bitwise unchanged (tests/lora_oracle.py); the momentum DeepSpeed's optimizer
+    keeps covers the adapters' elements exactly once over the processes (its partitions), nothing frozen."""
+    import lora_oracle
+
+    run = runs[name]
+    worst = lora_oracle.assert_lora_run(run, W, f"ZeRO {name}")
+    trainable = sum(run["init"][k].numel() for k in lora_oracle.trainable_keys(run["init"]))
+    assert sum(info["momentum_elements"] for info in run["ranks"]) == trainable, [
+        info["momentum_elements"] for info in run["ranks"]]
+    print(f"\nZeRO {name}: largest |adapter - float64 oracle| {worst:.2e}; momentum for {trainable} adapter elements")

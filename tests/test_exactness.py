@@ -152,6 +152,17 @@ SCENARIOS[2] += [{**_sc("tok_k3_gc", 3), "gradient_checkpointing": True},
                   "gradient_checkpointing_kwargs": {"use_reentrant": True}},
                  {**_sc("tok_k3_sync_each_gc", 3, sync_each_batch=True), "gradient_checkpointing": True}]
 
+#: LoRA adapters (peft) on a frozen model, SGD with momentum (tests/lora_oracle.py): under no_sync, sync_each_batch,
+#: clipping, and reentrant activation checkpointing (frozen embeddings: transformers makes the blocks' input require
+#: grad, else no gradient would reach the adapters); against the float64 single-process PeftModel.
+LORA_MAX_GRAD_NORM = 0.01  # below the adapters' unclipped window gradient norms (0.018, 0.026)
+LORA_SCENARIOS = [{**_sc(name, 3, **kw), "lora": jh.LORA, "momentum": jh.LORA_MOMENTUM, **extra}
+                  for name, kw, extra in (("lora_k3", {}, {}), ("lora_k3_sync_each", {"sync_each_batch": True}, {}),
+                                          ("lora_k3_clip", {"max_grad_norm": LORA_MAX_GRAD_NORM}, {}),
+                                          ("lora_k3_gc_reentrant", {}, {"gradient_checkpointing": True,
+                                           "gradient_checkpointing_kwargs": {"use_reentrant": True}}))]
+SCENARIOS[2] += LORA_SCENARIOS
+
 # bf16 autocast (Accelerator(mixed_precision="bf16"), CPU): a full window and the epoch's partial one; see (5).
 SCENARIOS[1].append(_sc("bf16_k4", 4, mixed_precision="bf16"))  # windows of 4, 4, 2 micro-batches
 SCENARIOS[2].append(_sc("bf16_k3", 3, mixed_precision="bf16"))  # windows of 3, 2 micro-batches per process
@@ -456,11 +467,13 @@ def assert_params_match(saved_steps, oracle_params, label):
 
 
 def _cases(mode):
-    return [(w, sc["name"]) for w, scs in SCENARIOS.items() for sc in scs if sc["mode"] == mode and _is_base(sc)]
+    return [(w, sc["name"]) for w, scs in SCENARIOS.items() for sc in scs
+            if sc["mode"] == mode and _is_base(sc) and not sc.get("lora")]
 
 
 def _cases_where(pred):
-    return [(w, sc["name"]) for w, scs in SCENARIOS.items() for sc in scs if pred(sc)]
+    """The scenarios of a full-model run matching ``pred`` (the LoRA ones have their own oracle, test (7))."""
+    return [(w, sc["name"]) for w, scs in SCENARIOS.items() for sc in scs if pred(sc) and not sc.get("lora")]
 
 
 # --------------------------------------------------------------------------- (1) all-reduces only on boundaries
@@ -839,3 +852,24 @@ def test_checkpointed_ddp_run_is_the_big_batch_and_its_twin(runs, name):
     assert kwargs == {"use_reentrant": name.endswith("reentrant")}, kwargs
     print(f"\n{name} (DDP, {kwargs}): largest |param - oracle| {worst:.2e}, largest loss gap to "
           f"{CHECKPOINTED[name]} {gap:.1e}; {seconds}")
+
+
+# --------------------------------------------------------------------------- (7) LoRA adapters on a frozen model
+
+
+@pytest.mark.parametrize("name", [sc["name"] for sc in LORA_SCENARIOS])
+def test_lora_run_is_the_float64_big_batch_of_the_same_peft_model(runs, name):
+    """Under DDP (no_sync, sync_each_batch, clipping, reentrant checkpointing): every adapter parameter within the
+    fp32 criterion of the float64 single-process PeftModel after every step, every frozen parameter bitwise its
+    initial value, optimizer state for the adapters only (tests/lora_oracle.py); the loss computed in the output
+    layer (LoRA is not on it)."""
+    import lora_oracle
+
+    run = runs[2][name]
+    worst = lora_oracle.assert_lora_run(run, 2, f"DDP {name}")
+    for info in run["ranks"]:
+        assert info["loss"]["implementation"] == "chunked", info["loss"]
+    if run["scenario"].get("gradient_checkpointing"):
+        forwards = {m["block_forwards"] for m in run["ranks"][0]["micro"]}
+        assert forwards == {2 * MODEL_CONFIG["n_layer"]}, f"the blocks did not recompute: {forwards}"
+    print(f"\nDDP {name}: largest |adapter - float64 oracle| {worst:.2e}")

@@ -48,6 +48,12 @@ SCENARIOS = [
 ]
 # activation checkpointing (Accelerate's FSDP2 wrapper around each block unit): every policy's twin of tok_k3_<policy>
 SCENARIOS += [{**_sc(f"tok_k3_{p}_gc", policy=p), "gradient_checkpointing": True} for p in POLICIES]
+# LoRA adapters (peft) on a frozen model, every policy (tests/lora_oracle.py): each block's unit mixes frozen weights and
+# adapters, the root and output-head units hold frozen weights only
+LORA_SCENARIOS = [{**_sc(f"lora_k3_{p}", policy=p), "lora": jh.LORA, "momentum": jh.LORA_MOMENTUM} for p in POLICIES]
+LORA_SCENARIOS.append({**_sc("lora_k3_no_sync_gc"), "lora": jh.LORA, "momentum": jh.LORA_MOMENTUM,
+                       "gradient_checkpointing": True})
+SCENARIOS += LORA_SCENARIOS
 BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
 # `accum-kit bench` under FSDP2, last in the same launch: every policy (with the logits' loss) and no_sync with the
 # default fused loss (the loss axis) at two K, two passes
@@ -569,3 +575,50 @@ def test_bf16_gets_an_fp32_reduction_and_the_gathered_policy_its_reshard_setting
     kept = fsdp_plugin_for(P["no_sync"], FullyShardedDataParallelPlugin(fsdp_version=2), "no")
     assert kept.reshard_after_forward is True and kept.mixed_precision_policy is None
 
+
+
+# --------------------------------------------------------------------------- LoRA adapters on a frozen model
+
+
+@pytest.mark.parametrize("name", [sc["name"] for sc in LORA_SCENARIOS])
+def test_lora_run_is_the_float64_big_batch_of_the_same_peft_model(runs, name):
+    """Every policy (and checkpointing), units mixing frozen weights and adapters: each adapter parameter within the
+    fp32 criterion of the float64 single-process PeftModel after every step, each frozen one bitwise unchanged,
+    optimizer state for the adapters only (tests/lora_oracle.py); reduce-scatters only where the policy says."""
+    import lora_oracle
+
+    run = runs[name]
+    worst = lora_oracle.assert_lora_run(run, W, f"FSDP2 {name}")
+    policy = run["scenario"]["policy"]
+    for info in run["ranks"]:
+        syncs = [m["reduce_scatter_calls"] > 0 for m in info["micro"]]
+        assert syncs == [policy == "sync_each_batch" or m["boundary"] for m in info["micro"]], syncs
+        assert info["loss"]["implementation"] == "chunked", info["loss"]
+    print(f"\nFSDP2 {name}: largest |adapter - float64 oracle| {worst:.2e}")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_lora_reduces_and_holds_the_adapters_gradients_only(runs, policy):
+    """Counted by hand (each c_attn's adapter: lora_A r x d and lora_B 3d x r, T elements in all): every
+    synchronised micro-batch reduce-scatters the L block units (the root and head units hold frozen weights only)
+    carrying 4 T bytes; the window holds 4 T bytes of gradients under no_sync (4 T / W when syncing each), and the
+    engine's prediction (the cost table's row) says the same; every frozen weight is still all-gathered."""
+    c = ex.MODEL_CONFIG
+    d, L, r = c["n_embd"], c["n_layer"], jh.LORA["r"]
+    T = L * r * (d + 3 * d)
+    full = _layout()  # the same units without adapters: their all-gathered bytes plus the adapters'
+    for info in runs[f"lora_k3_{policy}"]["ranks"]:
+        for w in jh.windows_of(info["micro"]):
+            syncs = len(w) if policy == "sync_each_batch" else 1
+            assert sum(m["reduce_scatter_calls"] for m in w) == syncs * L, (policy, w)
+            assert sum(m["reduce_scatter_bytes"] for m in w) == syncs * 4 * T, (policy, w)
+            counted = sum(m["all_gather_bytes"] for m in w)
+            ref = sum(m["all_gather_bytes"] for m in next(v for v in jh.windows_of(
+                runs[f"tok_k3_{policy}"]["ranks"][info["rank"]]["micro"]) if len(v) == len(w)))
+            assert counted > ref, "the frozen weights were not all-gathered"
+        want = 4 * T / W if policy == "sync_each_batch" else 4 * T
+        assert info["memory"]["gradient_bytes"] == want, info["memory"]
+        predicted = info["predicted_memory"][policy]
+        assert predicted["gradient_bytes"] == want and predicted["optimizer_state_bytes"] == 8 * T / W
+        assert predicted["parameter_shard_bytes"] == 4 * (full.parameters + T) / W
+        assert predicted["frozen_parameter_bytes"] == 4 * full.parameters / W

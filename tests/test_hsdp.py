@@ -50,6 +50,10 @@ SCENARIOS = [
 ]
 # activation checkpointing (Accelerate's wrapper around each block unit): every policy's twin of tok_k3_<policy>
 SCENARIOS += [{**_sc(f"tok_k3_{p}_gc", policy=p), "gradient_checkpointing": True} for p in POLICIES]
+# LoRA adapters (peft) on a frozen model (tests/lora_oracle.py): HSDP's own policy, and no_sync
+LORA_SCENARIOS = [{**_sc(f"lora_k3_{p}", policy=p), "lora": jh.LORA, "momentum": jh.LORA_MOMENTUM}
+                  for p in ("no_sync", NEW)]
+SCENARIOS += LORA_SCENARIOS
 BY_NAME = {sc["name"]: sc for sc in SCENARIOS}
 
 
@@ -342,3 +346,16 @@ def test_experts_getting_tokens_late_or_on_one_rank_train_exactly(runs, c):
     run = runs["moe"][c["name"]]
     assert len(run["steps"]) == moe.SPEC["windows"] + 1
     moe.check_cell(run, c, W)
+
+
+# --------------------------------------------------------------------------- LoRA adapters on a frozen model
+
+
+@pytest.mark.parametrize("name", [sc["name"] for sc in LORA_SCENARIOS])
+def test_lora_run_is_the_float64_big_batch_of_the_same_peft_model(runs, name):
+    """HSDP (2 x 2): each adapter parameter within the fp32 criterion of the float64 single-process PeftModel after
+    every step, each frozen one bitwise unchanged, optimizer state for the adapters only (tests/lora_oracle.py)."""
+    import lora_oracle
+
+    worst = lora_oracle.assert_lora_run(runs[name], W, f"HSDP {name}")
+    print(f"\nHSDP {name}: largest |adapter - float64 oracle| {worst:.2e}")

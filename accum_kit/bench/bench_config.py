@@ -152,6 +152,12 @@ class BenchConfig:
     optim: str = field(default="adamw_torch", metadata={
         "help": f"One process only: the optimizer of every arm, one of {list(OPTIMIZERS)} (torch.optim.AdamW, "
                 "without or with fused=True)."})
+    use_peft: bool = field(default=False, metadata={
+        "help": "Train LoRA adapters (peft, the train job's --use_peft) on the frozen preset in every arm instead of "
+                "every weight: peft's default targets (GPT-2: c_attn), --lora_r, alpha 2 r, no dropout. DDP and "
+                "FSDP2 launches only."})
+    lora_r: int | None = field(default=None, metadata={
+        "help": "With --use_peft: the adapters' rank (default 16, TRL's)."})
     output_dir: str = field(default="runs/bench", metadata={"help": "Where bench.json, bench.csv and bench.png go."})
 
     def __post_init__(self):
@@ -221,7 +227,46 @@ class BenchConfig:
         if self.emulate_inter_node_GBps is not None:
             checks.positive("--emulate_inter_node_GBps", self.emulate_inter_node_GBps,
                             fix="pass the emulated inter-node bus bandwidth in GB/s, e.g. 0.1")
+        self._check_adapters(part)
         check_output_dir(self.output_dir)
+
+    def _check_adapters(self, part) -> None:
+        """``--use_peft`` / ``--lora_r``: a rank of 1 or more, only with ``--use_peft``, under DDP's modes or the
+        FSDP2 policies (not ``--tune``, ``--torch_compile`` or ``--gradient_checkpointing_ab``).
+
+        Raises:
+            UsageError: naming the flag.
+        """
+        if not self.use_peft:
+            if self.lora_r is not None:
+                raise UsageError("--lora_r", "is a LoRA setting, but --use_peft is not given", "add --use_peft")
+            return
+        self.lora_r = 16 if self.lora_r is None else self.lora_r
+        checks.at_least("--lora_r", self.lora_r, fix="pass a rank of 1 or more, e.g. --lora_r 8")
+        for other, given in (("--tune", self.tune), ("--torch_compile", self.torch_compile),
+                             ("--gradient_checkpointing_ab", self.gradient_checkpointing_ab)):
+            if given:
+                raise UsageError("--use_peft", f"adapters are measured in the DDP modes and FSDP2 policies, not with "
+                                 f"{other}", f"drop {other} or --use_peft")
+        if not part.measures_adapters:
+            raise UsageError("--use_peft", f"adapters are measured under DDP and FSDP2, and this launch is {part.name}",
+                             "launch with accelerate_configs/cpu_ddp.yaml or cpu_fsdp.yaml")
+
+    def build_model(self, preset: str):
+        """The preset's model (:func:`accum_kit.job.models.build_model`, the bench's vocabulary, block and seed), with
+        LoRA adapters when ``--use_peft`` (:func:`accum_kit.job.adapters.apply_lora`: every weight frozen)."""
+        from ..job.models import build_model
+
+        model = build_model(preset, self.vocab_size, self.block_size, seed=self.seed)
+        if not self.use_peft:
+            return model
+        from ..job.adapters import LoraSettings, apply_lora
+
+        return apply_lora(model, LoraSettings(self.lora_r, 2 * self.lora_r, 0.0, None), source=f"preset {preset}")
+
+    def adapter_info(self) -> dict | None:
+        """What ``bench.json`` records of the adapters: ``{"r", "lora_alpha", "lora_dropout"}`` (None: full fine-tuning)."""
+        return {"r": self.lora_r, "lora_alpha": 2 * self.lora_r, "lora_dropout": 0.0} if self.use_peft else None
 
     def check_hsdp_flags(self, hybrid: bool) -> None:
         """At run time, once the launch is known: the HSDP-only flag and policy need a replicate group.

@@ -49,7 +49,10 @@ def _table(rows: list, headers: list, colalign: tuple) -> str:
 
 def format_preset_table(preset: str, info: dict, rows: list[dict], per_k: list[dict], modes: list) -> str:
     """Per K: median [min-max] step seconds per mode, ideal, speedup, raw ratio, peak memory, comm share."""
-    head = (f"{preset}: {info['parameters'] / 1e6:.1f}M parameters ({info['gradient_bytes'] / 2**20:.0f} MB of gradients), "
+    lora = info.get("adapter")  # --use_peft: the trainable parameters are the adapters'
+    trained = (f"{info['parameters'] / 1e6:.2f}M trainable (LoRA r {lora['r']}) of {info['all_parameters'] / 1e6:.1f}M "
+               "parameters" if lora else f"{info['parameters'] / 1e6:.1f}M parameters")
+    head = (f"{preset}: {trained} ({info['gradient_bytes'] / 2**20:.0f} MB of gradients), "
             f"micro-batch {info['micro_batch']}; c = {_f(info['c_seconds'], '{:.4f}')} s compute / micro-batch, "
             f"a = {_f(info['a_seconds'], '{:.4f}')} s exposed all-reduce / sync")
     headers = ["K", *(f"{m} s/step" for m in modes), "Kc+a", "speedup", "ideal", "% ideal", "ns/raw", "ns/raw CPU",

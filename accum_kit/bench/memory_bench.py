@@ -5,7 +5,7 @@ Usage::
     python -m accum_kit.bench.memory_bench [--model_preset small] [--block_size 256]
         [--per_device_train_batch_size 4] [--gradient_accumulation_steps 2] [--max_train_steps 3]
         [--rows ddp:no_sync,ddp:sync_each_batch,fsdp2:sync_each_batch,fsdp2:no_sync_no_reshard]
-        [--fused_linear_cross_entropy auto] [--output memory_bench.json]
+        [--fused_linear_cross_entropy auto] [--lora_r 8 [--lora_dropout 0.05]] [--output memory_bench.json]
 
 Each row is one ``accelerate launch`` of the train job on 2 CPU processes (DDP: accelerate_configs/cpu_ddp.yaml,
 FSDP2: cpu_fsdp.yaml) with ``--accumulation_policy`` and, for the checkpointing half of the rows,
@@ -15,7 +15,8 @@ peak per process (``VmHWM``), the predicted one (:func:`accum_kit.engines.activa
 resident set before training + gradients + optimizer state + gathered parameters + activations + logits), their
 ratio, and the training's own part (peak minus the resident set before training, measured and predicted); then,
 per engine and policy, the memory checkpointing saves, measured ((peak - before) without minus with) against
-predicted (the activations' difference).
+predicted (the activations' difference). ``--lora_r R`` runs every row with LoRA adapters of rank R
+(``--use_peft --lora_r R --lora_alpha 2R``, peft's default targets) instead of full fine-tuning.
 
 glibc's allocator keeps freed memory of up to 32 MB per block in the heap after the first such block is freed
 (its dynamic mmap threshold, ``mallopt(3)``), so the resident peak then grows from step to step with
@@ -59,6 +60,9 @@ def run_row(engine: str, policy: str, checkpointing: bool, args, workdir: Path) 
            "--fused_linear_cross_entropy", args.fused_linear_cross_entropy, "--output_dir", str(out)]
     if checkpointing:
         cmd.append("--gradient_checkpointing")
+    if args.lora_r:
+        cmd += ["--use_peft", "--lora_r", str(args.lora_r), "--lora_alpha", str(2 * args.lora_r),
+                "--lora_dropout", str(args.lora_dropout)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     if not args.default_malloc:
@@ -132,6 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--fused_linear_cross_entropy", default="auto", choices=("auto", "chunked", "torch", "off"),
                    help="the train job's causal-LM loss (default auto: in the output layer; off: from the logits)")
     p.add_argument("--port", type=int, default=29731)
+    p.add_argument("--lora_r", type=int, default=None, help="LoRA adapters of this rank on every row (--use_peft)")
+    p.add_argument("--lora_dropout", type=float, default=0.05, help="with --lora_r: dropout (TRL's default 0.05)")
     p.add_argument("--output", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     rows = []

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from ..core.run_plan import run_plan_of
-from ..job.models import PRESETS, build_model, count_parameters
+from ..job.models import PRESETS, count_parameters
 from ..profiler import CommProfiler
 from ..reference.manual_allreduce import MANUAL_MODES
 from ..reference.raw_ddp import train_raw_ddp
@@ -54,6 +54,8 @@ from .runs import (comm_hook, device_ids, gathered_peaks, load_average, reset_tr
 
 class DDPBench(BenchPart):
     """The DDP modes (see the module docstring); ``--tune`` hands over to :class:`accum_kit.bench.part_tune.TuneBench`."""
+
+    measures_adapters = True
 
     collects = ("rows", "per_k", "fused_loss")
     csv_fields = DDP_CSV_FIELDS
@@ -137,7 +139,7 @@ class DDPSession:
         self.cfg, self.preset, self.accelerator = cfg, preset, accelerator
         self.plan = run_plan_of(accelerator)
         world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-        model = build_model(preset, cfg.vocab_size, cfg.block_size, seed=cfg.seed)
+        model = cfg.build_model(preset)  # with --use_peft: a PeftModel, every weight frozen but the adapters
         if run_plan_of(accelerator).gradient_checkpointing:  # every arm's copy checkpoints, not only the prepared one
             model = run_plan_of(accelerator).engine.apply_activation_checkpointing(accelerator, model)
         modes = set(cfg.modes)
@@ -206,6 +208,7 @@ class DDPSession:
         # A/B (checkpointing, the loss): each peak from the memory in use
         self.memory = (TrimmedPeakMemory if ab or fused else PeakMemory)(device)
         self.info = {"config": PRESETS[preset], "parameters": n_params, "gradient_bytes": grad_bytes,
+                     "all_parameters": count_parameters(model, trainable_only=False), "adapter": cfg.adapter_info(),
                      "micro_batch": f"{B}x{cfg.block_size} tokens", "memory_method": self.memory.method,
                      "ddp_kwargs": ddp_kw, "comm_hook": cfg.comm_hook,
                      # targets per micro-batch over all processes, averaged over the data of the largest K

@@ -90,6 +90,7 @@ class FSDP2Bench(WindowedPart):
     """The accumulation policies under FSDP2 / HSDP (see the module docstring)."""
 
     name = "fsdp2"
+    measures_adapters = True
     schema = "accum_kit.bench.fsdp/1"
     progress = "bench runs (FSDP2)"
     arm_key = "policy"
@@ -271,8 +272,9 @@ class FSDP2Session:
     def __init__(self, cfg, preset: str, accelerator):
         self.cfg, self.preset, self.accelerator = cfg, preset, accelerator
         world, device = accelerator.num_processes, accelerator.device
-        model = build_model(preset, cfg.vocab_size, cfg.block_size, seed=cfg.seed)
+        model = cfg.build_model(preset)  # with --use_peft: a PeftModel, every weight frozen but the adapters
         self.n_params = count_parameters(model)
+        self.n_all = count_parameters(model, trainable_only=False)
         self.fused_prediction = (predicted_loss_memory(model.config.to_dict(), cfg.per_device_train_batch_size,
                                                        cfg.block_size, element_bytes=compute_element_bytes(accelerator))
                                  if any(is_fused(p) for p in cfg.accumulation_policies) else None)
@@ -402,12 +404,15 @@ class FSDP2Session:
         for counter in self.forwards.values():
             counter.remove()
         info = {"pooled": pooled_summaries(prof, cfg, self.order), "parameters": self.n_params,
+                "all_parameters": self.n_all, "adapter": cfg.adapter_info(),
                 "micro_batch": f"{cfg.per_device_train_batch_size}x{cfg.block_size} tokens",
                 "memory_method": self.memory.method,
                 "mesh": {"dp_replicate_size": prof.replicate_size, "dp_shard_size": prof.shard_size},
                 "emulated_inter_node_GBps": cfg.emulate_inter_node_GBps,
                 "emulated_seconds_added": link.seconds_added if link is not None else 0.0,
-                "units": {"resharded": list(self.layout.resharded), "kept": list(self.layout.kept)},
+                "units": {"resharded": list(self.layout.resharded), "kept": list(self.layout.kept),
+                          # trainable elements per unit (resharded then kept; None: every parameter trains)
+                          "trainable": None if self.layout.trainable is None else list(self.layout.trainable)},
                 "element_bytes": {"b_p": b_p, "b_c": b_c, "b_r": b_r},
                 "fused_loss_prediction": self.fused_prediction}
         self.model = self.opt = self.loaders = self.prof = self.twin = self.forwards = None

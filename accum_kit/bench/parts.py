@@ -84,6 +84,8 @@ class BenchPart:
     """
 
     name = "ddp"
+    #: ``--use_peft`` (LoRA adapters on the frozen preset) is measured under this part (DDP's modes, FSDP2's policies)
+    measures_adapters = False
     schema = "accum_kit.bench/2"
     progress = "bench runs"
     arm_key = "mode"

@@ -95,7 +95,9 @@ def summarize_fsdp_preset(preset: str, info: dict, runs: list[dict], cfg, world:
     deviation of the per-repeat medians, ``stdev / median`` (how much the same
     cell moves between runs minutes apart; the paired ratios are tighter).
     """
-    layout = ShardedModel(tuple(info["units"]["resharded"]), tuple(info["units"]["kept"]))
+    trainable = info["units"].get("trainable")  # --use_peft: the adapters' elements per unit
+    layout = ShardedModel(tuple(info["units"]["resharded"]), tuple(info["units"]["kept"]),
+                          trainable=None if trainable is None else tuple(trainable))
     b = info["element_bytes"]
     nosync = [r for r in runs if r["policy"] == "no_sync" and r["K"] >= 2]
     c, a = _m(nosync, "compute_seconds"), _m(nosync, "exposed_comm_seconds")

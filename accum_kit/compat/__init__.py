@@ -336,7 +336,8 @@ from .deepspeed_internals import (  # noqa: E402
 )
 from .fsdp_internals import (  # noqa: E402
     fsdp_comm_interfaces, fsdp_held_tensors, fsdp_replicate_process_group, fsdp_reshard_after_forward_state, full_tensor,
-    fsdp_reshards_after_forward, fsdp_unit_comms, fsdp_unit_name, fsdp_unit_parameters, fsdp_units,
+    fsdp_reshards_after_forward, fsdp_unit_comms, fsdp_unit_name, fsdp_unit_parameters, fsdp_unit_trainable_parameters,
+    fsdp_units,
     fsdp_unit_reduces_gradients, fsdp_unsharded_parameters, keep_fsdp_parameters_after_forward, restore_fsdp_reshard_after_forward,
     unwrap_fsdp_post_backward, wrap_fsdp_post_backward,
 )

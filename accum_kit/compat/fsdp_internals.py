@@ -49,6 +49,12 @@ def fsdp_unit_parameters(group) -> int:
     return sum(p.sharded_param.numel() for p in group.fsdp_params)
 
 
+def fsdp_unit_trainable_parameters(group) -> int:
+    """Elements of the unit's parameters that require a gradient, unsharded (a LoRA run's adapters; the frozen
+    weights beside them in the same unit are gathered but never reduce-scattered)."""
+    return sum(p.sharded_param.numel() for p in group.fsdp_params if p.sharded_param.requires_grad)
+
+
 def fsdp_reshards_after_forward(group) -> bool:
     """Whether the unit frees its gathered parameters after its forward right now.
 

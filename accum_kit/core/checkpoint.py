@@ -371,16 +371,21 @@ class Checkpointer(LoopCallback):
             save ``step_<N>``, and :class:`Preempted` is raised. Pass ``()`` to
             leave signals alone.
         resplit: resume a checkpoint of a larger micro-batch re-split (:func:`load_checkpoint`).
+        metadata: JSON-ready keys written into every checkpoint's ``loop_state.json`` beside the loop's own (the
+            train job records its adapter there, :func:`accum_kit.job.adapters.adapter_record`); read back with
+            :func:`read_loop_state` / :func:`check_resumable`.
     """
 
     def __init__(self, accelerator, output_dir, checkpointing_steps: int | str | None = None,
-                 total_limit: int | None = None, signals=(signal.SIGTERM, signal.SIGUSR1), resplit: bool = False):
+                 total_limit: int | None = None, signals=(signal.SIGTERM, signal.SIGUSR1), resplit: bool = False,
+                 metadata: dict | None = None):
         if checkpointing_steps not in (None, "epoch") and not (isinstance(checkpointing_steps, int) and checkpointing_steps >= 1):
             raise UsageError("--checkpointing_steps", f"must be a positive integer or 'epoch' (got {checkpointing_steps!r})",
                              "pass e.g. 100 or epoch")
         self.accelerator, self.output_dir = accelerator, Path(output_dir)
         self.every, self.total_limit, self.signals = checkpointing_steps, total_limit, tuple(signals)
         self.resplit = resplit  # a resume may re-split the micro-batch (--auto_find_batch_size; load_checkpoint)
+        self.metadata = dict(metadata or {})  # the caller's own keys in loop_state.json (the train job: its adapter)
         self.saved: list[Path] = []
         self.timings: list[dict] = []  # per save on the main process, see save_checkpoint
         self._cursor = self._result = None
@@ -418,7 +423,7 @@ class Checkpointer(LoopCallback):
 
     def save(self, name: str, micro_batches: int) -> Path:
         """Save checkpoint ``name`` now (collective; at a window boundary only)."""
-        state = loop_state(self.accelerator, self._cursor, self._result, micro_batches)
+        state = {**loop_state(self.accelerator, self._cursor, self._result, micro_batches), **self.metadata}
         rng = self._cursor.epoch_rng if not self._cursor.epoch_done else rng_snapshot(self._cursor.dataloader)
         path = save_checkpoint(self.accelerator, self.output_dir, name, state, rng, self.total_limit, self.timings,
                                history=lambda folder, final: self._history.write(folder, self._result, final))

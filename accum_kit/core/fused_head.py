@@ -75,7 +75,10 @@ def compiled_ddp(model) -> bool:
 def unsupported_reason(model, layer) -> str | None:
     """Why ``layer`` (the output layer of ``model``) cannot return the loss, or None when it can."""
     if not isinstance(layer, torch.nn.Linear):
-        return f"its output layer is a {type(layer).__name__}, not a torch.nn.Linear"
+        kind = f"{type(layer).__module__}.{type(layer).__qualname__}"
+        if kind.startswith("peft."):  # an adapter on the output layer: its result is the layer's plus the adapter's
+            return f"its output layer carries a peft adapter ({kind}), not a plain torch.nn.Linear"
+        return f"its output layer is a {kind}, not a torch.nn.Linear"
     config = getattr(model, "config", None)
     for name in LOGIT_TRANSFORMS:
         value = getattr(config, name, None)

@@ -143,7 +143,9 @@ def apply_to_model(model, kwargs: dict):
     A transformers model that supports it: its own method (see the module docstring); it also makes the
     input embeddings' output require grad, which the reentrant implementation needs. Any other module:
     torch's checkpoint wrapper (:func:`accum_kit.compat.torch_checkpoint.checkpoint_wrapper`) around each
-    of :func:`transformer_blocks`. A model checkpointed already is returned as it is.
+    of :func:`transformer_blocks`. A model checkpointed already is returned as it is. A peft ``PeftModel``: its
+    base model is checkpointed so (with frozen embeddings, the reentrant implementation would otherwise pass no
+    gradient to the adapters in the blocks).
 
     Returns:
         ``model`` (changed in place).
@@ -153,6 +155,9 @@ def apply_to_model(model, kwargs: dict):
     """
     from ..compat.torch_checkpoint import checkpoint_wrapper, is_checkpoint_wrapper
 
+    if callable(getattr(type(model), "get_base_model", None)):  # a peft PeftModel: its transformers model checkpoints
+        apply_to_model(model.get_base_model(), kwargs)  # (and makes the frozen embeddings' output require grad)
+        return model
     on = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
         "is_gradient_checkpointing"  # transformers 5 / 4
     if getattr(model, on, False) or any(is_checkpoint_wrapper(m) for m in model.modules()):

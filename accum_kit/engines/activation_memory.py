@@ -53,6 +53,29 @@ its backward, torch's non-reentrant ``torch.utils.checkpoint``) a block keeps on
 (``h`` per token and layer) and, during its backward, one block's full activations exist again:
 ``L h + (one layer's count)`` per token instead of ``L x (one layer's count)``.
 
+LoRA adapters (``peft``, every weight of the model frozen, adapters of rank r on some of GPT-2's block
+layers; Hu et al. 2021): a frozen linear layer keeps no input for its weight's gradient, so an input that
+nothing else saves is no longer kept, and each adapter keeps its own small tensors. Counted tensor by
+tensor the same way (tests/test_adapter_costs.py), per token and layer against the table above:
+
+==========================================  =============================================
+what                                         elements per token
+==========================================  =============================================
+``c_fc`` frozen, without an adapter          - h (the second LayerNorm's output)
+the MLP's ``c_proj`` frozen, without one     - f (the GELU output)
+each adapted layer                           + r (``lora_A``'s output, kept by ``lora_B``)
+each adapted layer, ``lora_dropout`` > 0     + its input width (the dropped copy ``lora_A`` keeps)
+the first block                              - (h + 2): its first LayerNorm's input and statistics
+                                             (the embeddings are frozen: nothing below needs a gradient);
+                                             with dropout, - h more (``c_attn``'s input copy)
+==========================================  =============================================
+
+(the attention's ``c_proj`` input is SDPA's output, which SDPA keeps anyway). The frozen output layer keeps
+no input either: the final LayerNorm's output (``h``) under the logits' loss, the ``V h`` weight gradient
+under the fused one. The count is measured for adapters that include ``c_attn`` (peft's default for
+GPT-2, and ``all-linear``); without it the first block's attention needs no backward at all and more is
+saved than counted, so such shapes say ``measured=False``.
+
 Calibration: the formulas count saved tensors; the process peak also holds the backward's
 transient gradients of the layer being back-propagated, with or without checkpointing.
 :data:`CALIBRATION` x one layer's activations stands for them (``transient``); it was fitted on ONE
@@ -106,6 +129,23 @@ class TransformerShape:
     loss: str = "logits"
     loss_chunk: int | None = None
     head_bias: bool = False
+    lora_targets: tuple[str, ...] | None = None
+    lora_r: int = 0
+    lora_dropout: float = 0.0
+
+    def with_lora(self, r: int, targets, dropout: float = 0.0) -> "TransformerShape":
+        """This shape with every weight frozen and LoRA adapters of rank ``r`` on ``targets`` (GPT-2 block layer
+        names, :func:`accum_kit.engines.model_units.gpt2_lora_targets`: None for peft's default ``c_attn``),
+        ``dropout`` on the adapters' input (module docstring).
+
+        Raises:
+            UsageError (``--lora_target_modules``): a name that is no linear layer of a GPT-2 block.
+        """
+        from dataclasses import replace
+
+        from .model_units import gpt2_lora_targets
+
+        return replace(self, lora_targets=gpt2_lora_targets(targets), lora_r=int(r), lora_dropout=float(dropout))
 
     @classmethod
     def from_config(cls, config: dict, element_bytes: int = 4) -> "TransformerShape":
@@ -147,8 +187,33 @@ class TransformerShape:
 
     @property
     def measured(self) -> bool:
-        """Whether the layer count is the one measured tensor by tensor (GPT-2 with SDPA), not Korthikanti's."""
-        return self.family == "gpt2" and self.attention == "sdpa"
+        """Whether the layer count is the one measured tensor by tensor (GPT-2 with SDPA, adapters if any including
+        ``c_attn``), not Korthikanti's."""
+        return self.family == "gpt2" and self.attention == "sdpa" and (
+            self.lora_targets is None or "c_attn" in self.lora_targets)
+
+    def lora_elements_per_token(self) -> float:
+        """What LoRA changes in one block's count, elements per token (module docstring; 0 without adapters)."""
+        if self.lora_targets is None or self.family != "gpt2":
+            return 0.0
+        from .model_units import GPT2_LINEARS
+
+        h, f, t = self.hidden, self.ffn, self.lora_targets
+        widths = {1: h, 4: f}
+        change = (-h if "c_fc" not in t else 0) + (-f if "c_proj" not in t else 0)
+        for name in t:
+            for i, _ in GPT2_LINEARS[name]:
+                change += self.lora_r + (widths[i] if self.lora_dropout > 0 else 0)
+        return float(change)
+
+    def first_layer_saving(self) -> float:
+        """Elements per token the first block keeps less than the others when the embeddings below it are frozen
+        (LoRA): its first LayerNorm's input and statistics (``h + 2``) and, with dropout on ``c_attn``'s adapter,
+        the input copy the dropped one replaces (its input needs no gradient there); 0 otherwise."""
+        if self.lora_targets is None or self.family != "gpt2":
+            return 0.0
+        dropped = self.hidden if self.lora_dropout > 0 and "c_attn" in self.lora_targets else 0
+        return float(self.hidden + 2 + dropped)
 
     def layer_elements_per_token(self, seq: int) -> float:
         """Elements one layer keeps per token for its backward (table of the module docstring)."""
@@ -157,7 +222,7 @@ class TransformerShape:
             return (34 + 5 * a * seq / h) / 2 * h  # Korthikanti's bytes in 16-bit, in elements
         mlp = (5 if self.activation in MULTI_OP_GELU else 2) * f
         eager = 2 * a * seq if self.attention == "eager" else 0
-        return 4 * h + 4 + 6 * h + a + mlp + eager
+        return 4 * h + 4 + 6 * h + a + mlp + eager + self.lora_elements_per_token()
 
     def with_loss(self, loss: dict | str | None) -> "TransformerShape":
         """This shape with the loss that ran or will run: a :class:`accum_kit.core.loss.CausalLMLoss`'s ``used``
@@ -179,19 +244,25 @@ class TransformerShape:
         from ..core.linear_cross_entropy import chunk_tokens, held_bytes, transient_bytes
 
         T, h, V, e = tokens, self.hidden, self.vocab, self.element_bytes
-        norm = T * (2 * h + 2) * e
+        frozen = self.lora_targets is not None  # LoRA: the output layer frozen, its input and weight gradient not kept
         if self.loss != "fused":
             logit = max(4, e)  # float32 logits whatever the compute precision
             extra = LOGIT_COPIES - LOGIT_COPIES_HELD
-            return (float(norm + T * LOGIT_COPIES_HELD * V * logit), float(T * extra * V * logit),
-                    f"b s (2 h + 2) e + b s {LOGIT_COPIES_HELD} V x {logit}, and {extra} b s V x {logit} at the loss's "
-                    f"backward = {T} x (2 x {h} + 2) x {e} + {T} x {V} x {logit}, and {T} x {extra} x {V} x {logit}")
+            n = h + 2 if frozen else 2 * h + 2  # a frozen output layer keeps no input for its weight's gradient
+            return (float(T * n * e + T * LOGIT_COPIES_HELD * V * logit), float(T * extra * V * logit),
+                    f"b s ({'h' if frozen else '2 h'} + 2) e + b s {LOGIT_COPIES_HELD} V x {logit}, and {extra} b s V x "
+                    f"{logit} at the loss's backward = {T} x {n} x {e} + {T} x {V} x {logit}, and {T} x {extra} x {V} x "
+                    f"{logit}")
+        norm = T * (2 * h + 2) * e
         C = min(T, self.loss_chunk or chunk_tokens(V))
         acc = max(4, e)
         held, transient = held_bytes(T, h, V, self.head_bias, acc), transient_bytes(V, C, e, hidden=h)
+        if frozen:  # no weight (or bias) gradient for a frozen output layer
+            held = acc * T * h
         return (float(norm + held), float(transient),
-                f"b s (2 h + 2) e + {acc} (b s h + V h{' + V' if self.head_bias else ''}), and one chunk in the forward"
-                f" C V (4{' + 2 e) + 2 V h e' if e < 4 else ')'} = {T} x (2 x {h} + 2) x {e} + {held}, and {transient} "
+                f"b s (2 h + 2) e + {acc} (b s h{'' if frozen else ' + V h'}{' + V' if self.head_bias and not frozen else ''}"
+                f"), and one chunk in the forward C V (4{' + 2 e) + 2 V h e' if e < 4 else ')'} = {T} x (2 x {h} + 2) x "
+                f"{e} + {held}, and {transient} "
                 f"(C = {C})")
 
 
@@ -259,8 +330,11 @@ def activation_bytes(shape: TransformerShape, micro_batch: int, seq: int, *, che
         bf = f"b s L h e = {T} x {L} x {h} x {e} (block inputs)"
         rf = f"b s x one layer x e = {T} x {layer:g} x {e}"
     else:
-        blocks, recompute = float(T * L * layer * e), 0.0
+        first = shape.first_layer_saving()
+        blocks, recompute = float(T * (L * layer - first) * e), 0.0
         bf, rf = f"b s L x one layer x e = {T} x {L} x {layer:g} x {e}", "0 (no checkpointing)"
+        if first:
+            bf = f"b s (L x one layer - first) e = {T} x ({L} x {layer:g} - {first:g}) x {e} (LoRA: first block)"
     head, head_transient, head_formula = shape.head_bytes(T)
     counted, transient = blocks + recompute + head, calibration * T * layer * e
     return ActivationBytes(
@@ -290,16 +364,19 @@ def peak_parts(costs: dict, activations: ActivationBytes, resident_before_traini
             resident only from the first sync, so not in ``resident_before_training``.
 
     Returns:
-        ``{"baseline", "parameters", "gradients", "optimizer_state", "gathered_parameters",
-        "communication_buffers", "activations", "logits", "total"}``; ``baseline`` = ``resident_before_training``
-        - parameters (what the process holds besides its parameters: Python, the libraries, the data; 0 when
-        not given).
+        ``{"baseline", "parameters", "frozen_parameters", "gradients", "optimizer_state", "gathered_parameters",
+        "communication_buffers", "activations", "logits", "total"}``; ``parameters`` the trainable ones (their
+        shards), ``frozen_parameters`` the others (a LoRA run's base weights: held, or their shards, but with no
+        gradient or optimizer state; 0 in full fine-tuning); ``baseline`` = ``resident_before_training`` - both
+        (what the process holds besides its parameters: Python, the libraries, the data; 0 when not given).
     """
     params = float(costs.get("parameter_shard_bytes") or 0.0)
+    frozen = float(costs.get("frozen_parameter_bytes") or 0.0)
     # the head's part: what it keeps, and its transient where that is the larger of the two transients
     head = activations.head + (activations.head_transient if activations.head_transient > activations.transient else 0.0)
     parts = {"baseline": max(0.0, resident_before_training - params) if resident_before_training is not None else 0.0,
-             "parameters": params, "gradients": float(costs.get("gradient_bytes") or 0.0),
+             "parameters": params - frozen, "frozen_parameters": frozen,
+             "gradients": float(costs.get("gradient_bytes") or 0.0),
              "optimizer_state": float(costs.get("optimizer_state_bytes") or 0.0),
              "gathered_parameters": float(costs.get("gathered_parameter_bytes") or 0.0),
              "communication_buffers": float(communication_buffers),
@@ -309,7 +386,7 @@ def peak_parts(costs: dict, activations: ActivationBytes, resident_before_traini
 
 
 def sharded_buffer_bytes(largest_unit: int, compute_bytes: int, reduce_bytes: int, *, keeps_gathered: bool,
-                         reduces_each_micro_batch: bool) -> float:
+                         reduces_each_micro_batch: bool, largest_trainable_unit: int | None = None) -> float:
     """FSDP2's communication buffers in flight during a backward, bytes: the largest unit's parameters
     all-gathered twice (the unit running and the next one, prefetched; 0 when the policy keeps every unit
     gathered) and, when every micro-batch reduce-scatters, its unsharded gradient copied into the
@@ -319,6 +396,9 @@ def sharded_buffer_bytes(largest_unit: int, compute_bytes: int, reduce_bytes: in
         largest_unit: elements of the largest unit; compute_bytes: b_c; reduce_bytes: b_r.
         keeps_gathered: the policy's ``reshard_after_forward`` is False (``no_sync_no_reshard``).
         reduces_each_micro_batch: ``sync_each_batch`` (and HSDP's ``reduce_scatter_each_batch``).
+        largest_trainable_unit: the trainable elements of the unit with the most (its reduce-scatter input; a
+            LoRA run's adapters); None: ``largest_unit`` (full fine-tuning).
     """
     gathers = 0 if keeps_gathered else 2 * largest_unit * compute_bytes
-    return float(gathers + (largest_unit * reduce_bytes if reduces_each_micro_batch else 0))
+    reduced = largest_unit if largest_trainable_unit is None else largest_trainable_unit
+    return float(gathers + (reduced * reduce_bytes if reduces_each_micro_batch else 0))

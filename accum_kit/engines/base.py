@@ -24,6 +24,18 @@ from ..errors import UsageError
 from .policies import AccumulationPolicy
 
 
+def trainable_and_frozen(model) -> tuple[int, int]:
+    """``(P_t, P_f)``: elements of ``model``'s parameters that require a gradient and of those that do not (a LoRA
+    run's frozen weights), each parameter once (a tied weight is one parameter)."""
+    trainable = frozen = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen += p.numel()
+    return trainable, frozen
+
+
 class Engine:
     """One run's engine. Built before the Accelerator (from the request), bound to it after.
 
@@ -236,20 +248,21 @@ class Engine:
         (:class:`accum_kit.engines.costs.PolicyCosts`; collectives' calls and bytes, bytes held).
 
         DDP: the table's row with a shard group of one (:func:`accum_kit.engines.costs.ddp_costs`): the whole
-        gradient, ``P b_p`` bytes, all-reduced once per synchronised backward.
+        gradient, ``P_t b_p`` bytes (the parameters that require a gradient), all-reduced once per synchronised
+        backward; frozen parameters (a LoRA run's base weights) held as parameters only.
         """
         from .costs import ddp_costs
 
-        P = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        P, F = trainable_and_frozen(model)
         b_p = next((p.element_size() for p in model.parameters()), 4)
         return ddp_costs(policy, world_size=accelerator.num_processes, accumulation_steps=accumulation_steps,
-                         gradient_bytes=P * b_p, reduce_bytes=b_p)
+                         gradient_bytes=P * b_p, reduce_bytes=b_p, frozen_parameters=F)
 
     def predicted_memory(self, accelerator, model, accumulation_steps: int, policies) -> dict:
         """``{policy: PolicyCosts.to_dict()}``: what each of ``policies`` holds between micro-batches, in bytes.
 
         DDP and one process: every process holds the whole gradient as ``.grad``,
-        ``P b_p`` bytes (none with K = 1: nothing is held between micro-batches).
+        ``P_t b_p`` bytes of the trainable parameters (none with K = 1: nothing is held between micro-batches).
         """
         P = sum(p.numel() for p in model.parameters() if p.requires_grad)
         if not P:

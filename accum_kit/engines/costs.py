@@ -23,6 +23,13 @@ precision policy's ``param_dtype``), ``b_r`` of the reduced gradients (its
 ``reduce_dtype``; FSDP2's default is ``b_c``), ``b_o`` of optimizer state per
 parameter (AdamW: two fp32 moments, 8).
 
+Frozen weights (a LoRA run, ``peft``): P counts every parameter, P_t the trainable ones and U_t the units
+holding one (:class:`ShardedModel`'s ``trainable``). Parameters are gathered, kept gathered and held as
+shards for all P; gradients, their reduce-scatters and all-reduces, and optimizer state count P_t, and a
+unit without a trainable parameter reduces nothing (FSDP2 reduce-scatters only the parameters that
+received a gradient). Below, P in a reduction, gradient or optimizer-state column and U in a
+reduce-scatter or all-reduce column read P_t and U_t for such a model.
+
 Per window (calls; bytes S as nccl-tests defines them for these
 collectives: the whole buffer, W times one process's shard,
 https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
@@ -135,6 +142,7 @@ class PolicyCosts:
     comm_is_floor: bool = False
     recompute_forward_fraction: float = 0.0  # share of one forward run again in backward (activation checkpointing)
     activation_bytes: float = 0.0  # a micro-batch's at their peak, 0 unless set (engines/activation_memory.py)
+    frozen_parameter_bytes: float = 0.0  # the frozen weights' share of parameter_shard_bytes (LoRA: the base model)
 
     @property
     def shard_size(self) -> int:
@@ -170,7 +178,7 @@ ZERO_SCALAR_BYTES = {"zero1": 4, "zero2": 4, "zero3": 8}
 
 def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_steps: int, param_bytes: int = 4,
                optimizer_bytes: int = ADAMW_STATE_BYTES, bucket_elements: int = ZERO_BUCKET_ELEMENTS,
-               param_groups: int = 1) -> PolicyCosts:
+               param_groups: int = 1, frozen_parameters: int = 0) -> PolicyCosts:
     """A DeepSpeed ZeRO stage's costs per window and per process, in :class:`PolicyCosts`' terms (fp32).
 
     With G = max(groups, ceil(P / bucket)) gradient buckets (each optimizer parameter group is
@@ -192,6 +200,10 @@ def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_ste
     the boundary (:data:`ZERO_SCALAR_BYTES`). Source: DeepSpeed 0.19.8's ``stage_1_and_2.py`` and
     ``stage3.py``, checked by counting ``torch.distributed`` calls (tests/test_deepspeed.py).
 
+    ``parameters`` is P_t, the trainable elements (DeepSpeed's optimizer gets those only); ``frozen_parameters``
+    the others (a LoRA run's base weights), held whole under ZeRO-1 and 2 and partitioned under ZeRO-3 like
+    every module parameter, never reduced and without optimizer state.
+
     Raises:
         UsageError: unknown stage, W or K below 1.
     """
@@ -200,7 +212,7 @@ def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_ste
     if world_size < 1 or accumulation_steps < 1:
         raise UsageError("--num_processes" if world_size < 1 else "--gradient_accumulation_steps",
                          "must be at least 1", "pass a positive integer")
-    P, W, K, b = parameters, world_size, accumulation_steps, param_bytes
+    P, W, K, b, F = parameters, world_size, accumulation_steps, param_bytes, frozen_parameters
     G = max(param_groups, -(-P // bucket_elements))
     scalar = ZERO_SCALAR_BYTES[stage]
     every = stage != "zero1"  # ZeRO-2 and 3 reduce on every micro-batch
@@ -215,7 +227,8 @@ def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_ste
     return PolicyCosts(
         policy=stage, world_size=W, accumulation_steps=K, reduce_scatter_calls=rs_calls, reduce_scatter_bytes=rs_bytes,
         all_gather_calls=ag_calls, all_gather_bytes=ag_bytes,
-        parameter_shard_bytes=P * b / W if stage == "zero3" else float(P * b),
+        parameter_shard_bytes=(P + F) * b / W if stage == "zero3" else float((P + F) * b),
+        frozen_parameter_bytes=F * b / W if stage == "zero3" else float(F * b),
         optimizer_state_bytes=P * (optimizer_bytes + master) / W, gradient_bytes=grads,
         gathered_parameter_bytes=0.0,
         all_reduce_calls=ar_calls, all_reduce_bytes=ar_bytes,
@@ -227,7 +240,8 @@ def zero_costs(stage: str, parameters: int, *, world_size: int, accumulation_ste
                   "gradients": "K = 1: nothing between micro-batches" if K < 2 else
                   (f"P b_p = {P} x {b} (full .grad until the boundary)" if stage == "zero1"
                    else f"P b_p / W = {P} x {b} / {W} (the reduced partition)"),
-                  "parameters": f"P b_p{' / W' if stage == 'zero3' else ''} = {P} x {b}",
+                  "parameters": (f"(P_t + frozen) b_p{' / W' if stage == 'zero3' else ''} = ({P} + {F}) x {b}" if F
+                                 else f"P b_p{' / W' if stage == 'zero3' else ''} = {P} x {b}"),
                   "optimizer_state": f"P (b_o + m) / W = {P} x ({optimizer_bytes} + {master}) / {W} (m: float32 "
                                      "master partition)"})
 
@@ -258,8 +272,9 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
         UsageError: unknown policy, W or K below 1, R not dividing W, or an HSDP-only policy with R = 1.
     """
     if policy in ZERO_STAGES:
-        return zero_costs(policy, model.parameters, world_size=world_size, accumulation_steps=accumulation_steps,
-                          param_bytes=param_bytes, optimizer_bytes=optimizer_bytes)
+        return zero_costs(policy, model.trainable_parameters, world_size=world_size,
+                          accumulation_steps=accumulation_steps, param_bytes=param_bytes,
+                          optimizer_bytes=optimizer_bytes, frozen_parameters=model.frozen_parameters)
     if policy not in POLICIES:
         raise UsageError("--accumulation_policy", f"unknown policy {policy!r}", f"use one of {list(POLICIES)}")
     if world_size < 1 or accumulation_steps < 1:
@@ -277,25 +292,30 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
     b_c = compute_bytes or b_p
     b_r = reduce_bytes or b_c
     P, Pf, P0 = model.parameters, model.layer_parameters, model.other_parameters
-    Uf, U0, U = len(model.resharded), len(model.kept), model.units
+    Uf, U0 = len(model.resharded), len(model.kept)
+    # reductions, gradients and optimizer state: the trainable parameters and the units holding one (all, unless
+    # some are frozen: then the symbols read P_t and U_t)
+    T, U = model.trainable_parameters, model.trainable_units
+    tP, tU = ("P", "U") if model.trainable is None else ("P_t", "U_t")
     p = POLICIES[policy]
     if p.sync_each_batch or p.hsdp_only:
-        rs_calls, rs_bytes, rs_f = K * U, K * P * b_r, f"K U = {K} x {U}; K P b_r = {K} x {P} x {b_r}"
+        rs_calls, rs_bytes, rs_f = K * U, K * T * b_r, f"K {tU} = {K} x {U}; K {tP} b_r = {K} x {T} x {b_r}"
     else:
-        rs_calls, rs_bytes, rs_f = U, P * b_r, f"U = {U}; P b_r = {P} x {b_r}"
+        rs_calls, rs_bytes, rs_f = U, T * b_r, f"{tU} = {U}; {tP} b_r = {T} x {b_r}"
     if S == 1:  # replicated only (DDP): no reduce-scatter, no all-gather
         rs_calls, rs_bytes, rs_f = 0, 0, "0 (S = 1: nothing sharded)"
     syncs = K if p.sync_each_batch else 1  # micro-batches whose gradient is reduced across all W
     if R < 2:
         ar_calls, ar_bytes, ar_f = 0, 0.0, "0 (no replicate group)"
     elif S == 1:  # DDP: the whole gradient once per synchronised backward, in buckets that are not the units
-        ar_calls, ar_bytes = syncs, syncs * P * b_r
-        ar_f = (f"K = {K}; K P b_r = {K} x {P} x {b_r}" if p.sync_each_batch else f"1; P b_r = {P} x {b_r}") + \
-            " (DDP: once per synchronised backward)"
+        ar_calls, ar_bytes = syncs, syncs * T * b_r
+        ar_f = (f"K = {K}; K {tP} b_r = {K} x {T} x {b_r}" if p.sync_each_batch else
+                f"1; {tP} b_r = {T} x {b_r}") + " (DDP: once per synchronised backward)"
     elif p.sync_each_batch:
-        ar_calls, ar_bytes, ar_f = K * U, K * P * b_r / S, f"K U = {K} x {U}; K P b_r / S = {K} x {P} x {b_r} / {S}"
+        ar_calls, ar_bytes = K * U, K * T * b_r / S
+        ar_f = f"K {tU} = {K} x {U}; K {tP} b_r / S = {K} x {T} x {b_r} / {S}"
     else:
-        ar_calls, ar_bytes, ar_f = U, P * b_r / S, f"U = {U}; P b_r / S = {P} x {b_r} / {S}"
+        ar_calls, ar_bytes, ar_f = U, T * b_r / S, f"{tU} = {U}; {tP} b_r / S = {T} x {b_r} / {S}"
     if p.name == "no_sync_no_reshard":
         ag_calls, ag_bytes = U, P * b_c
         ag_f = f"U_0 + U_f = {U0} + {Uf}; P b_c = {P} x {b_c}"
@@ -311,11 +331,12 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
     if not between:
         grads, grads_f = 0.0, "K = 1: no micro-batch follows another in a window"
     elif p.sync_each_batch:
-        grads, grads_f = P * b_p / S, f"P b_p / {'S' if R > 1 else 'W'} = {P} x {b_p} / {S} (sharded)"
+        grads, grads_f = T * b_p / S, f"{tP} b_p / {'S' if R > 1 else 'W'} = {T} x {b_p} / {S} (sharded)"
     elif p.hsdp_only:
-        grads, grads_f = P * b_r / S, f"P b_r / S = {P} x {b_r} / {S} (reduce-scattered, summed until the all-reduce)"
+        grads = T * b_r / S
+        grads_f = f"{tP} b_r / S = {T} x {b_r} / {S} (reduce-scattered, summed until the all-reduce)"
     else:
-        grads, grads_f = float(P * b_r), f"P b_r = {P} x {b_r} (unsharded until the boundary)"
+        grads, grads_f = float(T * b_r), f"{tP} b_r = {T} x {b_r} (unsharded until the boundary)"
     shard = "S" if R > 1 else "W"
     # the window holds the whole gradient (DDP always; the no_sync policies): every micro-batch after the first adds
     holds_whole = S == 1 or not (p.sync_each_batch or p.hsdp_only)
@@ -326,11 +347,13 @@ def policy_costs(policy: str, model: ShardedModel, *, world_size: int, accumulat
         policy=policy, world_size=W, accumulation_steps=K,
         reduce_scatter_calls=rs_calls, reduce_scatter_bytes=rs_bytes,
         all_gather_calls=ag_calls, all_gather_bytes=ag_bytes,
-        parameter_shard_bytes=P * b_p / S, optimizer_state_bytes=P * optimizer_bytes / S,
+        parameter_shard_bytes=P * b_p / S, optimizer_state_bytes=T * optimizer_bytes / S,
+        frozen_parameter_bytes=(P - T) * b_p / S,
         gradient_bytes=grads, gathered_parameter_bytes=gathered,
         formulas={"reduce_scatter": rs_f, "all_gather": ag_f, **({"all_reduce": ar_f} if R > 1 else {}),
-                  "parameter_shards": f"P b_p / {shard} = {P} x {b_p} / {S}",
-                  "optimizer_state": f"P b_o / {shard} = {P} x {optimizer_bytes} / {S}", "gradients": grads_f,
+                  "parameter_shards": f"P b_p / {shard} = {P} x {b_p} / {S}" + (
+                      f" (frozen: {P - T} of them)" if T != P else ""),
+                  "optimizer_state": f"{tP} b_o / {shard} = {T} x {optimizer_bytes} / {S}", "gradients": grads_f,
                   "gathered_parameters": gathered_f},
         replicate_size=R, all_reduce_calls=ar_calls, all_reduce_bytes=ar_bytes,
         syncs=syncs, held_gradient_adds=K - 1 if holds_whole else 0,
@@ -379,7 +402,7 @@ DDP_POLICIES = tuple(name for name, p in POLICIES.items() if not p.fsdp_only)
 
 
 def ddp_costs(policy: str, *, world_size: int, accumulation_steps: int, gradient_bytes: float,
-              reduce_bytes: int = 4) -> PolicyCosts:
+              reduce_bytes: int = 4, frozen_parameters: int = 0) -> PolicyCosts:
     """The table's row of ``policy`` under DDP, R = W replicas of S = 1 process, from the gradient's bytes alone.
 
     DDP needs no unit structure: the whole gradient (one unit here) is all-reduced once per synchronised
@@ -393,13 +416,17 @@ def ddp_costs(policy: str, *, world_size: int, accumulation_steps: int, gradient
         accumulation_steps: K, micro-batches per window.
         gradient_bytes: bytes all-reduced per synchronised backward (the whole gradient, all buckets together).
         reduce_bytes: bytes per gradient element (4: fp32).
+        frozen_parameters: elements that get no gradient (a LoRA run's base weights): held as parameters by every
+            process, never all-reduced, no optimizer state (0: full fine-tuning).
 
     Raises:
         UsageError: a policy DDP does not have, or W / K below 1.
     """
     if policy not in DDP_POLICIES:
         raise UsageError("--accumulation_policy", f"{policy!r} is not a DDP policy", f"use one of {list(DDP_POLICIES)}")
-    model = ShardedModel((), (gradient_bytes / reduce_bytes,), "DDP: the whole gradient, all-reduced per sync")
+    trained = gradient_bytes / reduce_bytes
+    model = ShardedModel((), (trained + frozen_parameters,), "DDP: the whole gradient, all-reduced per sync",
+                         (trained,) if frozen_parameters else None)
     return policy_costs(policy, model, world_size=world_size, accumulation_steps=accumulation_steps,
                         param_bytes=reduce_bytes, replicate_size=world_size)
 

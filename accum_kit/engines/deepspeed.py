@@ -261,10 +261,12 @@ class ZeroEngine(Engine):
 
         trainable = [p for p in model.parameters() if p.requires_grad]
         P = sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
+        # frozen weights (LoRA's base model): held (ZeRO-3: partitioned), never reduced, no optimizer state
+        F = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if not p.requires_grad)
         groups = len(getattr(getattr(model, "optimizer", None), "param_groups", None) or [None])
         return zero_costs(f"zero{self.stage}", P, world_size=accelerator.num_processes,
                           accumulation_steps=accumulation_steps, param_groups=groups,
-                          param_bytes=trainable[0].element_size() if trainable else 4)
+                          param_bytes=trainable[0].element_size() if trainable else 4, frozen_parameters=F)
 
     def predicted_memory(self, accelerator, model, accumulation_steps, policies) -> dict:
         """One entry, the stage (``"zero2"``...): :meth:`window_costs`; the stage is the run's only policy."""

@@ -387,7 +387,8 @@ class FSDP2Engine(Engine):
         p = POLICIES[policy]
         return int(sharded_buffer_bytes(max((*units.resharded, *units.kept), default=0), b_c, b_r,
                                         keeps_gathered=p.reshard_after_forward is False,
-                                        reduces_each_micro_batch=self.reduces_each_micro_batch(accelerator, p)))
+                                        reduces_each_micro_batch=self.reduces_each_micro_batch(accelerator, p),
+                                        largest_trainable_unit=units.largest_trainable_unit))
 
     def predicted_memory(self, accelerator, model, accumulation_steps, policies) -> dict:
         """:meth:`window_costs` per policy (before the model is sharded: as under DDP)."""
@@ -427,13 +428,14 @@ def sharded_model(model):
     setting now; FSDP2 settles the root's at the first forward, so read after one
     for the split (the total P is right at any time).
     """
-    from ..compat import fsdp_reshards_after_forward, fsdp_unit_parameters, fsdp_units
+    from ..compat import fsdp_reshards_after_forward, fsdp_unit_parameters, fsdp_unit_trainable_parameters, fsdp_units
     from .model_units import ShardedModel
 
     units = fsdp_units(model)
     if not units:
         return None
     return ShardedModel.from_units([{"parameters": fsdp_unit_parameters(g),
+                                     "trainable_parameters": fsdp_unit_trainable_parameters(g),
                                      "reshard_after_forward": fsdp_reshards_after_forward(g)} for _, g in units],
                                    source="the prepared model's FSDP2 units")
 

@@ -60,11 +60,13 @@ def prepare_model(accelerator, mesh: Mesh, model: torch.nn.Module, optimizers=()
     the same ``prepare``) are switched to the split parameters.
 
     Raises:
-        UsageError: tp or cp not dividing the attention heads; tp > 1 for a model without a tp plan (GPT-2).
+        UsageError: tp or cp not dividing the attention heads; tp > 1 for a model without a tp plan (GPT-2), or for
+            a model carrying peft adapters (LoRA).
     """
     from ..compat.tensor_parallel import apply_tp_plan, is_tensor_parallel, tp_plan_of
 
     if mesh.tp > 1:
+        refuse_adapters_under_tp(model, mesh.tp)
         check_heads(model, mesh.tp, TP_FLAG)
         if not is_tensor_parallel(model):
             if not tp_plan_of(model):
@@ -78,6 +80,25 @@ def prepare_model(accelerator, mesh: Mesh, model: torch.nn.Module, optimizers=()
 
         check_heads(model, mesh.cp, CP_FLAG)
         install_ulysses_attention(model, accelerator.torch_device_mesh["cp"].get_group())
+
+
+def refuse_adapters_under_tp(model: torch.nn.Module, tp: int) -> None:
+    """Refuse tensor parallel for a model with peft adapters (a ``PeftModel``, or LoRA layers inside it).
+
+    transformers' tp plan names the model's own linear layers (``...self_attn.q_proj``: colwise), and peft has
+    replaced those by its LoRA wrappers, whose base layer then sits one level deeper and whose ``lora_A`` / ``lora_B``
+    no plan names: the split would leave the adapters replicated beside a sharded base weight, and the adapters'
+    output would be added to a shard of the projection. No exactness check covers it, so it is refused.
+
+    Raises:
+        UsageError (``--parallelism_config_tp_size``).
+    """
+    from ..job.adapters import is_adapted
+
+    if is_adapted(model):
+        raise UsageError(TP_FLAG, f"is {tp}, but the model carries peft adapters (LoRA): tensor parallel of an "
+                         "adapted model is not supported", "train the adapters with data parallel only (DDP, FSDP2 "
+                         "or HSDP: the adapters are small, the frozen weights shard under FSDP2), or set tp_size 1")
 
 
 def token_ranks(accelerator, mesh: Mesh):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import checks
+from .adapters import resolve_lora_flags
 from .clm_flags import resolve_run_clm_flags
 from ..engines.compiling import MODES, resolve_flags
 from .data import check_data_flags
@@ -32,6 +33,14 @@ class TrainConfig:
 
     model_name_or_path: str | None = field(default=None, metadata={"help": "Local model directory (or hub name) to fine-tune; overrides --model_preset."})
     model_preset: str = field(default="mini", metadata={"help": f"Model built from a GPT2Config, one of {sorted(PRESETS)}, or from a LlamaConfig (tensor / context parallel need one), one of {sorted(LLAMA_PRESETS)}, or a mixture of experts from a MixtralConfig, one of {sorted(MOE_PRESETS)}."})
+    # LoRA adapters through peft, with TRL's flag names and defaults (accum_kit.job.adapters; docs/adapters.md)
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters (peft) on a frozen model instead of every weight (TRL's flag); the adapter is saved as peft saves it (adapter_config.json, adapter_model.safetensors). Needs pip install 'accum-kit[peft]'."})
+    lora_r: int | None = field(default=None, metadata={"help": "With --use_peft: the adapters' rank (TRL's default 16)."})
+    lora_alpha: int | None = field(default=None, metadata={"help": "With --use_peft: LoRA's alpha; the update is scaled by alpha / r (TRL's default 32)."})
+    lora_dropout: float | None = field(default=None, metadata={"help": "With --use_peft: dropout on the adapters' input (TRL's default 0.05; 0 for a run that verify's arithmetic can reproduce)."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "With --use_peft: the modules that get adapters, by name (e.g. c_attn, or q_proj v_proj), or all-linear; default: peft's choice for the model type (GPT-2: c_attn; Llama: q_proj v_proj)."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "Refused: quantised base weights (QLoRA) are not supported."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "Refused: quantised base weights are not supported."})
     router_aux_loss_scope: str | None = field(default=None, metadata={"help": "Mixture-of-experts models: over which tokens the router's load-balancing loss is defined: 'window' (default: the whole accumulation window on all processes, as one big batch; reads each window ahead and routes it once more without gradients) or 'micro_batch' (each micro-batch's own, averaged over the window)."})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset name; default: the CPython standard library sources on this machine."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of --dataset_name."})
@@ -100,6 +109,7 @@ class TrainConfig:
     def __post_init__(self):
         """Normalise 'off' values and check ranges; raises UsageError naming the flag."""
         resolve_run_clm_flags(self)  # steps vs epochs, evaluation count, Hub flags refused
+        self.lora = resolve_lora_flags(self)  # None without --use_peft
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             self.max_grad_norm = None
         if self.max_eval_samples is not None and self.max_eval_samples <= 0:

@@ -256,6 +256,7 @@ def fit_embeddings(model, vocab_size: int) -> bool:
     return True
 
 
-def count_parameters(model) -> int:
-    """Number of trainable parameters (elements, not bytes)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+def count_parameters(model, trainable_only: bool = True) -> int:
+    """Number of parameters (elements, not bytes): those that require a gradient, or all with ``trainable_only=False``
+    (a LoRA run's frozen weights included). A sharded parameter counts its full shape (FSDP2's DTensors)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -20,9 +20,10 @@ from torch.utils.data import DataLoader
 from ..core import auto_batch
 from ..core.callbacks import LoopCallback
 from ..core.checkpoint import (PREEMPTED_EXIT_CODE, Checkpointer, Preempted, check_resumable, check_writable, engine_name,
-                              latest_checkpoint, resolve_checkpoint)
+                              latest_checkpoint, read_loop_state, resolve_checkpoint)
 from ..core.checkpoint_files import check_state_files
 from ..engines.compiling import CompileWatch, compile_settings
+from .adapters import adapter_record, apply_lora, check_adapter_resume
 from .config import TrainConfig
 from .data import build_collator, build_tokenizer, load_raw_datasets, tokenize_datasets
 from ..engines.ddp import ddp_kwargs
@@ -132,10 +133,20 @@ def _build_model(cfg: TrainConfig, tokenizer):
     return model
 
 
+def _build_trained_model(cfg: TrainConfig, tokenizer):
+    """:func:`_build_model`, wrapped in LoRA adapters with ``--use_peft`` (every weight frozen but the adapters')."""
+    model = _build_model(cfg, tokenizer)
+    if cfg.lora is not None:
+        model = apply_lora(model, cfg.lora, source=model_name(cfg))
+    return model
+
+
 def _optimizer(model, cfg: TrainConfig):
-    # No weight decay on biases and LayerNorm weights, as in run_clm_no_trainer.
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    # No weight decay on biases and LayerNorm weights, as in run_clm_no_trainer; frozen weights (--use_peft) are
+    # left out, as Trainer does, so the optimizer holds no state for them.
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.learning_rate)
 
@@ -194,7 +205,8 @@ class _Prepared:
     lr_scheduler: object
     steps: int  # optimizer steps of the run
     data: tuple  # (train dataset, eval dataset, its source)
-    n_params: int
+    n_params: int  # every parameter of the model (elements)
+    n_trainable: int  # those the optimizer updates (all, unless --use_peft)
 
 
 def _prepare(cfg: TrainConfig, accelerator) -> _Prepared:
@@ -207,7 +219,7 @@ def _prepare(cfg: TrainConfig, accelerator) -> _Prepared:
                                 trust_remote_code=cfg.trust_remote_code,
                                 flag="--tokenizer_name" if cfg.tokenizer_name else "--model_name_or_path")
     train_ds, eval_ds, source = _datasets(cfg, tokenizer, accelerator, k)
-    model = _build_model(cfg, tokenizer)
+    model = _build_trained_model(cfg, tokenizer)
     if not cfg.packing and tokenizer.pad_token is None:
         raise UsageError("--packing", "unpacked examples need padding but the tokenizer has no pad token",
                          "use packed blocks (the default) or save a tokenizer with a pad token")
@@ -220,14 +232,17 @@ def _prepare(cfg: TrainConfig, accelerator) -> _Prepared:
     lr_scheduler = accelerator.prepare(get_scheduler(
         cfg.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=cfg.num_warmup_steps * accelerator.num_processes,
         num_training_steps=steps * accelerator.num_processes))
-    n_params = count_parameters(model)
+    n_params, n_trainable = count_parameters(model, trainable_only=False), count_parameters(model)
+    if n_trainable != n_params:
+        logger.info("training %d of the model's %d parameters (%.3f %%); the others are frozen", n_trainable,
+                    n_params, 100 * n_trainable / n_params)
     logger.info("%d processes (%s), K=%s, effective batch %d examples, %d optimizer steps, %.2fM parameters, data %s",
                 accelerator.num_processes, plan.engine.label, k if plan.schedule is None else
                 f"{k} at first (schedule {schedule_pairs(plan.schedule)}, lr_scaling {cfg.lr_scaling})",
                 cfg.per_device_train_batch_size * k * plan.engine.data_parallel_size(accelerator), steps,
                 n_params / 1e6, source)
     return _Prepared(tokenizer, model, optimizer, train_dl, eval_dl, lr_scheduler, steps, (train_ds, eval_ds, source),
-                     n_params)
+                     n_params, n_trainable)
 
 
 def _callbacks(cfg: TrainConfig, accelerator, run: _Prepared, auto=None, lm_loss=None):
@@ -293,6 +308,9 @@ def run(cfg: TrainConfig) -> dict:
         check_state_files(resume, schedulers=1)  # the job's one scheduler, no registered objects
     set_seed(cfg.seed)
     run = _prepare(cfg, accelerator)
+    adapter = adapter_record(run.model) if cfg.lora is not None else None
+    if resume is not None:  # the saved weights must be this model's: same adapter (or none), before any training
+        check_adapter_resume(resume, read_loop_state(resume).get("adapter"), adapter)
     lm_loss = CausalLMLoss(cfg.fused_linear_cross_entropy, cfg.fused_linear_cross_entropy_chunk)
     lm_loss.head(run.model)  # an explicit --fused_linear_cross_entropy the model cannot serve fails here, before any work
     router = moe.router_loss(cfg.router_aux_loss_scope, accelerator, run.model, lm_loss)  # None for a dense model
@@ -300,7 +318,7 @@ def run(cfg: TrainConfig) -> dict:
     callbacks.append(moe.router_records(router, accelerator))
     before = _evaluate(accelerator, run, "before", 0, lm_loss)
     checkpointer = Checkpointer(accelerator, cfg.output_dir, cfg.checkpointing_steps, cfg.checkpoints_total_limit,
-                                resplit=auto is not None)
+                                resplit=auto is not None, metadata={"adapter": adapter})
     try:
         with auto_batch.on_failure(auto, accelerator.process_index, checkpointer):  # ends this process, no collective
             result = train_loop(accelerator, run.model, run.optimizer, run.train_dl, lr_scheduler=run.lr_scheduler,
@@ -320,6 +338,8 @@ def run(cfg: TrainConfig) -> dict:
         accelerator.log({"comm/ab_speedup": comm["speedup"]}, step=result.optimizer_steps)
     summary = build_summary(cfg, accelerator, result, k=k, schedule=plan.schedule, checkpointer=checkpointer, resume=resume,
                        evals=(before[0], after[0], before[1], after[1]), data=run.data, n_params=run.n_params)
+    summary["trainable_parameters"] = run.n_trainable
+    summary["adapter"] = adapter  # None unless --use_peft
     if comm is not None:
         summary["comm"] = comm
     summary["auto_find_batch_size"] = auto.summary() if auto is not None else None

@@ -20,6 +20,12 @@ two processes or more FSDP2's four and DeepSpeed's ZeRO stages). For each row:
   ``72 s L h^2 (1 + s / (6 h) + V / (12 L h))`` per example), and communication at ``--busbw_GBps`` /
   ``--interconnect`` (unpriced when neither is given: said in the notes).
 
+With ``--lora_r`` (and ``--lora_target_modules``, ``--lora_dropout``: the train job's flags) the rows price a
+LoRA run: every weight frozen and held (or its shards), adapters on the blocks' layers the only trainable
+parameters, so gradients, optimizer state, DDP's buckets and every reduction count the adapters only
+(:class:`accum_kit.engines.model_units.ShardedModel`'s ``trainable``), FSDP2 still gathers every weight, and
+the activations are the adapted model's (:meth:`accum_kit.engines.activation_memory.TransformerShape.with_lora`).
+
 The recommendation is the fastest row that fits (ties: the smaller peak; a row whose step time is only a
 lower bound, ZeRO-3's, only when no other fits). None fits: UsageError naming
 ``--memory_per_process`` and the memory the smallest row needs.
@@ -32,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..engines.activation_memory import TransformerShape, activation_bytes, peak_parts, sharded_buffer_bytes
 from ..engines.costs import ZERO_STAGES, engine_layouts, policy_costs
-from ..engines.model_units import dtype_bytes, gpt2_units
+from ..engines.model_units import PRESETS, dtype_bytes, gpt2_units, with_lora
 from ..engines.policies import POLICIES
 from ..errors import UsageError
 from .step_time import BusBandwidths, MeasuredCommunication, step_time
@@ -104,20 +110,22 @@ def _buffers(units, policy: str, shard_size: int, world: int, b_c: int, b_r: int
     """The engine's communication buffers at the peak: a replicated-only mesh (DDP, R = W > 1) keeps its
     reducer's buckets, a copy of the gradient; FSDP2's units in flight (:func:`sharded_buffer_bytes`); ZeRO's
     buckets are not counted."""
-    if shard_size == 1:
-        return float(units.parameters * b_r) if world > 1 else 0.0
+    if shard_size == 1:  # DDP's buckets hold the gradients: the trainable parameters'
+        return float(units.trainable_parameters * b_r) if world > 1 else 0.0
     if policy not in POLICIES:
         return 0.0
     p = POLICIES[policy]
     return sharded_buffer_bytes(max((*units.resharded, *units.kept)), b_c, b_r,
                                 keeps_gathered=p.reshard_after_forward is False,
-                                reduces_each_micro_batch=p.sync_each_batch or p.hsdp_only)
+                                reduces_each_micro_batch=p.sync_each_batch or p.hsdp_only,
+                                largest_trainable_unit=units.largest_trainable_unit)
 
 
 def plan_by_memory(memory_per_process, target_effective_batch: int, *, model_preset: str, block_size: int,
                    num_processes: int = 1, vocab_size: int = 384, baseline_memory=0, mixed_precision: str = "no",
                    compute_TFLOPS: float | None = None, profile=None, busbw_GBps: float | None = None,
-                   fused_linear_cross_entropy: str = "auto") -> MemoryPlan:
+                   fused_linear_cross_entropy: str = "auto", lora_r: int | None = None, lora_target_modules=None,
+                   lora_dropout: float = 0.0) -> MemoryPlan:
     """The plan of the module docstring.
 
     Args:
@@ -132,9 +140,13 @@ def plan_by_memory(memory_per_process, target_effective_batch: int, *, model_pre
         busbw_GBps: bus bandwidth of the collectives, GB/s (None: communication unpriced).
         fused_linear_cross_entropy: the train job's flag: anything but ``off`` prices the head as the loss computed
             in the output layer in chunks (the presets' output layer allows it), ``off`` as the full logits.
+        lora_r: price a LoRA run with adapters of this rank (None: full fine-tuning); lora_target_modules: the
+            GPT-2 block layers adapted (None: ``c_attn``, peft's default; ``all-linear``); lora_dropout: on the
+            adapters' input.
 
     Raises:
-        UsageError: a bad size, E not divisible by W, E or W or s below 1, or no row fits.
+        UsageError: a bad size, E not divisible by W, E or W or s below 1, a rank below 1 or a target that is
+            no block layer, or no row fits.
     """
     memory = parse_size("--memory_per_process", memory_per_process) if isinstance(memory_per_process, str) \
         else memory_per_process
@@ -154,7 +166,17 @@ def plan_by_memory(memory_per_process, target_effective_batch: int, *, model_pre
         "logits" if fused_linear_cross_entropy == "off" else "fused")
     units = gpt2_units(model_preset, vocab_size, block_size)
     W, E, s = num_processes, target_effective_batch, block_size
-    notes = [f"loss: {'the full logits (--fused_linear_cross_entropy off)' if shape.loss == 'logits' else 'computed in the output layer in chunks of tokens (--fused_linear_cross_entropy; off: the full logits)'}"]
+    lora_note = []
+    if lora_r is not None:
+        if isinstance(lora_r, bool) or not isinstance(lora_r, int) or lora_r < 1:
+            raise UsageError("--lora_r", f"must be a rank of 1 or more (got {lora_r!r})", "pass e.g. --lora_r 8")
+        cfg = PRESETS[model_preset]
+        units = with_lora(units, cfg["n_layer"], cfg["n_embd"], lora_r, lora_target_modules)
+        shape = shape.with_lora(lora_r, lora_target_modules, lora_dropout)
+        lora_note = [f"LoRA: {units.trainable_parameters} trainable of {units.parameters} parameters "
+                     f"({units.source.split('; ')[-1]}); gradients, optimizer state and reductions count the "
+                     "adapters, parameters and FSDP2's gathers every weight"]
+    notes = lora_note + [f"loss: {'the full logits (--fused_linear_cross_entropy off)' if shape.loss == 'logits' else 'computed in the output layer in chunks of tokens (--fused_linear_cross_entropy; off: the full logits)'}"]
     if profile is not None:
         per_token = profile.compute_seconds / ((profile.per_device_train_batch_size or 1) * (profile.block_size or s))
         notes.append(f"c: {profile.path}'s compute per micro-batch over its tokens, {per_token * 1e3:.4g} ms per token")
@@ -230,7 +252,8 @@ def format_memory_plan(plan: MemoryPlan, limit: int = 40) -> str:
     return "\n".join(lines)
 
 
-MEMORY_ONLY = ("target_effective_batch", "baseline_memory", "compute_TFLOPS", "fused_linear_cross_entropy")
+MEMORY_ONLY = ("target_effective_batch", "baseline_memory", "compute_TFLOPS", "fused_linear_cross_entropy", "lora_r",
+               "lora_target_modules", "lora_dropout")
 
 
 def check_memory_flags(args) -> bool:
@@ -262,7 +285,8 @@ def check_memory_flags(args) -> bool:
                    block_size=args.block_size or 128, num_processes=args.num_processes or 1, vocab_size=args.vocab_size,
                    baseline_memory=args.baseline_memory or 0, mixed_precision=args.mixed_precision,
                    compute_TFLOPS=args.compute_TFLOPS,
-                   fused_linear_cross_entropy=args.fused_linear_cross_entropy or "auto")  # every other check, none fits
+                   fused_linear_cross_entropy=args.fused_linear_cross_entropy or "auto",
+                   **_lora_kwargs(args))  # every other check, none fits
     return True
 
 
@@ -280,4 +304,20 @@ def memory_plan_of(args) -> MemoryPlan:
                           block_size=args.block_size or 128, num_processes=args.num_processes or 1,
                           vocab_size=args.vocab_size, baseline_memory=args.baseline_memory or 0,
                           mixed_precision=args.mixed_precision, compute_TFLOPS=args.compute_TFLOPS, profile=profile,
-                          busbw_GBps=busbw, fused_linear_cross_entropy=args.fused_linear_cross_entropy or "auto")
+                          busbw_GBps=busbw, fused_linear_cross_entropy=args.fused_linear_cross_entropy or "auto",
+                          **_lora_kwargs(args))
+
+
+def _lora_kwargs(args) -> dict:
+    """:func:`plan_by_memory`'s LoRA arguments from ``plan``'s flags.
+
+    Raises:
+        UsageError: ``--lora_target_modules`` or ``--lora_dropout`` without ``--lora_r``; a dropout outside [0, 1).
+    """
+    for name in ("lora_target_modules", "lora_dropout"):
+        if getattr(args, name) is not None and args.lora_r is None:
+            raise UsageError(f"--{name}", "prices LoRA adapters, but --lora_r is not given", "pass --lora_r too")
+    dropout = args.lora_dropout or 0.0
+    if not 0 <= dropout < 1:
+        raise UsageError("--lora_dropout", f"must be in [0, 1) (got {dropout})", "pass e.g. 0 or 0.05")
+    return {"lora_r": args.lora_r, "lora_target_modules": args.lora_target_modules, "lora_dropout": dropout}

@@ -121,6 +121,16 @@ class PlanArguments:
     fused_linear_cross_entropy: str | None = field(default=None, metadata={
         "help": "With --memory_per_process: the train job's --fused_linear_cross_entropy (default auto: the loss "
                 "computed in the output layer in chunks, no full-vocabulary logits; off: the logits priced)."})
+    lora_r: int | None = field(default=None, metadata={
+        "help": "With --memory_per_process: price a LoRA run (the train job's --use_peft) with adapters of this "
+                "rank: frozen weights held as parameters, gradients, optimizer state and reductions of the "
+                "adapters only (docs/adapters.md)."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={
+        "help": "With --lora_r: the GPT-2 block layers adapted (c_attn, c_proj, c_fc, or all-linear); default "
+                "c_attn, peft's choice for GPT-2."})
+    lora_dropout: float | None = field(default=None, metadata={
+        "help": "With --lora_r: dropout on the adapters' input (each adapted layer then keeps its input's "
+                "dropped copy); default 0."})
     compute_TFLOPS: float | None = field(default=None, metadata={
         "help": "With --memory_per_process and no --from_profile: achieved FLOP rate per process, for the step "
                 "time (default 1; the ranking does not depend on it)."})

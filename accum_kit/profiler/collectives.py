@@ -223,10 +223,13 @@ class CollectiveRecorder:
         return list(self._groups)
 
     def unit_info(self) -> list[dict]:
-        """Per unit: ``name``, ``parameters`` (elements, unsharded), ``reshard_after_forward`` (now)."""
-        from ..compat import fsdp_reshards_after_forward, fsdp_unit_name, fsdp_unit_parameters
+        """Per unit: ``name``, ``parameters`` (elements, unsharded), ``trainable_parameters`` (those that require a
+        gradient: fewer under LoRA), ``reshard_after_forward`` (now)."""
+        from ..compat import (fsdp_reshards_after_forward, fsdp_unit_name, fsdp_unit_parameters,
+                              fsdp_unit_trainable_parameters)
 
         return [{"name": fsdp_unit_name(g), "parameters": fsdp_unit_parameters(g),
+                 "trainable_parameters": fsdp_unit_trainable_parameters(g),
                  "reshard_after_forward": fsdp_reshards_after_forward(g)} for g in self._groups]
 
     def add(self, call: CollectiveCall | PostBackwardTime) -> None:

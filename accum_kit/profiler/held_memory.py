@@ -231,6 +231,24 @@ def predicted_memory(accelerator, model, accumulation_steps: int) -> dict:
     return plan.engine.predicted_memory(accelerator, model, accumulation_steps, names)
 
 
+def with_adapters(shape, model):
+    """``shape`` (:class:`accum_kit.engines.activation_memory.TransformerShape`) with ``model``'s LoRA adapters
+    (a peft ``PeftModel``: its rank, targets and dropout) when it has some on GPT-2 block layers only; else
+    ``shape``. Adapters elsewhere (the output layer) leave the count of full fine-tuning."""
+    from ..errors import UsageError
+
+    config = getattr(model, "peft_config", None)
+    if not isinstance(config, dict) or not config or shape.family != "gpt2":
+        return shape
+    c = next(iter(config.values()))
+    targets = c.target_modules
+    targets = [targets] if isinstance(targets, str) else sorted(targets or ())
+    try:
+        return shape.with_lora(getattr(c, "r", 0), targets, getattr(c, "lora_dropout", 0.0) or 0.0)
+    except UsageError:
+        return shape
+
+
 def predicted_peak(accelerator, model, accumulation_steps: int, micro_batch: int, seq: int, checkpointing: bool,
                    loss=None):
     """``f(resident before training) -> {part: bytes}``: the run policy's peak per process by part
@@ -264,6 +282,7 @@ def predicted_peak(accelerator, model, accumulation_steps: int, micro_batch: int
         return None
     head = inner_output_layer(model)
     shape = shape.with_loss(getattr(loss, "used", loss))
+    shape = with_adapters(shape, accelerator.unwrap_model(model))
     if head is not None and getattr(head, "bias", None) is not None:
         shape = replace(shape, head_bias=True)
     acts = activation_bytes(shape, micro_batch, seq, checkpointing=checkpointing)
