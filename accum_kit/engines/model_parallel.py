@@ -93,7 +93,7 @@ def refuse_adapters_under_tp(model: torch.nn.Module, tp: int) -> None:
     Raises:
         UsageError (``--parallelism_config_tp_size``).
     """
-    from ..job.adapters import is_adapted
+    from ..compat.peft_adapters import is_adapted
 
     if is_adapted(model):
         raise UsageError(TP_FLAG, f"is {tp}, but the model carries peft adapters (LoRA): tensor parallel of an "

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .. import checks
+from ..compat.peft_adapters import is_adapted
 from ..errors import UsageError
 
 #: TRL's defaults (``trl.ModelConfig``) for the flags left unset with ``--use_peft``.
@@ -102,19 +103,6 @@ def require_peft(flag: str = "--use_peft"):
     except ImportError:
         raise UsageError(flag, "needs the peft package, which is not installed", INSTALL_FIX) from None
     return peft
-
-
-def is_adapted(model) -> bool:
-    """Whether ``model`` carries peft adapters already: a ``PeftModel``, a transformers model loaded with an
-    adapter (``_hf_peft_config_loaded``), or any peft tuner layer inside it. False without peft installed."""
-    if getattr(model, "_hf_peft_config_loaded", False):
-        return True
-    try:
-        from peft import PeftModel
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel) or any(isinstance(m, BaseTunerLayer) for m in model.modules())
 
 
 def adaptable_modules(model) -> list[str]:
