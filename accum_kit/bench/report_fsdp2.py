@@ -191,7 +191,8 @@ def evaluate_targets(rows: list[dict], presets: dict, K: int = 8) -> list[dict]:
     for preset in presets:
         cells = {r["policy"]: r for r in rows if r["preset"] == preset and r["K"] == K}
         if not cells:
-            out.append(target(preset, f"K={K} not swept", "SKIP", ""))
+            out.append(target(preset, f"K={K} not swept", "SKIP", f"the targets are read at K={K}; pass it in "
+                                                                      "--accumulation_steps to check them"))
             continue
 
         def add(name, ok, detail):
