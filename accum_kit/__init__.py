@@ -40,11 +40,11 @@ _EXPORTS = {
     "WindowNormalizer": "core.loss",
     "build_accelerator": "launch",
     "causal_lm_loss": "core.loss",
-    "classification_loss": "core.loss",
+    "classification_loss": "core.task_losses",
     "logits_causal_lm_loss": "core.loss",
     "check_process_count": "launch",
     "optimizer_steps_per_epoch": "core.accumulation_schedule",
-    "seq2seq_loss": "core.loss",
+    "seq2seq_loss": "core.task_losses",
     "train_loop": "core.loop",
 }
 
@@ -133,8 +133,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from .errors import AccumKitError, ProcessCountError, UsageError
     from .launch import build_accelerator, check_process_count
     from .core.loop import LoopResult, train_loop
-    from .core.loss import (CausalLMLoss, WindowNormalizer, causal_lm_loss, classification_loss, logits_causal_lm_loss,
-                            seq2seq_loss)
+    from .core.loss import CausalLMLoss, WindowNormalizer, causal_lm_loss, logits_causal_lm_loss
+    from .core.task_losses import classification_loss, seq2seq_loss
     from .core.accumulation_schedule import optimizer_steps_per_epoch
 
 

@@ -133,16 +133,24 @@ def test_adapter_checkpoint_resumed_into_another_adapter_exits_2(lora_runs, tmp_
     corpus, first, _, cache = lora_runs
     flags, flag, detail = BAD_RESUMES[case]
     out = tmp_path / "out"
+    error = _refused(capsys, monkeypatch, cache, _flags(out, corpus, *flags, "--resume_from_checkpoint",
+                                                        first / f"step_{EVERY}"), flag, detail)
+    assert ". Fix: " in error, error
+    assert not out.exists() and jh.staging_leftovers(out) == []
+
+
+def _refused(capsys, monkeypatch, cache, argv, flag: str, detail: str) -> str:
+    """Run the job in-process on ``argv``: exit 2 with one error line naming ``flag`` and holding ``detail``;
+    returns that line."""
     jh.isolate_in_process(monkeypatch, cache)
     try:
-        code, _, err = tj.run_main(capsys, _flags(out, corpus, *flags, "--resume_from_checkpoint",
-                                                  first / f"step_{EVERY}"))
+        code, _, err = tj.run_main(capsys, argv)
     finally:
         jh.reset_accelerate_state()
     errors = tj.error_lines(err)
     assert code == 2 and len(errors) == 1, err[-3000:]
-    assert errors[0].startswith(f"error: {flag}: ") and detail in errors[0] and ". Fix: " in errors[0], errors[0]
-    assert not out.exists() and jh.staging_leftovers(out) == []
+    assert errors[0].startswith(f"error: {flag}: ") and detail in errors[0], errors[0]
+    return errors[0]
 
 
 BAD_FLAGS = {
@@ -164,16 +172,9 @@ def test_bad_adapter_flags_exit_2_naming_the_flag(lora_runs, tmp_path, capsys, m
     corpus, _, _, cache = lora_runs
     flags, flag, detail = BAD_FLAGS[case]
     out = tmp_path / "out"
-    jh.isolate_in_process(monkeypatch, cache)
-    try:
-        code, _, err = tj.run_main(capsys, _flags(out, corpus, *flags))
-    finally:
-        jh.reset_accelerate_state()
-    errors = tj.error_lines(err)
-    assert code == 2 and len(errors) == 1, err[-3000:]
-    assert errors[0].startswith(f"error: {flag}: ") and detail in errors[0], errors[0]
+    error = _refused(capsys, monkeypatch, cache, _flags(out, corpus, *flags), flag, detail)
     if case == "unknown_target":  # the fix lists the modules LoRA can wrap in this model
-        assert all(name in errors[0] for name in ("c_attn", "c_fc", "c_proj")), errors[0]
+        assert all(name in error for name in ("c_attn", "c_fc", "c_proj")), error
     assert not out.exists()
 
 

@@ -38,14 +38,13 @@ ARGS = ["--model_presets", "tiny", "--accumulation_steps", str(K), "--repeats", 
 T_0975_DF2 = 4.3027  # Student t, 0.975 quantile, 2 degrees of freedom (any t table): REPEATS = 3
 
 
-@pytest.fixture(scope="module")
-def one(tmp_path_factory):
-    """The one-process sweep, run once in this process with no launcher variables and one torch thread."""
+def _bench_in_process(argv: list[str]) -> tuple[int, str]:
+    """``cli.run("bench", argv)`` in this process as on one process: no launcher variables, fresh Accelerate state
+    (and dynamo's), one torch thread. Returns ``(exit code, what it printed)``."""
     import torch
 
     from accum_kit.cli import run
 
-    out = tmp_path_factory.mktemp("one_process") / "out"
     printed = io.StringIO()
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp:
@@ -55,12 +54,21 @@ def one(tmp_path_factory):
         jh.reset_accelerate_state()
         try:
             with contextlib.redirect_stdout(printed):
-                rc = run("bench", [*ARGS, "--output_dir", str(out)])
+                rc = run("bench", argv)
         finally:
+            torch._dynamo.reset()
             jh.reset_accelerate_state()
             torch.set_num_threads(threads)
-    assert rc == 0, printed.getvalue()[-3000:]
-    return {"out": out, "stdout": printed.getvalue(), "json": json.loads((out / "bench.json").read_text()),
+    return rc, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """The one-process sweep, run once in this process with no launcher variables and one torch thread."""
+    out = tmp_path_factory.mktemp("one_process") / "out"
+    rc, printed = _bench_in_process([*ARGS, "--output_dir", str(out)])
+    assert rc == 0, printed[-3000:]
+    return {"out": out, "stdout": printed, "json": json.loads((out / "bench.json").read_text()),
             "csv": list(csv.DictReader((out / "bench.csv").open()))}
 
 
@@ -228,28 +236,11 @@ def test_compiled_bench_runs_on_one_process(tmp_path):
     DDP wrapper): dynamo's ``eager`` backend (tracing without code generation, so the arithmetic is eager's), K = 2,
     2 repeats of one step. Both arms' first loss is the float64 oracle's within fp32 rounding, every run has its
     step, and the compile was timed on one process."""
-    import torch
-
-    from accum_kit.cli import run
-
     out = tmp_path / "compiled"
-    printed = io.StringIO()
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        for name in jh.LAUNCHER_VARS:
-            mp.delenv(name, raising=False)
-        torch.set_num_threads(1)
-        jh.reset_accelerate_state()
-        try:
-            with contextlib.redirect_stdout(printed):
-                rc = run("bench", ["--torch_compile_backend", "eager", "--model_presets", "tiny", "--accumulation_steps",
-                                   str(K), "--repeats", "2", "--warmup_steps", "0", "--steps", "1", "--block_size",
-                                   str(BLOCK), "--output_dir", str(out)])
-        finally:
-            torch._dynamo.reset()
-            jh.reset_accelerate_state()
-            torch.set_num_threads(threads)
-    assert rc == 0, printed.getvalue()[-3000:]
+    rc, printed = _bench_in_process(["--torch_compile_backend", "eager", "--model_presets", "tiny",
+                                     "--accumulation_steps", str(K), "--repeats", "2", "--warmup_steps", "0", "--steps",
+                                     "1", "--block_size", str(BLOCK), "--output_dir", str(out)])
+    assert rc == 0, printed[-3000:]
     result = json.loads((out / "compile.json").read_text())
     assert result["world_size"] == 1 and result["backend"] == "eager"
     (preset,) = result["presets"]

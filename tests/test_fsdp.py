@@ -566,7 +566,7 @@ def test_bf16_gets_an_fp32_reduction_and_the_gathered_policy_its_reshard_setting
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     from accum_kit.engines.policies import POLICIES as P
-    from accum_kit.engines.fsdp2 import fsdp_plugin_for
+    from accum_kit.engines.fsdp2_plugin import fsdp_plugin_for
 
     plugin = fsdp_plugin_for(P["no_sync_no_reshard"], FullyShardedDataParallelPlugin(fsdp_version=2), "bf16")
     assert plugin.reshard_after_forward is False

@@ -21,11 +21,10 @@ from accum_kit.engines.costs import (
     busbw_factor,
     collective_seconds,
     ddp_costs,
-    engine_layouts,
-    group_links,
     policy_costs,
     zero_costs,
 )
+from accum_kit.engines.engine_layouts import engine_layouts, group_links
 from accum_kit.planning.step_time import BusBandwidths, MeasuredCommunication, step_time, window_seconds
 
 # A hand-sized model: two layer units of 100 parameters (resharded after forward) and one kept unit of 50.

@@ -160,7 +160,7 @@ def enable_fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
     ``load_state`` and ``get_state_dict`` take their FSDP2 branches (all
     checked on 2 gloo processes, accelerate 1.15, torch 2.13). The mixed
     precision policy is set on the plugin beforehand by
-    :func:`accum_kit.engines.fsdp2.fsdp_plugin_for`, which the GPU branch would
+    :func:`accum_kit.engines.fsdp2_plugin.fsdp_plugin_for`, which the GPU branch would
     otherwise fill in.
 
     Call right after building the Accelerator, before ``prepare``.

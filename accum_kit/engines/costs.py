@@ -106,7 +106,7 @@ from dataclasses import asdict, dataclass, field
 from ..errors import UsageError
 from .bandwidth import collective_seconds
 from .model_units import ADAMW_STATE_BYTES, ShardedModel
-from .policies import POLICIES, policies_for
+from .policies import POLICIES
 
 @dataclass(frozen=True)
 class PolicyCosts:
@@ -434,50 +434,6 @@ def ddp_costs(policy: str, *, world_size: int, accumulation_steps: int, gradient
 def syncs_per_window(policy: str, accumulation_steps: int) -> int:
     """Synchronised backwards per window of K micro-batches under DDP: the table's ``syncs`` (K or 1)."""
     return ddp_costs(policy, world_size=2, accumulation_steps=accumulation_steps, gradient_bytes=4).syncs
-
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """One engine's mesh of W processes on M machines and the policies it runs.
-
-    Attributes:
-        engine: ``DDP``, ``FSDP2``, ``HSDP`` or ``DeepSpeed``.
-        replicate_size: R; shard_size: S (R S = W).
-        policies: what :func:`policy_costs` prices for it (accumulation policies or ZeRO stages).
-    """
-
-    engine: str
-    replicate_size: int
-    shard_size: int
-    policies: tuple[str, ...]
-
-
-def engine_layouts(world: int, machines: int) -> list[EngineLayout]:
-    """Every engine accum-kit runs, as a mesh of W processes on M machines (ranks machine by machine).
-
-    DDP: ``R = W, S = 1`` (its policies without FSDP2's); FSDP2: ``R = 1, S = W`` (four policies);
-    HSDP: ``R = M, S = W / M``, only when M > 1 and S > 1 (five policies); DeepSpeed: ZeRO partitions
-    over all W (``R = 1, S = W``; its stages :data:`ZERO_STAGES`; its all-reduces span all W).
-    """
-    layouts = [EngineLayout("DDP", world, 1, DDP_POLICIES),
-               EngineLayout("FSDP2", 1, world, tuple(policies_for(False)))]
-    if machines > 1 and world // machines > 1:
-        layouts.append(EngineLayout("HSDP", machines, world // machines, tuple(policies_for(True))))
-    layouts.append(EngineLayout("DeepSpeed", 1, world, ZERO_STAGES))
-    return layouts
-
-
-def group_links(costs: PolicyCosts, machines: int) -> dict:
-    """Which link each group of ``costs``' mesh crosses when its W processes sit on M machines, ranks machine by
-    machine: ``{"shard": "intra" | "inter", "all_reduce": "intra" | "inter"}``.
-
-    The shard group is S consecutive ranks: it stays inside a machine when S <= W / M. The all-reduce group
-    (R ranks S apart, or all W when R = 1) spans the machines whenever there are several. A ring runs at its
-    slowest link, so a group that spans machines runs at the inter-node bus bandwidth.
-    """
-    S, W = costs.shard_size, costs.world_size
-    shard = "intra" if machines == 1 or S <= W // machines else "inter"
-    return {"shard": shard, "all_reduce": "inter" if machines > 1 else "intra"}
 
 
 # Names this module held before bandwidth and units got modules of their own; kept for their importers.

@@ -183,7 +183,7 @@ def dtype_bytes(mixed_precision: str) -> tuple[int, int, int]:
     """(b_p, b_c, b_r) for ``--mixed_precision`` ``no`` / ``bf16`` / ``fp16`` under accum-kit's FSDP2 plugin.
 
     accum-kit gives low precision ``MixedPrecisionPolicy(param_dtype=<low>,
-    reduce_dtype=float32)`` (:func:`accum_kit.engines.fsdp2.fsdp_plugin_for`):
+    reduce_dtype=float32)`` (:func:`accum_kit.engines.fsdp2_plugin.fsdp_plugin_for`):
     fp32 master parameters, gathered in the low precision, gradients reduced
     and accumulated in fp32.
     """

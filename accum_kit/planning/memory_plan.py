@@ -3,7 +3,7 @@
 Given the memory per process, a target effective batch E (examples per optimizer step over all W
 processes), the model (a train-job preset, ``--block_size`` s tokens) and W, every row has
 ``b x K x W = E``: b runs over the divisors of E / W, checkpointing off and on, and every engine's
-policies on W processes of one machine (:func:`accum_kit.engines.costs.engine_layouts`: DDP's, and with
+policies on W processes of one machine (:func:`accum_kit.engines.engine_layouts.engine_layouts`: DDP's, and with
 two processes or more FSDP2's four and DeepSpeed's ZeRO stages). For each row:
 
 - peak memory per process: :func:`accum_kit.engines.activation_memory.peak_parts` of the cost table's row
@@ -37,7 +37,8 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 
 from ..engines.activation_memory import TransformerShape, activation_bytes, peak_parts, sharded_buffer_bytes
-from ..engines.costs import ZERO_STAGES, engine_layouts, policy_costs
+from ..engines.costs import ZERO_STAGES, policy_costs
+from ..engines.engine_layouts import engine_layouts
 from ..engines.model_units import PRESETS, dtype_bytes, gpt2_units, with_lora
 from ..engines.policies import POLICIES
 from ..errors import UsageError

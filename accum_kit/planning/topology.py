@@ -16,8 +16,8 @@ prices all of them:
   ZeRO-3's parameter all-gathers are not predicted, so its time is a floor).
 
 The meshes, each engine's policies and which link each group crosses come
-from the table too (:func:`accum_kit.engines.costs.engine_layouts`,
-:func:`accum_kit.engines.costs.group_links`): nothing here branches on the
+from the table too (:func:`accum_kit.engines.engine_layouts.engine_layouts`,
+:func:`accum_kit.engines.engine_layouts.group_links`): nothing here branches on the
 engine. Memory per process is the table's total: parameter shards + optimizer
 state + gradients held + gathered parameters kept (activations left out),
 compared with ``--gpu_memory_GB``. Time per step is the communication of
@@ -30,7 +30,8 @@ whose communication is predicted in full (not a floor).
 from __future__ import annotations
 
 from ..engines.bandwidth import GB
-from ..engines.costs import PolicyCosts, engine_layouts, group_links, policy_costs
+from ..engines.costs import PolicyCosts, policy_costs
+from ..engines.engine_layouts import engine_layouts, group_links
 from .interconnects import INTERCONNECTS
 from .step_time import BusBandwidths, step_time
 

@@ -29,7 +29,8 @@ import gpu_common as common
 
 pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() or common.DRY_RUN), reason=common.NO_CUDA),
               pytest.mark.skipif(importlib.util.find_spec("datasets") is None,
-                                 reason="the train job needs datasets (../shared/gpu/prepare.sh carries its wheel)"),
+                                 reason="the train job needs datasets (docs/gpu_tests.md: carrying its "
+                                        "wheel to a machine without a registry)"),
               pytest.mark.gpu_worker("auto_batch")]
 
 CHAIN = common.AUTO_CHAIN
